@@ -1,0 +1,179 @@
+//! Weight quantization and dynamic activation quantization (DESIGN.md, numerics contract).
+
+use std::borrow::Cow;
+
+use rayon::prelude::*;
+
+use crate::error::{check_len, check_positive, Result};
+use crate::fp8::{e4m3_to_f32, quantize, scale_for_amax};
+
+/// How activations are quantized before the product. The K-group is always the weight's `bk`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ActMode {
+    /// W8A16: activations are used as they are (in f32).
+    None,
+    /// One scale per token per K-group.
+    Group,
+    /// One scale per `bm x bk` block of activations.
+    Block2d { bm: usize },
+}
+
+fn amax(xs: &[f32]) -> f32 {
+    xs.iter().fold(0f32, |a, &x| a.max(x.abs()))
+}
+
+/// Quantizes a row-major `[n, k]` weight in `bn x bk` blocks (edge blocks partial).
+/// Returns the e4m3fn codes `[n, k]` and the dequantization scales `[ceil(n/bn), ceil(k/bk)]`.
+pub fn quantize_weight(
+    w: &[f32],
+    n: usize,
+    k: usize,
+    bn: usize,
+    bk: usize,
+) -> Result<(Vec<u8>, Vec<f32>)> {
+    for (arg, v) in [("n", n), ("k", k), ("bn", bn), ("bk", bk)] {
+        check_positive(arg, v)?;
+    }
+    check_len("weight", w.len(), n * k)?;
+    let kbs = k.div_ceil(bk);
+    let mut codes = vec![0u8; n * k];
+    let mut scales = vec![0f32; n.div_ceil(bn) * kbs];
+    codes
+        .par_chunks_mut(bn * k)
+        .zip(w.par_chunks(bn * k))
+        .zip(scales.par_chunks_mut(kbs))
+        .for_each(|((codes, w), scales)| {
+            let rows = w.len() / k;
+            for (kb, s) in scales.iter_mut().enumerate() {
+                let (k0, k1) = (kb * bk, (kb * bk + bk).min(k));
+                let a = (0..rows).fold(0f32, |a, r| a.max(amax(&w[r * k + k0..r * k + k1])));
+                *s = scale_for_amax(a);
+                for r in 0..rows {
+                    for i in r * k + k0..r * k + k1 {
+                        codes[i] = quantize(w[i], *s);
+                    }
+                }
+            }
+        });
+    Ok((codes, scales))
+}
+
+/// Activations after dynamic quantization.
+///
+/// `values` holds the fp8 values decoded to f32 (exact), or, when built with `dequantize`, those
+/// values already multiplied by their scale. For [`ActMode::None`] it borrows the input.
+#[derive(Debug, Clone)]
+pub struct QuantizedAct<'a> {
+    pub values: Cow<'a, [f32]>,
+    /// `[ceil(m / rows_per_scale), k_blocks]`, row-major.
+    pub scales: Vec<f32>,
+    pub rows_per_scale: usize,
+    pub k_blocks: usize,
+}
+
+impl QuantizedAct<'_> {
+    /// The scale of row `row`, K-block `kb`.
+    #[inline]
+    pub fn scale(&self, row: usize, kb: usize) -> f32 {
+        self.scales[(row / self.rows_per_scale) * self.k_blocks + kb]
+    }
+}
+
+/// Quantizes row-major activations `x: [m, k]` with K-groups of width `bk`.
+pub fn quantize_act(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    bk: usize,
+    mode: ActMode,
+    dequantize: bool,
+) -> Result<QuantizedAct<'_>> {
+    for (arg, v) in [("m", m), ("k", k), ("bk", bk)] {
+        check_positive(arg, v)?;
+    }
+    check_len("x", x.len(), m * k)?;
+    let kbs = k.div_ceil(bk);
+    let rows_per_scale = match mode {
+        ActMode::None => {
+            return Ok(QuantizedAct {
+                values: Cow::Borrowed(x),
+                scales: vec![1.0; kbs],
+                rows_per_scale: m,
+                k_blocks: kbs,
+            })
+        }
+        ActMode::Group => 1,
+        ActMode::Block2d { bm } => {
+            check_positive("bm", bm)?;
+            bm
+        }
+    };
+    let mut values = vec![0f32; m * k];
+    let mut scales = vec![0f32; m.div_ceil(rows_per_scale) * kbs];
+    values
+        .par_chunks_mut(rows_per_scale * k)
+        .zip(x.par_chunks(rows_per_scale * k))
+        .zip(scales.par_chunks_mut(kbs))
+        .for_each(|((out, x), scales)| {
+            let rows = x.len() / k;
+            for (kb, s) in scales.iter_mut().enumerate() {
+                let (k0, k1) = (kb * bk, (kb * bk + bk).min(k));
+                let a = (0..rows).fold(0f32, |a, r| a.max(amax(&x[r * k + k0..r * k + k1])));
+                *s = scale_for_amax(a);
+                let mul = if dequantize { *s } else { 1.0 };
+                for r in 0..rows {
+                    for i in r * k + k0..r * k + k1 {
+                        out[i] = e4m3_to_f32(quantize(x[i], *s)) * mul;
+                    }
+                }
+            }
+        });
+    Ok(QuantizedAct {
+        values: Cow::Owned(values),
+        scales,
+        rows_per_scale,
+        k_blocks: kbs,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fp8::{e4m3_to_f32, E4M3_MAX};
+
+    #[test]
+    fn weight_round_trip_is_within_half_an_ulp() {
+        let (n, k, bn, bk) = (37, 300, 16, 128);
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 10f32.powi((i / k % 3) as i32 - 1))
+            .collect();
+        let (q, s) = quantize_weight(&w, n, k, bn, bk).unwrap();
+        let kbs = k.div_ceil(bk);
+        for r in 0..n {
+            for c in 0..k {
+                let sc = s[(r / bn) * kbs + c / bk];
+                let back = e4m3_to_f32(q[r * k + c]) * sc;
+                let bound = (w[r * k + c].abs() / 16.0).max(sc * 2f32.powi(-10)) * 1.0001;
+                assert!((back - w[r * k + c]).abs() <= bound, "{r},{c}");
+            }
+        }
+        // the block amax maps to exactly 448
+        assert!(q.iter().any(|&c| e4m3_to_f32(c).abs() == E4M3_MAX));
+    }
+
+    #[test]
+    fn zero_block_gets_floor_scale_and_zero_codes() {
+        let (q, s) = quantize_weight(&[0.0; 8], 2, 4, 2, 4).unwrap();
+        assert_eq!(s, vec![1e-12 / 448.0]);
+        assert!(q.iter().all(|&c| c == 0));
+        let a = quantize_act(&[0.0; 8], 2, 4, 4, ActMode::Group, false).unwrap();
+        assert!(a.values.iter().all(|&v| v == 0.0));
+    }
+
+    #[test]
+    fn rejects_bad_arguments() {
+        assert!(quantize_weight(&[0.0; 8], 2, 4, 0, 4).is_err());
+        assert!(quantize_weight(&[0.0; 7], 2, 4, 2, 4).is_err());
+        assert!(quantize_act(&[0.0; 8], 2, 4, 4, ActMode::Block2d { bm: 0 }, false).is_err());
+    }
+}
