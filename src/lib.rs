@@ -1,1 +1,38 @@
-pub fn x(){}
+//! # fp8nsa
+//!
+//! Drop-in layers for Rust LLM servers built on Candle:
+//!
+//! - [`Fp8Linear`]: fp8 e4m3fn weights with 2-D block scales (the DeepSeek-V3 / Qwen3-FP8
+//!   checkpoint format), dynamic activation quantization ([`ActQuant`]), f32 accumulation.
+//! - [`reference`]: the f64 reference every backend is tested against.
+//! - [`convert`]: quantizing a safetensors checkpoint to that format (the `fp8nsa quantize`
+//!   command).
+//!
+//! ```
+//! use candle_core::{DType, Device, Module, Tensor};
+//! use fp8nsa::{ActQuant, Fp8BlockWeight, Fp8Linear};
+//!
+//! let dev = Device::Cpu;
+//! let w = Tensor::randn(0f32, 0.02, (576, 3884), &dev)?; // [out, in], like candle_nn::Linear
+//! let fp8 = Fp8BlockWeight::quantize(&w, [128, 128])?; // 1 byte per weight + 5x31 scales
+//! let layer = Fp8Linear::new(fp8, None, ActQuant::Group)?; // W8A8, per-token 1x128 groups
+//! let x = Tensor::randn(0f32, 1.0, (1, 7, 3884), &dev)?.to_dtype(DType::BF16)?;
+//! let y = layer.forward(&x)?; // [1, 7, 576], bf16
+//! let want = fp8nsa::reference::fp8_linear(&x, layer.weight(), None, ActQuant::Group)?;
+//! assert_eq!(y.dims(), want.dims());
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! Set `RUST_LOG=fp8nsa=debug` (with a `tracing` subscriber) to see which kernel each call ran.
+
+pub mod convert;
+mod error;
+
+pub use error::{Error, Result};
+pub use fp8nsa_ops::Error as OpsError;
+pub use fp8nsa_ops::{ActQuant, Fp8BlockWeight, Fp8Linear};
+
+/// f64 reference implementations of the numerics contract.
+pub mod reference {
+    pub use fp8nsa_ops::reference::fp8_linear;
+}

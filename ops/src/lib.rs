@@ -1,1 +1,22 @@
+//! fp8nsa-ops: the formats, the f64 reference math, the Candle custom ops and every dispatch
+//! decision. Backends below it know nothing of Candle; models above it only see layers.
+//!
+//! ```
+//! use candle_core::{Device, Module, Tensor};
+//! use fp8nsa_ops::{ActQuant, Fp8BlockWeight, Fp8Linear};
+//!
+//! let dev = Device::Cpu;
+//! let w = Tensor::randn(0f32, 1.0, (576, 384), &dev)?;
+//! let lin = Fp8Linear::new(Fp8BlockWeight::quantize(&w, [128, 128])?, None, ActQuant::Group)?;
+//! let y = lin.forward(&Tensor::randn(0f32, 1.0, (2, 5, 384), &dev)?)?;
+//! assert_eq!(y.dims(), &[2, 5, 576]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
+mod error;
+pub mod fp8;
+pub mod reference;
+mod storage;
+
+pub use error::{Error, Result};
+pub use fp8::{ActQuant, Fp8BlockWeight, Fp8Linear};

@@ -1,0 +1,56 @@
+use candle_core::DType;
+
+/// Every error of fp8nsa-ops. Argument errors name the argument and what was expected.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{arg}: expected shape {expected}, got {got:?}")]
+    Shape {
+        arg: &'static str,
+        expected: String,
+        got: Vec<usize>,
+    },
+    #[error("{arg}: expected dtype {expected}, got {got:?}")]
+    DType {
+        arg: &'static str,
+        expected: &'static str,
+        got: DType,
+    },
+    #[error("{arg}: {msg}")]
+    Invalid { arg: &'static str, msg: String },
+    #[error("{op}: no kernel for device {device}: {hint}")]
+    Unsupported {
+        op: &'static str,
+        device: String,
+        hint: &'static str,
+    },
+    #[error(transparent)]
+    Kernel(#[from] fp8nsa_cpu::Error),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl From<Error> for candle_core::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Candle(c) => c,
+            other => candle_core::Error::wrap(other),
+        }
+    }
+}
+
+pub(crate) fn shape_err(arg: &'static str, expected: impl Into<String>, got: &[usize]) -> Error {
+    Error::Shape {
+        arg,
+        expected: expected.into(),
+        got: got.to_vec(),
+    }
+}
+
+pub(crate) fn invalid(arg: &'static str, msg: impl Into<String>) -> Error {
+    Error::Invalid {
+        arg,
+        msg: msg.into(),
+    }
+}

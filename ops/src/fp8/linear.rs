@@ -1,0 +1,197 @@
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Shape, Tensor};
+use fp8nsa_cpu::linear::{fp8_linear, Fp8LinearShape};
+
+use super::{ActQuant, Fp8BlockWeight};
+use crate::error::{invalid, shape_err, Error, Result};
+use crate::storage::{f32_slice, fp8_bytes, from_f32};
+
+/// A linear layer `y = x · Wᵀ + b` with an fp8 block-scaled weight and dynamic activation
+/// quantization, accumulated in f32 with the scales applied per K-block. A drop-in for
+/// `candle_nn::Linear`: `x [.., K]` of f32/bf16/f16 gives `y [.., N]` of the same dtype.
+///
+/// ```
+/// use candle_core::{Device, Module, Tensor};
+/// use fp8nsa_ops::{ActQuant, Fp8BlockWeight, Fp8Linear};
+///
+/// let w = Tensor::randn(0f32, 1.0, (256, 512), &Device::Cpu)?;
+/// let b = Tensor::zeros(256, candle_core::DType::F32, &Device::Cpu)?;
+/// let lin = Fp8Linear::new(Fp8BlockWeight::quantize(&w, [128, 128])?, Some(b), ActQuant::Group)?;
+/// let y = lin.forward(&Tensor::ones((3, 512), candle_core::DType::BF16, &Device::Cpu)?)?;
+/// assert_eq!((y.dims(), y.dtype()), (&[3, 256][..], candle_core::DType::BF16));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct Fp8Linear {
+    weight: Fp8BlockWeight,
+    bias: Option<Tensor>,
+    op: Fp8LinearOp,
+}
+
+impl Fp8Linear {
+    /// `bias`, when given, is `[N]` of any float dtype.
+    pub fn new(weight: Fp8BlockWeight, bias: Option<Tensor>, act: ActQuant) -> Result<Self> {
+        act.validate()?;
+        let [n, k] = weight.shape();
+        let bias_host = match &bias {
+            None => None,
+            Some(b) => {
+                if b.dims() != [n] {
+                    return Err(shape_err("bias", format!("[{n}]"), b.dims()));
+                }
+                if !b.dtype().is_float() {
+                    return Err(Error::DType {
+                        arg: "bias",
+                        expected: "a float dtype",
+                        got: b.dtype(),
+                    });
+                }
+                let v = b
+                    .to_device(&candle_core::Device::Cpu)?
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?;
+                Some(Arc::<[f32]>::from(v))
+            }
+        };
+        let op = Fp8LinearOp {
+            n,
+            k,
+            block: weight.block(),
+            act,
+            bias: bias_host,
+        };
+        Ok(Self { weight, bias, op })
+    }
+
+    pub fn weight(&self) -> &Fp8BlockWeight {
+        &self.weight
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+
+    pub fn act(&self) -> ActQuant {
+        self.op.act
+    }
+
+    /// Like [`Module::forward`], with this crate's error type.
+    pub fn forward_t(&self, x: &Tensor) -> Result<Tensor> {
+        let [n, k] = self.weight.shape();
+        let dims = x.dims();
+        if dims.last() != Some(&k) {
+            return Err(shape_err("x", format!("[.., {k}] (K of the weight)"), dims));
+        }
+        if x.elem_count() == 0 {
+            return Err(shape_err("x", format!("[.., {k}] with at least one row"), dims));
+        }
+        if !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::DType {
+                arg: "x",
+                expected: "f32, bf16 or f16",
+                got: x.dtype(),
+            });
+        }
+        if !x.device().is_cpu() || !self.weight.device().is_cpu() {
+            return Err(Error::Unsupported {
+                op: "Fp8Linear",
+                device: format!("{:?}", x.device()),
+                hint: "only the CPU backend is built; x and the weight must be on the CPU",
+            });
+        }
+        let m = x.elem_count() / k;
+        let _span = tracing::debug_span!("fp8nsa::fp8_linear", m, n, k).entered();
+        let x2 = x.reshape((m, k))?.contiguous()?;
+        let y = x2.apply_op3_no_bwd(self.weight.data(), self.weight.scales(), &self.op)?;
+        let mut out_dims = dims.to_vec();
+        *out_dims.last_mut().expect("x has a last dim") = n;
+        Ok(y.reshape(out_dims)?)
+    }
+}
+
+impl Module for Fp8Linear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        Ok(self.forward_t(x)?)
+    }
+}
+
+/// The Candle custom op: `(x [M, K], data U8 [N, K], scales F32) -> y [M, N]` in x's dtype.
+#[derive(Clone, Debug)]
+struct Fp8LinearOp {
+    n: usize,
+    k: usize,
+    block: [usize; 2],
+    act: ActQuant,
+    bias: Option<Arc<[f32]>>,
+}
+
+impl CustomOp3 for Fp8LinearOp {
+    fn name(&self) -> &'static str {
+        "fp8nsa-fp8-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+        ss: &CpuStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (m, k) = xl.shape().dims2()?;
+        if k != self.k {
+            return Err(shape_err("x", format!("[M, {}]", self.k), xl.dims()).into());
+        }
+        let x = f32_slice("x", xs, xl)?;
+        let w = fp8_bytes("weight", ws, wl)?;
+        let scales = match ss {
+            CpuStorage::F32(v) => {
+                let (a, b) = sl
+                    .contiguous_offsets()
+                    .ok_or_else(|| invalid("scales", "must be contiguous"))?;
+                &v[a..b]
+            }
+            other => {
+                return Err(Error::DType {
+                    arg: "scales",
+                    expected: "f32",
+                    got: other.dtype(),
+                }
+                .into())
+            }
+        };
+        let shape = Fp8LinearShape {
+            m,
+            n: self.n,
+            k,
+            bn: self.block[0],
+            bk: self.block[1],
+        };
+        let mut out = vec![0f32; m * self.n];
+        let kernel = fp8_linear(
+            &x,
+            &w,
+            scales,
+            self.bias.as_deref(),
+            shape,
+            self.act.into(),
+            &mut out,
+        )
+        .map_err(Error::from)?;
+        tracing::debug!(
+            op = "fp8_linear",
+            backend = "cpu",
+            kernel = kernel.name(),
+            m,
+            n = self.n,
+            k,
+            block = ?self.block,
+            act = ?self.act,
+            dtype = ?xs.dtype(),
+        );
+        Ok((from_f32(out, xs.dtype()), Shape::from((m, self.n))))
+    }
+}

@@ -1,0 +1,214 @@
+use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
+
+use crate::error::{invalid, shape_err, Error, Result};
+
+/// A weight `W [N, K]` (out x in, the Hugging Face layout) stored as fp8 e4m3fn bytes with one
+/// f32 dequantization scale per `bn x bk` block: `W_real[n, k] ≈ W[n, k] · scales[n/bn, k/bk]`.
+/// Edge blocks are partial; storage is never padded.
+///
+/// The bytes are kept as a `U8` tensor: they are opaque on every device, which avoids Candle's
+/// fp8 conversions (numeric, not bit-level, and unavailable on CUDA).
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use fp8nsa_ops::Fp8BlockWeight;
+///
+/// let w = Tensor::randn(0f32, 0.02, (576, 3884), &Device::Cpu)?;
+/// let q = Fp8BlockWeight::quantize(&w, [128, 128])?;
+/// assert_eq!(q.scales().dims(), &[5, 31]); // ceil(576/128) x ceil(3884/128)
+/// let back = q.dequantize(DType::F32)?;
+/// let err = (back - &w)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert!(err < 0.02 * 6.0 / 16.0); // half an fp8 ulp of the largest entries
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct Fp8BlockWeight {
+    data: Tensor,
+    scales: Tensor,
+    block: [usize; 2],
+}
+
+fn check_block(block: [usize; 2]) -> Result<()> {
+    if block[0] == 0 || block[1] == 0 {
+        return Err(invalid(
+            "block",
+            format!("both sides must be at least 1, got {block:?}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The raw bytes of a U8 or F8E4M3 tensor, on the host.
+pub(crate) fn host_bytes(arg: &'static str, t: &Tensor) -> Result<Vec<u8>> {
+    let t = t.to_device(&Device::Cpu)?.flatten_all()?;
+    match t.dtype() {
+        DType::U8 => Ok(t.to_vec1::<u8>()?),
+        DType::F8E4M3 => Ok(t
+            .to_vec1::<float8::F8E4M3>()?
+            .into_iter()
+            .map(|x| x.to_bits())
+            .collect()),
+        got => Err(Error::DType {
+            arg,
+            expected: "u8 or f8e4m3",
+            got,
+        }),
+    }
+}
+
+impl Fp8BlockWeight {
+    /// Quantizes a real `[N, K]` weight (f32, bf16, f16 or f64) in `[bn, bk]` blocks:
+    /// `scale = max(amax(block), 1e-12) / 448`, codes `sat(rne(w / scale))`.
+    pub fn quantize(w: &Tensor, block: [usize; 2]) -> Result<Self> {
+        check_block(block)?;
+        let (n, k) = match *w.dims() {
+            [n, k] if n > 0 && k > 0 => (n, k),
+            _ => return Err(shape_err("w", "[N, K] with N, K >= 1", w.dims())),
+        };
+        if !w.dtype().is_float() || w.dtype() == DType::F8E4M3 {
+            return Err(Error::DType {
+                arg: "w",
+                expected: "f32, bf16, f16 or f64",
+                got: w.dtype(),
+            });
+        }
+        let host = w
+            .to_device(&Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let (codes, scales) = fp8nsa_cpu::quant::quantize_weight(&host, n, k, block[0], block[1])?;
+        let dev = w.device();
+        Ok(Self {
+            data: Tensor::from_vec(codes, (n, k), dev)?,
+            scales: Tensor::from_vec(scales, (n.div_ceil(block[0]), k.div_ceil(block[1])), dev)?,
+            block,
+        })
+    }
+
+    /// Builds a weight from its parts: `data` F8E4M3 or U8 `[N, K]`, `scales` F32
+    /// `[ceil(N/bn), ceil(K/bk)]`, on the same device.
+    pub fn from_parts(data: Tensor, scales: Tensor, block: [usize; 2]) -> Result<Self> {
+        check_block(block)?;
+        let (n, k) = match *data.dims() {
+            [n, k] if n > 0 && k > 0 => (n, k),
+            _ => return Err(shape_err("data", "[N, K] with N, K >= 1", data.dims())),
+        };
+        let expected = [n.div_ceil(block[0]), k.div_ceil(block[1])];
+        if scales.dims() != expected {
+            return Err(shape_err(
+                "scales",
+                format!(
+                    "{expected:?} (ceil({n}/{}), ceil({k}/{}))",
+                    block[0], block[1]
+                ),
+                scales.dims(),
+            ));
+        }
+        if scales.dtype() != DType::F32 {
+            return Err(Error::DType {
+                arg: "scales",
+                expected: "f32",
+                got: scales.dtype(),
+            });
+        }
+        if !data.device().same_device(scales.device()) {
+            return Err(invalid(
+                "scales",
+                format!(
+                    "must be on the device of data ({:?}), got {:?}",
+                    data.device(),
+                    scales.device()
+                ),
+            ));
+        }
+        let data = match data.dtype() {
+            DType::U8 => data.contiguous()?,
+            DType::F8E4M3 => {
+                Tensor::from_vec(host_bytes("data", &data)?, (n, k), data.device())?
+            }
+            got => {
+                return Err(Error::DType {
+                    arg: "data",
+                    expected: "u8 or f8e4m3",
+                    got,
+                })
+            }
+        };
+        Ok(Self {
+            data,
+            scales: scales.contiguous()?,
+            block,
+        })
+    }
+
+    /// Loads `weight` (F8_E4M3) and `weight_scale_inv` (the dequantization multiplier, f32 or
+    /// bf16) from a `VarBuilder` prefix, as in DeepSeek-V3 / Qwen3-FP8 checkpoints.
+    ///
+    /// ```no_run
+    /// # use candle_core::{DType, Device};
+    /// # use candle_nn::VarBuilder;
+    /// # let bytes: Vec<u8> = vec![];
+    /// let vb = VarBuilder::from_buffered_safetensors(bytes, DType::BF16, &Device::Cpu)?;
+    /// let w = fp8nsa_ops::Fp8BlockWeight::load(vb.pp("model.layers.0.mlp.up_proj"), [128, 128])?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn load(vb: candle_nn::VarBuilder, block: [usize; 2]) -> Result<Self> {
+        let data = vb.get_unchecked_dtype("weight", DType::F8E4M3)?;
+        let scales = vb
+            .get_unchecked_dtype("weight_scale_inv", DType::F32)?
+            .to_dtype(DType::F32)?;
+        Self::from_parts(data, scales, block)
+    }
+
+    /// The real weight `[N, K]` in `dtype`, on the weight's device.
+    pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
+        let [n, k] = self.shape();
+        let [bn, bk] = self.block;
+        let bytes = host_bytes("data", &self.data)?;
+        let scales = self
+            .scales
+            .to_device(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let kbs = k.div_ceil(bk);
+        let mut out = vec![0f32; n * k];
+        out.par_chunks_mut(k)
+            .zip(bytes.par_chunks(k))
+            .enumerate()
+            .for_each(|(r, (row, codes))| {
+                for kb in 0..kbs {
+                    let (k0, k1) = (kb * bk, (kb * bk + bk).min(k));
+                    let s = scales[(r / bn) * kbs + kb];
+                    fp8nsa_cpu::fp8::decode_scaled(&codes[k0..k1], s, &mut row[k0..k1]);
+                }
+            });
+        Ok(Tensor::from_vec(out, (n, k), self.data.device())?.to_dtype(dtype)?)
+    }
+
+    /// The e4m3fn bytes as a U8 `[N, K]` tensor.
+    pub fn data(&self) -> &Tensor {
+        &self.data
+    }
+
+    /// The f32 dequantization scales `[ceil(N/bn), ceil(K/bk)]`.
+    pub fn scales(&self) -> &Tensor {
+        &self.scales
+    }
+
+    /// `[bn, bk]`.
+    pub fn block(&self) -> [usize; 2] {
+        self.block
+    }
+
+    /// `[N, K]`.
+    pub fn shape(&self) -> [usize; 2] {
+        let d = self.data.dims();
+        [d[0], d[1]]
+    }
+
+    pub fn device(&self) -> &Device {
+        self.data.device()
+    }
+}

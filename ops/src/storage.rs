@@ -1,0 +1,64 @@
+//! Borrowing typed slices out of Candle's CPU storage.
+
+use std::borrow::Cow;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, Layout};
+
+use crate::error::{invalid, Error, Result};
+
+fn offsets(arg: &'static str, l: &Layout) -> Result<(usize, usize)> {
+    l.contiguous_offsets()
+        .ok_or_else(|| invalid(arg, "must be contiguous"))
+}
+
+/// The float tensor as f32, borrowed when it already is f32.
+pub(crate) fn f32_slice<'a>(
+    arg: &'static str,
+    s: &'a CpuStorage,
+    l: &Layout,
+) -> Result<Cow<'a, [f32]>> {
+    let (a, b) = offsets(arg, l)?;
+    Ok(match s {
+        CpuStorage::F32(v) => Cow::Borrowed(&v[a..b]),
+        CpuStorage::BF16(v) => Cow::Owned(v[a..b].iter().map(|x| x.to_f32()).collect()),
+        CpuStorage::F16(v) => Cow::Owned(v[a..b].iter().map(|x| x.to_f32()).collect()),
+        other => {
+            return Err(Error::DType {
+                arg,
+                expected: "f32, bf16 or f16",
+                got: other.dtype(),
+            })
+        }
+    })
+}
+
+/// Raw e4m3fn bytes from U8 or F8E4M3 storage.
+pub(crate) fn fp8_bytes<'a>(
+    arg: &'static str,
+    s: &'a CpuStorage,
+    l: &Layout,
+) -> Result<Cow<'a, [u8]>> {
+    let (a, b) = offsets(arg, l)?;
+    Ok(match s {
+        CpuStorage::U8(v) => Cow::Borrowed(&v[a..b]),
+        CpuStorage::F8E4M3(v) => Cow::Owned(v[a..b].iter().map(|x| x.to_bits()).collect()),
+        other => {
+            return Err(Error::DType {
+                arg,
+                expected: "u8 or f8e4m3",
+                got: other.dtype(),
+            })
+        }
+    })
+}
+
+/// f32 results in the storage type of the input.
+pub(crate) fn from_f32(v: Vec<f32>, dtype: candle_core::DType) -> CpuStorage {
+    use candle_core::DType;
+    match dtype {
+        DType::BF16 => CpuStorage::BF16(v.into_iter().map(half::bf16::from_f32).collect()),
+        DType::F16 => CpuStorage::F16(v.into_iter().map(half::f16::from_f32).collect()),
+        _ => CpuStorage::F32(v),
+    }
+}

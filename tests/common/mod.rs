@@ -1,0 +1,61 @@
+//! Test data: fresh random inputs each run (the seed is printed; FP8NSA_TEST_SEED replays one),
+//! with block magnitudes spread over 1e-3..1e3 so per-block scales are heterogeneous.
+#![allow(dead_code)]
+
+use candle_core::{DType, Device, Tensor};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use rand_distr::{Distribution, Normal};
+
+pub fn rng(test: &str) -> StdRng {
+    let seed = std::env::var("FP8NSA_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| rand::rng().random());
+    eprintln!("{test}: FP8NSA_TEST_SEED={seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+pub fn gaussian(rng: &mut StdRng, n: usize) -> Vec<f32> {
+    let d = Normal::new(0f32, 1.0).unwrap();
+    (0..n).map(|_| d.sample(rng)).collect()
+}
+
+/// `[rows, cols]` Gaussian data whose `br x bc` blocks each get a magnitude 10^U(-3, 3).
+pub fn hetero(rng: &mut StdRng, rows: usize, cols: usize, br: usize, bc: usize) -> Vec<f32> {
+    let mags: Vec<f32> = (0..rows.div_ceil(br) * cols.div_ceil(bc))
+        .map(|_| 10f32.powf(rng.random_range(-3.0..3.0)))
+        .collect();
+    let mut v = gaussian(rng, rows * cols);
+    for r in 0..rows {
+        for c in 0..cols {
+            v[r * cols + c] *= mags[(r / br) * cols.div_ceil(bc) + c / bc];
+        }
+    }
+    v
+}
+
+pub fn tensor(v: Vec<f32>, dims: &[usize]) -> Tensor {
+    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+}
+
+pub fn rel_frobenius(y: &Tensor, want: &Tensor) -> f64 {
+    let y = y.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    let w = want.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    let y = y.to_vec1::<f64>().unwrap();
+    let w = w.to_vec1::<f64>().unwrap();
+    assert_eq!(y.len(), w.len());
+    let num: f64 = y.iter().zip(&w).map(|(a, b)| (a - b) * (a - b)).sum();
+    let den: f64 = w.iter().map(|b| b * b).sum();
+    (num / den).sqrt()
+}
+
+/// DeepGEMM's `calc_diff`: 1 - 2Σxy / Σ(x² + y²).
+pub fn calc_diff(y: &Tensor, want: &Tensor) -> f64 {
+    let y = y.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    let w = want.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
+    let y = y.to_vec1::<f64>().unwrap();
+    let w = w.to_vec1::<f64>().unwrap();
+    let xy: f64 = y.iter().zip(&w).map(|(a, b)| a * b).sum();
+    let sq: f64 = y.iter().zip(&w).map(|(a, b)| a * a + b * b).sum();
+    1.0 - 2.0 * xy / sq
+}

@@ -1,0 +1,363 @@
+//! CPU `Fp8Linear` against the f64 reference on the contract's sweep, plus quantization bounds,
+//! errors and loading from the Hugging Face layout.
+
+mod common;
+
+use candle_core::{DType, Device, Module, Tensor};
+use common::*;
+use fp8nsa::{reference, ActQuant, Fp8BlockWeight, Fp8Linear};
+use rand::rngs::StdRng;
+use rand::Rng;
+
+fn tol(dtype: DType) -> f64 {
+    if dtype == DType::F32 {
+        1e-3
+    } else {
+        8e-3
+    }
+}
+
+/// Runs the layer on all `m` rows and compares rows `check` (whole `bm` blocks for Block2d, so
+/// the reference sees the same activation blocks) with the reference.
+#[allow(clippy::too_many_arguments)]
+fn check_case(
+    rng: &mut StdRng,
+    m: usize,
+    n: usize,
+    k: usize,
+    block: [usize; 2],
+    act: ActQuant,
+    dtype: DType,
+    check: std::ops::Range<usize>,
+    with_bias: bool,
+) {
+    let w = tensor(hetero(rng, n, k, block[0], block[1]), &[n, k]);
+    let wq = Fp8BlockWeight::quantize(&w, block).unwrap();
+    let bias = with_bias.then(|| tensor(gaussian(rng, n), &[n]));
+    // f16 tops out at 65504: keep its products in range
+    let x_mag = if dtype == DType::F16 { 1e-4 } else { 1.0 };
+    let x = (tensor(hetero(rng, m, k, 1, block[1]), &[m, k]) * x_mag)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap();
+    let layer = Fp8Linear::new(wq.clone(), bias.clone(), act).unwrap();
+    let y = layer.forward(&x).unwrap();
+    assert_eq!((y.dims(), y.dtype()), (&[m, n][..], dtype));
+    let xs = x.narrow(0, check.start, check.len()).unwrap();
+    let want = reference::fp8_linear(&xs, &wq, bias.as_ref(), act).unwrap();
+    let got = y.narrow(0, check.start, check.len()).unwrap();
+    let err = rel_frobenius(&got, &want);
+    assert!(
+        err < tol(dtype),
+        "m={m} n={n} k={k} block={block:?} act={act:?} {dtype:?}: rel err {err:e}"
+    );
+}
+
+/// Rows compared with the reference: all of them, except the last 128-row window for M = 512.
+fn checked_rows(m: usize) -> std::ops::Range<usize> {
+    if m > 128 {
+        m - 128..m
+    } else {
+        0..m
+    }
+}
+
+#[test]
+fn sweep_576x3884_all_blocks_modes_dtypes() {
+    let mut rng = rng("sweep_576x3884");
+    let (n, k) = (576, 3884);
+    for block in [[128, 128], [256, 256], [512, 512], [64, 128]] {
+        for act in [
+            ActQuant::None,
+            ActQuant::Group,
+            ActQuant::Block2d { bm: 64 },
+        ] {
+            for dtype in [DType::F32, DType::BF16] {
+                for m in [1, 7, 8, 83, 512] {
+                    let bias = m % 2 == 1;
+                    check_case(&mut rng, m, n, k, block, act, dtype, checked_rows(m), bias);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn sweep_2112x7168() {
+    let mut rng = rng("sweep_2112x7168");
+    for dtype in [DType::F32, DType::BF16] {
+        for m in [1, 8, 83] {
+            check_case(
+                &mut rng,
+                m,
+                2112,
+                7168,
+                [128, 128],
+                ActQuant::Group,
+                dtype,
+                0..m,
+                false,
+            );
+        }
+        check_case(
+            &mut rng,
+            512,
+            2112,
+            7168,
+            [128, 128],
+            ActQuant::Block2d { bm: 128 },
+            dtype,
+            384..512,
+            true,
+        );
+    }
+}
+
+#[test]
+fn small_and_odd_shapes() {
+    let mut rng = rng("small_and_odd_shapes");
+    // blocks larger than the matrix, single elements, few-panel GEMM (small N, large M), f16
+    for (m, n, k, block) in [
+        (1, 1, 1, [128, 128]),
+        (3, 5, 7, [128, 128]),
+        (17, 3, 300, [2, 3]),
+        (83, 40, 300, [16, 128]),
+        (300, 24, 129, [8, 64]),
+    ] {
+        for act in [
+            ActQuant::None,
+            ActQuant::Group,
+            ActQuant::Block2d { bm: 5 },
+        ] {
+            for dtype in [DType::F32, DType::F16] {
+                check_case(&mut rng, m, n, k, block, act, dtype, 0..m, true);
+            }
+        }
+    }
+}
+
+#[test]
+fn batched_input_keeps_leading_dims() {
+    let mut rng = rng("batched_input");
+    let (n, k) = (64, 200);
+    let wq = Fp8BlockWeight::quantize(&tensor(gaussian(&mut rng, n * k), &[n, k]), [32, 64]).unwrap();
+    let layer = Fp8Linear::new(wq.clone(), None, ActQuant::Group).unwrap();
+    let x = tensor(gaussian(&mut rng, 2 * 3 * k), &[2, 3, k]);
+    let y = layer.forward(&x).unwrap();
+    assert_eq!(y.dims(), &[2, 3, n]);
+    let want = reference::fp8_linear(&x, &wq, None, ActQuant::Group).unwrap();
+    assert!(rel_frobenius(&y, &want) < 1e-3);
+    // a non-contiguous view gives the same answer
+    let xt = tensor(gaussian(&mut rng, k * 5), &[k, 5]).t().unwrap();
+    let yt = layer.forward(&xt).unwrap();
+    let want = reference::fp8_linear(&xt.contiguous().unwrap(), &wq, None, ActQuant::Group).unwrap();
+    assert!(rel_frobenius(&yt, &want) < 1e-3);
+}
+
+/// Weights straight from random codes and scales (what a checkpoint holds), not from
+/// `quantize`: every finite code, scales spread over 1e-3..1e3 per block.
+#[test]
+fn from_parts_random_codes_and_scales() {
+    let mut rng = rng("from_parts");
+    let (m, n, k, block): (usize, usize, usize, [usize; 2]) = (9, 300, 1000, [128, 256]);
+    let codes: Vec<u8> = (0..n * k)
+        .map(|_| loop {
+            let c: u8 = rng.random();
+            if c & 0x7f != 0x7f {
+                break c;
+            }
+        })
+        .collect();
+    let ns = [n.div_ceil(block[0]), k.div_ceil(block[1])];
+    let scales: Vec<f32> = (0..ns[0] * ns[1])
+        .map(|_| 10f32.powf(rng.random_range(-3.0..3.0)) / 448.0)
+        .collect();
+    let data = Tensor::from_vec(codes, (n, k), &Device::Cpu).unwrap();
+    let wq = Fp8BlockWeight::from_parts(data, tensor(scales, &ns), block).unwrap();
+    for act in [ActQuant::None, ActQuant::Group] {
+        let x = tensor(hetero(&mut rng, m, k, 1, block[1]), &[m, k]);
+        let y = Fp8Linear::new(wq.clone(), None, act).unwrap().forward(&x).unwrap();
+        let want = reference::fp8_linear(&x, &wq, None, act).unwrap();
+        assert!(rel_frobenius(&y, &want) < 1e-3);
+        // the dequantized weight in a plain matmul agrees too (W8A16)
+        if act == ActQuant::None {
+            let wd = wq.dequantize(DType::F32).unwrap();
+            let yd = x.matmul(&wd.t().unwrap()).unwrap();
+            assert!(rel_frobenius(&yd, &want) < 1e-5);
+        }
+    }
+}
+
+/// Quantized vs unquantized f32 math on Gaussian data: calc_diff < 1e-3 (contract).
+#[test]
+fn quantized_matches_unquantized_math() {
+    let mut rng = rng("quantized_vs_f32");
+    let (m, n, k) = (64, 576, 3884);
+    let w = tensor(gaussian(&mut rng, n * k), &[n, k]);
+    let x = tensor(gaussian(&mut rng, m * k), &[m, k]);
+    let exact = x
+        .to_dtype(DType::F64)
+        .unwrap()
+        .matmul(&w.to_dtype(DType::F64).unwrap().t().unwrap())
+        .unwrap();
+    for block in [[128, 128], [64, 128], [512, 512]] {
+        for act in [
+            ActQuant::None,
+            ActQuant::Group,
+            ActQuant::Block2d { bm: 128 },
+        ] {
+            let wq = Fp8BlockWeight::quantize(&w, block).unwrap();
+            let y = Fp8Linear::new(wq, None, act).unwrap().forward(&x).unwrap();
+            let d = calc_diff(&y, &exact);
+            assert!(d < 1e-3, "block={block:?} act={act:?}: calc_diff {d:e}");
+        }
+    }
+}
+
+/// `|dequant(quant(w)) - w| <= max(|w| / 16, scale * 2^-10)`: half an ulp of a 3-bit mantissa,
+/// or half the subnormal step, per element, with heterogeneous block magnitudes.
+#[test]
+fn quantization_round_trip_bounds() {
+    let mut rng = rng("round_trip_bounds");
+    for (n, k, block) in [(576, 3884, [128, 128]), (130, 70, [64, 32]), (5, 3, [512, 512])] {
+        let wv = hetero(&mut rng, n, k, block[0], block[1]);
+        let w = tensor(wv.clone(), &[n, k]);
+        for dtype in [DType::F32, DType::BF16] {
+            let w = w.to_dtype(dtype).unwrap();
+            let wv: Vec<f32> = w.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let q = Fp8BlockWeight::quantize(&w, block).unwrap();
+            let back: Vec<f32> = q.dequantize(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let s: Vec<Vec<f32>> = q.scales().to_vec2().unwrap();
+            for r in 0..n {
+                for c in 0..k {
+                    let sc = s[r / block[0]][c / block[1]];
+                    let bound = (wv[r * k + c].abs() / 16.0).max(sc * 2f32.powi(-10)) * 1.000_01;
+                    let e = (back[r * k + c] - wv[r * k + c]).abs();
+                    assert!(e <= bound, "{r},{c}: err {e} > {bound}");
+                }
+            }
+            // each block's amax lands on ±448 exactly
+            for (bi, row) in s.iter().enumerate() {
+                for (bj, &sc) in row.iter().enumerate() {
+                    let mut amax = 0f32;
+                    for r in bi * block[0]..((bi + 1) * block[0]).min(n) {
+                        for c in bj * block[1]..((bj + 1) * block[1]).min(k) {
+                            amax = amax.max(wv[r * k + c].abs());
+                        }
+                    }
+                    assert_eq!(sc, amax.max(1e-12) / 448.0);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn nan_input_propagates_and_zero_rows_stay_zero() {
+    let (n, k) = (4, 8);
+    let w = tensor((0..n * k).map(|i| i as f32 - 10.0).collect(), &[n, k]);
+    let layer = Fp8Linear::new(Fp8BlockWeight::quantize(&w, [2, 4]).unwrap(), None, ActQuant::Group).unwrap();
+    let mut xv = vec![0f32; 2 * k];
+    xv[k + 1] = f32::NAN;
+    let y: Vec<Vec<f32>> = layer.forward(&tensor(xv, &[2, k])).unwrap().to_vec2().unwrap();
+    assert!(y[0].iter().all(|&v| v == 0.0));
+    assert!(y[1].iter().all(|v| v.is_nan()));
+}
+
+fn err_text<T: std::fmt::Debug>(r: Result<T, impl std::fmt::Display>) -> String {
+    match r {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn bad_inputs_are_errors_that_name_the_argument() {
+    let dev = Device::Cpu;
+    let w = Tensor::ones((8, 16), DType::F32, &dev).unwrap();
+    let wq = Fp8BlockWeight::quantize(&w, [4, 8]).unwrap();
+    let layer = Fp8Linear::new(wq.clone(), None, ActQuant::Group).unwrap();
+
+    // K mismatch
+    let e = err_text(layer.forward_t(&Tensor::ones((2, 15), DType::F32, &dev).unwrap()));
+    assert!(e.contains("x") && e.contains("16"), "{e}");
+    // wrong input dtype
+    let e = err_text(layer.forward_t(&Tensor::ones((2, 16), DType::U32, &dev).unwrap()));
+    assert!(e.contains("x") && e.contains("dtype"), "{e}");
+    // empty input
+    let e = err_text(layer.forward_t(&Tensor::ones((0, 16), DType::F32, &dev).unwrap()));
+    assert!(e.contains("x") && e.contains("at least one row"), "{e}");
+    // the Module impl returns the same errors through candle's type
+    assert!(layer.forward(&Tensor::ones((2, 15), DType::F32, &dev).unwrap()).is_err());
+    // bias shape
+    let e = err_text(Fp8Linear::new(wq.clone(), Some(Tensor::ones(7, DType::F32, &dev).unwrap()), ActQuant::Group));
+    assert!(e.contains("bias") && e.contains("[8]"), "{e}");
+    // zero activation row block
+    let e = err_text(Fp8Linear::new(wq.clone(), None, ActQuant::Block2d { bm: 0 }));
+    assert!(e.contains("bm"), "{e}");
+
+    // quantize: zero block, wrong rank, empty, non-float
+    let e = err_text(Fp8BlockWeight::quantize(&w, [0, 8]));
+    assert!(e.contains("block"), "{e}");
+    let e = err_text(Fp8BlockWeight::quantize(&w.flatten_all().unwrap(), [4, 8]));
+    assert!(e.contains("w") && e.contains("[N, K]"), "{e}");
+    let e = err_text(Fp8BlockWeight::quantize(&Tensor::ones((0, 16), DType::F32, &dev).unwrap(), [4, 8]));
+    assert!(e.contains("w"), "{e}");
+    let e = err_text(Fp8BlockWeight::quantize(&Tensor::ones((8, 16), DType::U8, &dev).unwrap(), [4, 8]));
+    assert!(e.contains("dtype"), "{e}");
+
+    // from_parts: scale shape, scale dtype, data dtype, zero block
+    let data = wq.data().clone();
+    let e = err_text(Fp8BlockWeight::from_parts(data.clone(), Tensor::ones((2, 3), DType::F32, &dev).unwrap(), [4, 8]));
+    assert!(e.contains("scales") && e.contains("[2, 2]"), "{e}");
+    let e = err_text(Fp8BlockWeight::from_parts(data.clone(), Tensor::ones((2, 2), DType::F16, &dev).unwrap(), [4, 8]));
+    assert!(e.contains("scales") && e.contains("f32"), "{e}");
+    let e = err_text(Fp8BlockWeight::from_parts(w.clone(), wq.scales().clone(), [4, 8]));
+    assert!(e.contains("data") && e.contains("u8"), "{e}");
+    let e = err_text(Fp8BlockWeight::from_parts(data.clone(), wq.scales().clone(), [4, 0]));
+    assert!(e.contains("block"), "{e}");
+    // and the matching parts are accepted, as U8 or F8E4M3
+    assert!(Fp8BlockWeight::from_parts(data.clone(), wq.scales().clone(), [4, 8]).is_ok());
+    let f8: Vec<float8::F8E4M3> = data.flatten_all().unwrap().to_vec1::<u8>().unwrap().into_iter().map(float8::F8E4M3::from_bits).collect();
+    let f8 = Tensor::from_vec(f8, (8, 16), &dev).unwrap();
+    let back = Fp8BlockWeight::from_parts(f8, wq.scales().clone(), [4, 8]).unwrap();
+    assert_eq!(back.data().to_vec2::<u8>().unwrap(), data.to_vec2::<u8>().unwrap());
+}
+
+/// A safetensors file in the Hugging Face layout (`weight` F8_E4M3, `weight_scale_inv` f32 or
+/// bf16) loads through a `VarBuilder` and computes what the reference says.
+#[test]
+fn loads_hugging_face_layout_from_safetensors() {
+    use safetensors::tensor::{Dtype, TensorView};
+    let mut rng = rng("hf_layout");
+    let (n, k, block) = (200, 300, [128, 128]);
+    let wq = Fp8BlockWeight::quantize(&tensor(hetero(&mut rng, n, k, 128, 128), &[n, k]), block).unwrap();
+    let bytes = wq.data().flatten_all().unwrap().to_vec1::<u8>().unwrap();
+    let scales = wq.scales().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let scale_bytes: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+    let sdims = wq.scales().dims().to_vec();
+    let tensors = vec![
+        ("model.layers.0.mlp.up_proj.weight".to_string(), TensorView::new(Dtype::F8_E4M3, vec![n, k], &bytes).unwrap()),
+        ("model.layers.0.mlp.up_proj.weight_scale_inv".to_string(), TensorView::new(Dtype::F32, sdims, &scale_bytes).unwrap()),
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("model.safetensors");
+    safetensors::serialize_to_file(tensors, None, &path).unwrap();
+
+    let map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let vb = candle_nn::VarBuilder::from_tensors(map, DType::F32, &Device::Cpu);
+    let loaded = Fp8BlockWeight::load(vb.pp("model.layers.0.mlp.up_proj"), block).unwrap();
+    assert_eq!(loaded.data().to_vec2::<u8>().unwrap(), wq.data().to_vec2::<u8>().unwrap());
+    assert_eq!(loaded.scales().to_vec2::<f32>().unwrap(), wq.scales().to_vec2::<f32>().unwrap());
+
+    let x = tensor(gaussian(&mut rng, 3 * k), &[3, k]);
+    let y = Fp8Linear::new(loaded, None, ActQuant::Group).unwrap().forward(&x).unwrap();
+    let want = reference::fp8_linear(&x, &wq, None, ActQuant::Group).unwrap();
+    assert!(rel_frobenius(&y, &want) < 1e-3);
+
+    // a wrong block size for the file's scales is an error, not a panic
+    let map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let vb = candle_nn::VarBuilder::from_tensors(map, DType::F32, &Device::Cpu);
+    let e = err_text(Fp8BlockWeight::load(vb.pp("model.layers.0.mlp.up_proj"), [64, 64]));
+    assert!(e.contains("scales"), "{e}");
+}
