@@ -109,7 +109,11 @@ pub fn fp8_linear(
                 for r in r0..r1 {
                     sx[r * kbs + kb] = s;
                     for i in k0..k1 {
-                        xq[r * k + i] = round_to_e4m3(xs[r * k + i] / s, &table);
+                        // x / s is the IEEE f32 quotient, as in every kernel: with bf16 inputs,
+                        // exact f64 quotients often sit a hair off an fp8 midpoint that the f32
+                        // quotient lands on, flipping the rounding of whole dominant blocks.
+                        let q = (xs[r * k + i] as f32 / s as f32) as f64;
+                        xq[r * k + i] = round_to_e4m3(q, &table);
                     }
                 }
             }

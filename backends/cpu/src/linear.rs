@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 pub use crate::quant::ActMode;
 use crate::error::{check_len, check_positive, Result};
-use crate::fp8::{decode_scaled, e4m3_to_f32};
+use crate::fp8::e4m3_to_f32;
 use crate::quant::{quantize_act, QuantizedAct};
 use crate::simd::{dot, simd_dispatch, Arith};
 
@@ -191,64 +191,106 @@ simd_dispatch!(fn gemv_rows => gemv_rows_impl(
     xq: &QuantizedAct<'_>, w: &[u8], sw: &[f32], s: Fp8LinearShape, n0: usize, yt: &mut [f32]
 ));
 
-/// Weight rows per panel: about 512 KiB of dequantized f32, a multiple of 8 rows.
-fn panel_rows(s: &Fp8LinearShape) -> usize {
-    ((128 * 1024 / s.k).max(8) / 8 * 8).min(s.n.next_multiple_of(8))
-}
+/// Weight rows per panel and K columns per tile: a 256 x 1024 f32 tile (1 MiB) stays in L2
+/// while the product reads it, and each `gemm` call is large enough that operand packing costs
+/// little next to the multiply.
+const PANEL_ROWS: usize = 256;
+const TILE_K: usize = 1024;
 
-fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: Fp8LinearShape, yt: &mut [f32]) {
-    let p = panel_rows(&s);
-    let panels = s.n.div_ceil(p);
-    let threads = rayon::current_num_threads();
-    let dequant = |n0: usize, buf: &mut [f32]| {
-        let kbs = s.k_blocks();
-        for (r, row) in buf.chunks_exact_mut(s.k).enumerate() {
-            let n = n0 + r;
-            for kb in 0..kbs {
-                let (k0, k1) = (kb * s.bk, (kb * s.bk + s.bk).min(s.k));
-                let scale = sw[(n / s.bn) * kbs + kb];
-                decode_scaled(&w[n * s.k + k0..n * s.k + k1], scale, &mut row[k0..k1]);
+/// Writes `codes * block scale` of weight rows `n0..n0 + rows`, columns `c0..c1`, into
+/// `buf [rows, c1 - c0]`.
+#[inline(always)]
+fn dequant_tile_impl<A: Arith>(
+    w: &[u8],
+    sw: &[f32],
+    s: Fp8LinearShape,
+    n0: usize,
+    c0: usize,
+    c1: usize,
+    buf: &mut [f32],
+) {
+    let kbs = s.k_blocks();
+    for (r, row) in buf.chunks_exact_mut(c1 - c0).enumerate() {
+        let n = n0 + r;
+        let mut c = c0;
+        while c < c1 {
+            let kb = c / s.bk;
+            let end = ((kb + 1) * s.bk).min(c1);
+            let scale = sw[(n / s.bn) * kbs + kb];
+            let (src, dst) = (&w[n * s.k + c..n * s.k + end], &mut row[c - c0..end - c0]);
+            for (d, &q) in dst.iter_mut().zip(src) {
+                *d = e4m3_to_f32(q) * scale;
             }
-        }
-    };
-    if panels >= 2 * threads {
-        // Many panels: one panel per task, each product single-threaded.
-        yt.par_chunks_mut(p * s.m).enumerate().for_each_init(
-            || vec![0f32; p * s.k],
-            |buf, (i, dst)| {
-                let rows = dst.len() / s.m;
-                let buf = &mut buf[..rows * s.k];
-                dequant(i * p, buf);
-                gemm_nt(s.m, rows, s.k, x, buf, dst, gemm::Parallelism::None);
-            },
-        );
-    } else {
-        // Few panels (small n, large m): let the product itself use every thread.
-        let mut buf = vec![0f32; p * s.k];
-        for (i, dst) in yt.chunks_mut(p * s.m).enumerate() {
-            let rows = dst.len() / s.m;
-            let buf = &mut buf[..rows * s.k];
-            dequant(i * p, buf);
-            gemm_nt(s.m, rows, s.k, x, buf, dst, gemm::Parallelism::Rayon(threads));
+            c = end;
         }
     }
 }
 
-/// `dst[j * m + i] = Σ_k lhs[i * k + kk] · rhs[j * k + kk]`: lhs `[m, k]` and rhs `[p, k]`
-/// row-major, dst column-major `[m, p]` (that is, row-major `[p, m]`).
+simd_dispatch!(fn dequant_tile => dequant_tile_impl(
+    w: &[u8], sw: &[f32], s: Fp8LinearShape, n0: usize, c0: usize, c1: usize, buf: &mut [f32]
+));
+
+fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: Fp8LinearShape, yt: &mut [f32]) {
+    let p = PANEL_ROWS.min(s.n);
+    let kc = TILE_K.min(s.k);
+    let threads = rayon::current_num_threads();
+    // Few panels (small n, large m): let each product use every thread instead.
+    let per_panel = s.n.div_ceil(p) >= 2 * threads;
+    let inner = if per_panel {
+        gemm::Parallelism::None
+    } else {
+        gemm::Parallelism::Rayon(threads)
+    };
+    let panel = |i: usize, dst: &mut [f32], buf: &mut [f32]| {
+        let rows = dst.len() / s.m;
+        for c0 in (0..s.k).step_by(kc) {
+            let c1 = (c0 + kc).min(s.k);
+            let tile = &mut buf[..rows * (c1 - c0)];
+            dequant_tile(w, sw, s, i * p, c0, c1, tile);
+            let lhs = Operand { data: &x[c0..], ld: s.k };
+            let rhs = Operand { data: tile, ld: c1 - c0 };
+            gemm_nt(s.m, rows, c1 - c0, lhs, rhs, dst, c0 > 0, inner);
+        }
+    };
+    if per_panel {
+        yt.par_chunks_mut(p * s.m).enumerate().for_each_init(
+            || vec![0f32; p * kc],
+            |buf, (i, dst)| panel(i, dst, buf),
+        );
+    } else {
+        let mut buf = vec![0f32; p * kc];
+        for (i, dst) in yt.chunks_mut(p * s.m).enumerate() {
+            panel(i, dst, &mut buf);
+        }
+    }
+}
+
+/// A row-major matrix operand: row `r` starts at `data[r * ld]`.
+#[derive(Clone, Copy)]
+struct Operand<'a> {
+    data: &'a [f32],
+    ld: usize,
+}
+
+/// `dst[j * m + i] (+)= Σ_kk lhs[i, kk] · rhs[j, kk]` for `i < m, j < p, kk < k`: lhs `[m, k]`
+/// and rhs `[p, k]` row-major, dst column-major `[m, p]` (that is, row-major `[p, m]`).
+#[allow(clippy::too_many_arguments)]
 fn gemm_nt(
     m: usize,
     p: usize,
     k: usize,
-    lhs: &[f32],
-    rhs: &[f32],
+    lhs: Operand<'_>,
+    rhs: Operand<'_>,
     dst: &mut [f32],
+    accumulate: bool,
     par: gemm::Parallelism,
 ) {
-    assert!(lhs.len() >= m * k && rhs.len() >= p * k && dst.len() >= m * p);
-    // SAFETY: the three pointers come from slices at least as long as the extents checked just
-    // above, every (row, col) the strides address lies inside them, and `dst` is exclusively
-    // borrowed, so gemm reads and writes only memory we own.
+    assert!(m > 0 && p > 0 && k > 0 && lhs.ld >= k && rhs.ld >= k);
+    assert!(lhs.data.len() >= (m - 1) * lhs.ld + k);
+    assert!(rhs.data.len() >= (p - 1) * rhs.ld + k);
+    assert!(dst.len() >= m * p);
+    // SAFETY: the asserts above bound every element the strides address inside the three
+    // slices, and `dst` is exclusively borrowed, so gemm touches only memory we own.
     unsafe {
         gemm::gemm(
             m,
@@ -257,14 +299,14 @@ fn gemm_nt(
             dst.as_mut_ptr(),
             m as isize,
             1,
-            false,
-            lhs.as_ptr(),
+            accumulate,
+            lhs.data.as_ptr(),
             1,
-            k as isize,
-            rhs.as_ptr(),
-            k as isize,
+            lhs.ld as isize,
+            rhs.data.as_ptr(),
+            rhs.ld as isize,
             1,
-            0.0,
+            if accumulate { 1.0 } else { 0.0 },
             1.0,
             false,
             false,

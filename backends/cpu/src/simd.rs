@@ -31,8 +31,17 @@ pub(crate) fn has_avx2_fma() -> bool {
     std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
 }
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn has_avx512() -> bool {
+    std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::is_x86_feature_detected!("avx512vl")
+        && has_avx2_fma()
+}
+
 /// `simd_dispatch!(vis fn name => impl_fn(args...) -> ret)` defines `name`, which calls
-/// `impl_fn::<Fused>` compiled for AVX2+FMA when available and `impl_fn::<Plain>` otherwise.
+/// `impl_fn::<Fused>` compiled for AVX-512 or AVX2+FMA when available and `impl_fn::<Plain>`
+/// otherwise.
 /// `impl_fn` must be `#[inline(always)]` so it is compiled inside each copy.
 macro_rules! simd_dispatch {
     ($(#[$meta:meta])* $vis:vis fn $name:ident => $imp:ident ( $($arg:ident : $ty:ty),* $(,)? ) $(-> $ret:ty)?) => {
@@ -40,9 +49,17 @@ macro_rules! simd_dispatch {
         $vis fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+                fn fast512($($arg: $ty),*) $(-> $ret)? {
+                    $imp::<$crate::simd::Fused>($($arg),*)
+                }
                 #[target_feature(enable = "avx2,fma")]
                 fn fast($($arg: $ty),*) $(-> $ret)? {
                     $imp::<$crate::simd::Fused>($($arg),*)
+                }
+                if $crate::simd::has_avx512() {
+                    // SAFETY: AVX-512 F/BW/VL, AVX2 and FMA were detected on this CPU just above.
+                    return unsafe { fast512($($arg),*) };
                 }
                 if $crate::simd::has_avx2_fma() {
                     // SAFETY: AVX2 and FMA were detected on this CPU just above.
