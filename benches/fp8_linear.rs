@@ -45,7 +45,11 @@ fn bench(c: &mut Criterion) {
 }
 
 fn median_ns(group: &str, func: &str, m: usize) -> Option<f64> {
-    let p = out_dir().join(group).join(func).join(m.to_string()).join("new/estimates.json");
+    let p = out_dir()
+        .join(group)
+        .join(func)
+        .join(m.to_string())
+        .join("new/estimates.json");
     let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()?;
     v["median"]["point_estimate"].as_f64()
 }
@@ -60,12 +64,22 @@ fn main() {
     bench(&mut c);
     c.final_summary();
     let group = format!("fp8_linear_cpu_n{N}_k{K}");
-    println!("\nspeedup over {BASELINE} (median time ratio, >1 = fp8nsa faster), threads = {}:", rayon_threads());
+    println!(
+        "\nspeedup over {BASELINE} (median time ratio, >1 = fp8nsa faster), threads = {}:",
+        rayon_threads()
+    );
     for m in MS {
-        let Some(base) = median_ns(&group, BASELINE, m) else { continue };
+        let Some(base) = median_ns(&group, BASELINE, m) else {
+            continue;
+        };
         for (name, _) in OURS {
             if let Some(t) = median_ns(&group, name, m) {
-                println!("  M={m:<4} {name:<16} {:>8.3} ms vs {:>8.3} ms  ratio {:.2}x", t / 1e6, base / 1e6, base / t);
+                println!(
+                    "  M={m:<4} {name:<16} {:>8.3} ms vs {:>8.3} ms  ratio {:.2}x",
+                    t / 1e6,
+                    base / 1e6,
+                    base / t
+                );
             }
         }
     }

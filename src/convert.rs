@@ -106,7 +106,8 @@ pub fn bytes_to_convert(input: &Path, opts: &QuantizeOptions) -> Result<u64> {
 }
 
 fn regexes(opts: &QuantizeOptions) -> Result<(Regex, Regex)> {
-    let re = |arg, s: &str| Regex::new(s).map_err(|e| invalid(arg, format!("bad regex {s:?}: {e}")));
+    let re =
+        |arg, s: &str| Regex::new(s).map_err(|e| invalid(arg, format!("bad regex {s:?}: {e}")));
     Ok((re("include", &opts.include)?, re("exclude", &opts.exclude)?))
 }
 
@@ -178,7 +179,15 @@ pub fn quantize_checkpoint(
                 format!("{} would overwrite the input", dest.display()),
             ));
         }
-        convert_file(file, &dest, opts, &include, &exclude, &mut report, on_tensor)?;
+        convert_file(
+            file,
+            &dest,
+            opts,
+            &include,
+            &exclude,
+            &mut report,
+            on_tensor,
+        )?;
     }
     report.not_converted.sort();
     report.not_converted.dedup();
@@ -200,6 +209,9 @@ fn same_file(a: &Path, b: &Path) -> bool {
     }
 }
 
+/// A tensor to write: name, dtype, shape, bytes (borrowed from the input when unchanged).
+type OutTensor<'a> = (String, Dtype, Vec<usize>, Cow<'a, [u8]>);
+
 fn convert_file(
     file: &Path,
     dest: &Path,
@@ -220,16 +232,26 @@ fn convert_file(
     let mut tensors = st.tensors();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
 
-    let mut out: Vec<(String, Dtype, Vec<usize>, Cow<'_, [u8]>)> = Vec::new();
+    let mut out: Vec<OutTensor<'_>> = Vec::new();
     for (name, view) in tensors {
         if !is_candidate(&name, &view, include) {
-            out.push((name, view.dtype(), view.shape().to_vec(), Cow::Borrowed(view.data())));
+            out.push((
+                name,
+                view.dtype(),
+                view.shape().to_vec(),
+                Cow::Borrowed(view.data()),
+            ));
             continue;
         }
         if exclude.is_match(&name) {
             let module = name.strip_suffix(".weight").unwrap_or(&name).to_string();
             report.not_converted.push(module);
-            out.push((name, view.dtype(), view.shape().to_vec(), Cow::Borrowed(view.data())));
+            out.push((
+                name,
+                view.dtype(),
+                view.shape().to_vec(),
+                Cow::Borrowed(view.data()),
+            ));
             continue;
         }
         let dtype = candle_dtype(view.dtype()).expect("candidates are float");
@@ -244,15 +266,30 @@ fn convert_file(
             .flat_map(|s| s.to_le_bytes())
             .collect();
         let scale_name = format!("{}_scale_inv", name);
-        out.push((name.clone(), Dtype::F8_E4M3, view.shape().to_vec(), Cow::Owned(codes)));
-        out.push((scale_name, Dtype::F32, q.scales().dims().to_vec(), Cow::Owned(scales)));
+        out.push((
+            name.clone(),
+            Dtype::F8_E4M3,
+            view.shape().to_vec(),
+            Cow::Owned(codes),
+        ));
+        out.push((
+            scale_name,
+            Dtype::F32,
+            q.scales().dims().to_vec(),
+            Cow::Owned(scales),
+        ));
         on_tensor(&name, view.data().len() as u64);
         tracing::info!(tensor = %name, shape = ?view.shape(), "quantized");
         report.converted.push(name);
     }
     let views = out
         .iter()
-        .map(|(n, d, s, b)| Ok((n.clone(), TensorView::new(*d, s.clone(), b).map_err(st_err)?)))
+        .map(|(n, d, s, b)| {
+            Ok((
+                n.clone(),
+                TensorView::new(*d, s.clone(), b).map_err(st_err)?,
+            ))
+        })
         .collect::<Result<Vec<_>>>()?;
     let metadata: Option<HashMap<String, String>> = header.metadata().clone();
     safetensors::serialize_to_file(views, metadata, dest).map_err(|source| Error::Safetensors {
@@ -264,7 +301,12 @@ fn convert_file(
     Ok(())
 }
 
-fn write_config(input: &Path, output: &Path, dir_mode: bool, report: &mut QuantizeReport) -> Result<()> {
+fn write_config(
+    input: &Path,
+    output: &Path,
+    dir_mode: bool,
+    report: &mut QuantizeReport,
+) -> Result<()> {
     let (src, out_dir) = if dir_mode {
         (input.join("config.json"), output.to_path_buf())
     } else {

@@ -7,7 +7,11 @@ use clap::{Parser, Subcommand};
 use fp8nsa::convert::{bytes_to_convert, quantize_checkpoint, QuantizeOptions};
 
 #[derive(Parser)]
-#[command(name = "fp8nsa", version, about = "fp8 block-scaled linear layers and Native Sparse Attention for Candle")]
+#[command(
+    name = "fp8nsa",
+    version,
+    about = "fp8 block-scaled linear layers and Native Sparse Attention for Candle"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -59,7 +63,15 @@ fn main() -> ExitCode {
             block,
             include,
             exclude,
-        } => quantize(input, output, QuantizeOptions { block, include, exclude }),
+        } => quantize(
+            input,
+            output,
+            QuantizeOptions {
+                block,
+                include,
+                exclude,
+            },
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

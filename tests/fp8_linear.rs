@@ -124,11 +124,7 @@ fn small_and_odd_shapes() {
         (83, 40, 300, [16, 128]),
         (300, 24, 129, [8, 64]),
     ] {
-        for act in [
-            ActQuant::None,
-            ActQuant::Group,
-            ActQuant::Block2d { bm: 5 },
-        ] {
+        for act in [ActQuant::None, ActQuant::Group, ActQuant::Block2d { bm: 5 }] {
             for dtype in [DType::F32, DType::F16] {
                 check_case(&mut rng, m, n, k, block, act, dtype, 0..m, true);
             }
@@ -140,7 +136,8 @@ fn small_and_odd_shapes() {
 fn batched_input_keeps_leading_dims() {
     let mut rng = rng("batched_input");
     let (n, k) = (64, 200);
-    let wq = Fp8BlockWeight::quantize(&tensor(gaussian(&mut rng, n * k), &[n, k]), [32, 64]).unwrap();
+    let wq =
+        Fp8BlockWeight::quantize(&tensor(gaussian(&mut rng, n * k), &[n, k]), [32, 64]).unwrap();
     let layer = Fp8Linear::new(wq.clone(), None, ActQuant::Group).unwrap();
     let x = tensor(gaussian(&mut rng, 2 * 3 * k), &[2, 3, k]);
     let y = layer.forward(&x).unwrap();
@@ -150,7 +147,8 @@ fn batched_input_keeps_leading_dims() {
     // a non-contiguous view gives the same answer
     let xt = tensor(gaussian(&mut rng, k * 5), &[k, 5]).t().unwrap();
     let yt = layer.forward(&xt).unwrap();
-    let want = reference::fp8_linear(&xt.contiguous().unwrap(), &wq, None, ActQuant::Group).unwrap();
+    let want =
+        reference::fp8_linear(&xt.contiguous().unwrap(), &wq, None, ActQuant::Group).unwrap();
     assert!(rel_frobenius(&yt, &want) < 1e-3);
 }
 
@@ -176,7 +174,10 @@ fn from_parts_random_codes_and_scales() {
     let wq = Fp8BlockWeight::from_parts(data, tensor(scales, &ns), block).unwrap();
     for act in [ActQuant::None, ActQuant::Group] {
         let x = tensor(hetero(&mut rng, m, k, 1, block[1]), &[m, k]);
-        let y = Fp8Linear::new(wq.clone(), None, act).unwrap().forward(&x).unwrap();
+        let y = Fp8Linear::new(wq.clone(), None, act)
+            .unwrap()
+            .forward(&x)
+            .unwrap();
         let want = reference::fp8_linear(&x, &wq, None, act).unwrap();
         assert!(rel_frobenius(&y, &want) < 1e-3);
         // the dequantized weight in a plain matmul agrees too (W8A16)
@@ -219,14 +220,30 @@ fn quantized_matches_unquantized_math() {
 #[test]
 fn quantization_round_trip_bounds() {
     let mut rng = rng("round_trip_bounds");
-    for (n, k, block) in [(576, 3884, [128, 128]), (130, 70, [64, 32]), (5, 3, [512, 512])] {
+    for (n, k, block) in [
+        (576, 3884, [128, 128]),
+        (130, 70, [64, 32]),
+        (5, 3, [512, 512]),
+    ] {
         let wv = hetero(&mut rng, n, k, block[0], block[1]);
         let w = tensor(wv.clone(), &[n, k]);
         for dtype in [DType::F32, DType::BF16] {
             let w = w.to_dtype(dtype).unwrap();
-            let wv: Vec<f32> = w.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let wv: Vec<f32> = w
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
             let q = Fp8BlockWeight::quantize(&w, block).unwrap();
-            let back: Vec<f32> = q.dequantize(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let back: Vec<f32> = q
+                .dequantize(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
             let s: Vec<Vec<f32>> = q.scales().to_vec2().unwrap();
             for r in 0..n {
                 for c in 0..k {
@@ -256,10 +273,19 @@ fn quantization_round_trip_bounds() {
 fn nan_input_propagates_and_zero_rows_stay_zero() {
     let (n, k) = (4, 8);
     let w = tensor((0..n * k).map(|i| i as f32 - 10.0).collect(), &[n, k]);
-    let layer = Fp8Linear::new(Fp8BlockWeight::quantize(&w, [2, 4]).unwrap(), None, ActQuant::Group).unwrap();
+    let layer = Fp8Linear::new(
+        Fp8BlockWeight::quantize(&w, [2, 4]).unwrap(),
+        None,
+        ActQuant::Group,
+    )
+    .unwrap();
     let mut xv = vec![0f32; 2 * k];
     xv[k + 1] = f32::NAN;
-    let y: Vec<Vec<f32>> = layer.forward(&tensor(xv, &[2, k])).unwrap().to_vec2().unwrap();
+    let y: Vec<Vec<f32>> = layer
+        .forward(&tensor(xv, &[2, k]))
+        .unwrap()
+        .to_vec2()
+        .unwrap();
     assert!(y[0].iter().all(|&v| v == 0.0));
     assert!(y[1].iter().all(|v| v.is_nan()));
 }
@@ -288,12 +314,22 @@ fn bad_inputs_are_errors_that_name_the_argument() {
     let e = err_text(layer.forward_t(&Tensor::ones((0, 16), DType::F32, &dev).unwrap()));
     assert!(e.contains("x") && e.contains("at least one row"), "{e}");
     // the Module impl returns the same errors through candle's type
-    assert!(layer.forward(&Tensor::ones((2, 15), DType::F32, &dev).unwrap()).is_err());
+    assert!(layer
+        .forward(&Tensor::ones((2, 15), DType::F32, &dev).unwrap())
+        .is_err());
     // bias shape
-    let e = err_text(Fp8Linear::new(wq.clone(), Some(Tensor::ones(7, DType::F32, &dev).unwrap()), ActQuant::Group));
+    let e = err_text(Fp8Linear::new(
+        wq.clone(),
+        Some(Tensor::ones(7, DType::F32, &dev).unwrap()),
+        ActQuant::Group,
+    ));
     assert!(e.contains("bias") && e.contains("[8]"), "{e}");
     // zero activation row block
-    let e = err_text(Fp8Linear::new(wq.clone(), None, ActQuant::Block2d { bm: 0 }));
+    let e = err_text(Fp8Linear::new(
+        wq.clone(),
+        None,
+        ActQuant::Block2d { bm: 0 },
+    ));
     assert!(e.contains("bm"), "{e}");
 
     // quantize: zero block, wrong rank, empty, non-float
@@ -301,27 +337,59 @@ fn bad_inputs_are_errors_that_name_the_argument() {
     assert!(e.contains("block"), "{e}");
     let e = err_text(Fp8BlockWeight::quantize(&w.flatten_all().unwrap(), [4, 8]));
     assert!(e.contains("w") && e.contains("[N, K]"), "{e}");
-    let e = err_text(Fp8BlockWeight::quantize(&Tensor::ones((0, 16), DType::F32, &dev).unwrap(), [4, 8]));
+    let e = err_text(Fp8BlockWeight::quantize(
+        &Tensor::ones((0, 16), DType::F32, &dev).unwrap(),
+        [4, 8],
+    ));
     assert!(e.contains("w"), "{e}");
-    let e = err_text(Fp8BlockWeight::quantize(&Tensor::ones((8, 16), DType::U8, &dev).unwrap(), [4, 8]));
+    let e = err_text(Fp8BlockWeight::quantize(
+        &Tensor::ones((8, 16), DType::U8, &dev).unwrap(),
+        [4, 8],
+    ));
     assert!(e.contains("dtype"), "{e}");
 
     // from_parts: scale shape, scale dtype, data dtype, zero block
     let data = wq.data().clone();
-    let e = err_text(Fp8BlockWeight::from_parts(data.clone(), Tensor::ones((2, 3), DType::F32, &dev).unwrap(), [4, 8]));
+    let e = err_text(Fp8BlockWeight::from_parts(
+        data.clone(),
+        Tensor::ones((2, 3), DType::F32, &dev).unwrap(),
+        [4, 8],
+    ));
     assert!(e.contains("scales") && e.contains("[2, 2]"), "{e}");
-    let e = err_text(Fp8BlockWeight::from_parts(data.clone(), Tensor::ones((2, 2), DType::F16, &dev).unwrap(), [4, 8]));
+    let e = err_text(Fp8BlockWeight::from_parts(
+        data.clone(),
+        Tensor::ones((2, 2), DType::F16, &dev).unwrap(),
+        [4, 8],
+    ));
     assert!(e.contains("scales") && e.contains("f32"), "{e}");
-    let e = err_text(Fp8BlockWeight::from_parts(w.clone(), wq.scales().clone(), [4, 8]));
+    let e = err_text(Fp8BlockWeight::from_parts(
+        w.clone(),
+        wq.scales().clone(),
+        [4, 8],
+    ));
     assert!(e.contains("data") && e.contains("u8"), "{e}");
-    let e = err_text(Fp8BlockWeight::from_parts(data.clone(), wq.scales().clone(), [4, 0]));
+    let e = err_text(Fp8BlockWeight::from_parts(
+        data.clone(),
+        wq.scales().clone(),
+        [4, 0],
+    ));
     assert!(e.contains("block"), "{e}");
     // and the matching parts are accepted, as U8 or F8E4M3
     assert!(Fp8BlockWeight::from_parts(data.clone(), wq.scales().clone(), [4, 8]).is_ok());
-    let f8: Vec<float8::F8E4M3> = data.flatten_all().unwrap().to_vec1::<u8>().unwrap().into_iter().map(float8::F8E4M3::from_bits).collect();
+    let f8: Vec<float8::F8E4M3> = data
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<u8>()
+        .unwrap()
+        .into_iter()
+        .map(float8::F8E4M3::from_bits)
+        .collect();
     let f8 = Tensor::from_vec(f8, (8, 16), &dev).unwrap();
     let back = Fp8BlockWeight::from_parts(f8, wq.scales().clone(), [4, 8]).unwrap();
-    assert_eq!(back.data().to_vec2::<u8>().unwrap(), data.to_vec2::<u8>().unwrap());
+    assert_eq!(
+        back.data().to_vec2::<u8>().unwrap(),
+        data.to_vec2::<u8>().unwrap()
+    );
 }
 
 /// A safetensors file in the Hugging Face layout (`weight` F8_E4M3, `weight_scale_inv` f32 or
@@ -331,14 +399,21 @@ fn loads_hugging_face_layout_from_safetensors() {
     use safetensors::tensor::{Dtype, TensorView};
     let mut rng = rng("hf_layout");
     let (n, k, block) = (200, 300, [128, 128]);
-    let wq = Fp8BlockWeight::quantize(&tensor(hetero(&mut rng, n, k, 128, 128), &[n, k]), block).unwrap();
+    let wq = Fp8BlockWeight::quantize(&tensor(hetero(&mut rng, n, k, 128, 128), &[n, k]), block)
+        .unwrap();
     let bytes = wq.data().flatten_all().unwrap().to_vec1::<u8>().unwrap();
     let scales = wq.scales().flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let scale_bytes: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
     let sdims = wq.scales().dims().to_vec();
     let tensors = vec![
-        ("model.layers.0.mlp.up_proj.weight".to_string(), TensorView::new(Dtype::F8_E4M3, vec![n, k], &bytes).unwrap()),
-        ("model.layers.0.mlp.up_proj.weight_scale_inv".to_string(), TensorView::new(Dtype::F32, sdims, &scale_bytes).unwrap()),
+        (
+            "model.layers.0.mlp.up_proj.weight".to_string(),
+            TensorView::new(Dtype::F8_E4M3, vec![n, k], &bytes).unwrap(),
+        ),
+        (
+            "model.layers.0.mlp.up_proj.weight_scale_inv".to_string(),
+            TensorView::new(Dtype::F32, sdims, &scale_bytes).unwrap(),
+        ),
     ];
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("model.safetensors");
@@ -347,17 +422,29 @@ fn loads_hugging_face_layout_from_safetensors() {
     let map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
     let vb = candle_nn::VarBuilder::from_tensors(map, DType::F32, &Device::Cpu);
     let loaded = Fp8BlockWeight::load(vb.pp("model.layers.0.mlp.up_proj"), block).unwrap();
-    assert_eq!(loaded.data().to_vec2::<u8>().unwrap(), wq.data().to_vec2::<u8>().unwrap());
-    assert_eq!(loaded.scales().to_vec2::<f32>().unwrap(), wq.scales().to_vec2::<f32>().unwrap());
+    assert_eq!(
+        loaded.data().to_vec2::<u8>().unwrap(),
+        wq.data().to_vec2::<u8>().unwrap()
+    );
+    assert_eq!(
+        loaded.scales().to_vec2::<f32>().unwrap(),
+        wq.scales().to_vec2::<f32>().unwrap()
+    );
 
     let x = tensor(gaussian(&mut rng, 3 * k), &[3, k]);
-    let y = Fp8Linear::new(loaded, None, ActQuant::Group).unwrap().forward(&x).unwrap();
+    let y = Fp8Linear::new(loaded, None, ActQuant::Group)
+        .unwrap()
+        .forward(&x)
+        .unwrap();
     let want = reference::fp8_linear(&x, &wq, None, ActQuant::Group).unwrap();
     assert!(rel_frobenius(&y, &want) < 1e-3);
 
     // a wrong block size for the file's scales is an error, not a panic
     let map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
     let vb = candle_nn::VarBuilder::from_tensors(map, DType::F32, &Device::Cpu);
-    let e = err_text(Fp8BlockWeight::load(vb.pp("model.layers.0.mlp.up_proj"), [64, 64]));
+    let e = err_text(Fp8BlockWeight::load(
+        vb.pp("model.layers.0.mlp.up_proj"),
+        [64, 64],
+    ));
     assert!(e.contains("scales"), "{e}");
 }

@@ -16,19 +16,47 @@ fn write_checkpoint(dir: &Path, rng: &mut rand::rngs::StdRng) -> HashMap<String,
     let mut t = HashMap::new();
     let mut add = |name: &str, dims: &[usize], dtype: DType, rng: &mut rand::rngs::StdRng| {
         let n = dims.iter().product();
-        let v = tensor(hetero(rng, n / dims[dims.len() - 1], dims[dims.len() - 1], 64, 64), &[n])
-            .reshape(dims)
-            .unwrap()
-            .to_dtype(dtype)
-            .unwrap();
+        let v = tensor(
+            hetero(rng, n / dims[dims.len() - 1], dims[dims.len() - 1], 64, 64),
+            &[n],
+        )
+        .reshape(dims)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap();
         t.insert(name.to_string(), v);
     };
     add("model.embed_tokens.weight", &[50, 200], DType::BF16, rng);
-    add("model.layers.0.input_layernorm.weight", &[200], DType::BF16, rng);
-    add("model.layers.0.self_attn.q_proj.weight", &[200, 200], DType::F32, rng);
-    add("model.layers.0.self_attn.q_proj.bias", &[200], DType::F32, rng);
-    add("model.layers.0.mlp.up_proj.weight", &[300, 200], DType::BF16, rng);
-    add("model.layers.0.mlp.down_proj.weight", &[200, 300], DType::F16, rng);
+    add(
+        "model.layers.0.input_layernorm.weight",
+        &[200],
+        DType::BF16,
+        rng,
+    );
+    add(
+        "model.layers.0.self_attn.q_proj.weight",
+        &[200, 200],
+        DType::F32,
+        rng,
+    );
+    add(
+        "model.layers.0.self_attn.q_proj.bias",
+        &[200],
+        DType::F32,
+        rng,
+    );
+    add(
+        "model.layers.0.mlp.up_proj.weight",
+        &[300, 200],
+        DType::BF16,
+        rng,
+    );
+    add(
+        "model.layers.0.mlp.down_proj.weight",
+        &[200, 300],
+        DType::F16,
+        rng,
+    );
     add("lm_head.weight", &[50, 200], DType::BF16, rng);
     candle_core::safetensors::save(&t, dir.join("model.safetensors")).unwrap();
     std::fs::write(
@@ -47,7 +75,11 @@ fn check_output(out: &Path, orig: &HashMap<String, Tensor>, block: [usize; 2]) {
         "model.layers.0.mlp.down_proj",
     ];
     for name in converted {
-        assert_eq!(map[&format!("{name}.weight")].dtype(), DType::F8E4M3, "{name}");
+        assert_eq!(
+            map[&format!("{name}.weight")].dtype(),
+            DType::F8E4M3,
+            "{name}"
+        );
     }
     // untouched tensors are bit-identical
     for name in [
@@ -59,20 +91,34 @@ fn check_output(out: &Path, orig: &HashMap<String, Tensor>, block: [usize; 2]) {
         let (a, b) = (&map[name], &orig[name]);
         assert_eq!(a.dtype(), b.dtype(), "{name}");
         let d = (a.to_dtype(DType::F64).unwrap() - b.to_dtype(DType::F64).unwrap()).unwrap();
-        assert_eq!(d.abs().unwrap().sum_all().unwrap().to_scalar::<f64>().unwrap(), 0.0);
+        assert_eq!(
+            d.abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f64>()
+                .unwrap(),
+            0.0
+        );
     }
     let vb = candle_nn::VarBuilder::from_tensors(map, DType::F32, &Device::Cpu);
     for name in converted {
         let w = Fp8BlockWeight::load(vb.pp(name), block).unwrap();
-        let want = orig[&format!("{name}.weight")].to_dtype(DType::F32).unwrap();
+        let want = orig[&format!("{name}.weight")]
+            .to_dtype(DType::F32)
+            .unwrap();
         let back = w.dequantize(DType::F32).unwrap();
         // per element: half an fp8 ulp, or half the subnormal step of its block
         let scales: Vec<Vec<f32>> = w.scales().to_vec2().unwrap();
-        let (a, b): (Vec<Vec<f32>>, Vec<Vec<f32>>) = (back.to_vec2().unwrap(), want.to_vec2().unwrap());
+        let (a, b): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
+            (back.to_vec2().unwrap(), want.to_vec2().unwrap());
         for (r, (ra, rb)) in a.iter().zip(&b).enumerate() {
             for (c, (x, y)) in ra.iter().zip(rb).enumerate() {
                 let s = scales[r / block[0]][c / block[1]];
-                assert!((x - y).abs() <= (y.abs() / 16.0).max(s / 1024.0) * 1.0001, "{name} {r},{c}");
+                assert!(
+                    (x - y).abs() <= (y.abs() / 16.0).max(s / 1024.0) * 1.0001,
+                    "{name} {r},{c}"
+                );
             }
         }
     }
@@ -103,7 +149,11 @@ fn cli_quantizes_a_directory_and_load_reads_it_back() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("converted 3 weights"), "{stdout}");
     check_output(dst.path(), &orig, [64, 128]);
 }
@@ -130,18 +180,37 @@ fn library_quantizes_a_single_file() {
 #[test]
 fn cli_errors_are_messages_not_panics() {
     let run = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_fp8nsa")).args(args).output().unwrap();
-        (out.status.success(), String::from_utf8_lossy(&out.stderr).to_string())
+        let out = Command::new(env!("CARGO_BIN_EXE_fp8nsa"))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
     };
-    let (ok, err) = run(&["quantize", "/nonexistent/model.safetensors", "-o", "/tmp/x.safetensors"]);
-    assert!(!ok && err.contains("/nonexistent/model.safetensors"), "{err}");
+    let (ok, err) = run(&[
+        "quantize",
+        "/nonexistent/model.safetensors",
+        "-o",
+        "/tmp/x.safetensors",
+    ]);
+    assert!(
+        !ok && err.contains("/nonexistent/model.safetensors"),
+        "{err}"
+    );
     let (ok, err) = run(&["quantize", "a", "-o", "b", "--block", "0x128"]);
     assert!(!ok && err.contains("positive"), "{err}");
     // not a safetensors file
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("bad.safetensors");
     std::fs::write(&bad, b"not a checkpoint").unwrap();
-    let (ok, err) = run(&["quantize", bad.to_str().unwrap(), "-o", dir.path().join("o.safetensors").to_str().unwrap()]);
+    let (ok, err) = run(&[
+        "quantize",
+        bad.to_str().unwrap(),
+        "-o",
+        dir.path().join("o.safetensors").to_str().unwrap(),
+    ]);
     assert!(!ok && err.contains("bad.safetensors"), "{err}");
     // refusing to overwrite the input
     let src = tempfile::tempdir().unwrap();

@@ -152,7 +152,11 @@ mod tests {
         for c in 0..0x7eu8 {
             let mid = (t[c as usize] + t[c as usize + 1]) / 2.0;
             let ours = fp8nsa_cpu::fp8::e4m3_to_f32(fp8nsa_cpu::fp8::f32_to_e4m3(mid as f32));
-            assert_eq!(round_to_e4m3(mid, &t), ours as f64, "midpoint after code {c:#x}");
+            assert_eq!(
+                round_to_e4m3(mid, &t),
+                ours as f64,
+                "midpoint after code {c:#x}"
+            );
         }
     }
 }

@@ -111,10 +111,9 @@ mod tests {
         let mut buf = [0f32; 256];
         let codes: Vec<u8> = (0..=255).collect();
         decode_scaled(&codes, 1.0, &mut buf);
-        for c in 0..256 {
+        for (c, v) in buf.iter().enumerate() {
             assert!(
-                buf[c].to_bits() == e4m3_to_f32(c as u8).to_bits()
-                    || (buf[c].is_nan() && c & 0x7f == 0x7f)
+                v.to_bits() == e4m3_to_f32(c as u8).to_bits() || (v.is_nan() && c & 0x7f == 0x7f)
             );
         }
     }
@@ -200,7 +199,11 @@ mod tests {
         // every midpoint and its neighbours
         for c in 0..0x7eu8 {
             let mid = ((by_definition(c) + by_definition(c + 1)) / 2.0) as f32;
-            for x in [mid, f32::from_bits(mid.to_bits() - 1), f32::from_bits(mid.to_bits() + 1)] {
+            for x in [
+                mid,
+                f32::from_bits(mid.to_bits() - 1),
+                f32::from_bits(mid.to_bits() + 1),
+            ] {
                 assert_eq!(f32_to_e4m3(x), brute_force(x), "x = {x:e}");
             }
         }

@@ -8,9 +8,9 @@
 
 use rayon::prelude::*;
 
-pub use crate::quant::ActMode;
 use crate::error::{check_len, check_positive, Result};
 use crate::fp8::e4m3_to_f32;
+pub use crate::quant::ActMode;
 use crate::quant::{quantize_act, QuantizedAct};
 use crate::simd::{dot, simd_dispatch, Arith};
 
@@ -247,16 +247,21 @@ fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: Fp8LinearShape, yt: &mut [f32]
             let c1 = (c0 + kc).min(s.k);
             let tile = &mut buf[..rows * (c1 - c0)];
             dequant_tile(w, sw, s, i * p, c0, c1, tile);
-            let lhs = Operand { data: &x[c0..], ld: s.k };
-            let rhs = Operand { data: tile, ld: c1 - c0 };
+            let lhs = Operand {
+                data: &x[c0..],
+                ld: s.k,
+            };
+            let rhs = Operand {
+                data: tile,
+                ld: c1 - c0,
+            };
             gemm_nt(s.m, rows, c1 - c0, lhs, rhs, dst, c0 > 0, inner);
         }
     };
     if per_panel {
-        yt.par_chunks_mut(p * s.m).enumerate().for_each_init(
-            || vec![0f32; p * kc],
-            |buf, (i, dst)| panel(i, dst, buf),
-        );
+        yt.par_chunks_mut(p * s.m)
+            .enumerate()
+            .for_each_init(|| vec![0f32; p * kc], |buf, (i, dst)| panel(i, dst, buf));
     } else {
         let mut buf = vec![0f32; p * kc];
         for (i, dst) in yt.chunks_mut(p * s.m).enumerate() {

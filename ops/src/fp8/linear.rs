@@ -85,7 +85,11 @@ impl Fp8Linear {
             return Err(shape_err("x", format!("[.., {k}] (K of the weight)"), dims));
         }
         if x.elem_count() == 0 {
-            return Err(shape_err("x", format!("[.., {k}] with at least one row"), dims));
+            return Err(shape_err(
+                "x",
+                format!("[.., {k}] with at least one row"),
+                dims,
+            ));
         }
         if !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
             return Err(Error::DType {

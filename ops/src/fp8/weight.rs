@@ -125,9 +125,7 @@ impl Fp8BlockWeight {
         }
         let data = match data.dtype() {
             DType::U8 => data.contiguous()?,
-            DType::F8E4M3 => {
-                Tensor::from_vec(host_bytes("data", &data)?, (n, k), data.device())?
-            }
+            DType::F8E4M3 => Tensor::from_vec(host_bytes("data", &data)?, (n, k), data.device())?,
             got => {
                 return Err(Error::DType {
                     arg: "data",
