@@ -4,6 +4,8 @@
 //!
 //! - [`Fp8Linear`]: fp8 e4m3fn weights with 2-D block scales (the DeepSeek-V3 / Qwen3-FP8
 //!   checkpoint format), dynamic activation quantization ([`ActQuant`]), f32 accumulation.
+//! - [`nsa`]: NSA selection attention over selected key blocks or arbitrary ranges, with a dense
+//!   masked-SDPA fallback.
 //! - [`reference`]: the f64 reference every backend is tested against.
 //! - [`convert`]: quantizing a safetensors checkpoint to that format (the `fp8nsa quantize`
 //!   command).
@@ -32,7 +34,12 @@ pub use error::{Error, Result};
 pub use fp8nsa_ops::Error as OpsError;
 pub use fp8nsa_ops::{ActQuant, Fp8BlockWeight, Fp8Linear};
 
+/// Native Sparse Attention: selection types and [`nsa::SelectionAttention`].
+pub mod nsa {
+    pub use fp8nsa_ops::nsa::*;
+}
+
 /// f64 reference implementations of the numerics contract.
 pub mod reference {
-    pub use fp8nsa_ops::reference::fp8_linear;
+    pub use fp8nsa_ops::reference::{fp8_linear, nsa_selection};
 }

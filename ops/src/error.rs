@@ -17,6 +17,14 @@ pub enum Error {
     },
     #[error("{arg}: {msg}")]
     Invalid { arg: &'static str, msg: String },
+    #[error("selection: batch {batch}, token {token}, kv head {head}, entry {entry}: {msg}")]
+    Selection {
+        batch: usize,
+        token: usize,
+        head: usize,
+        entry: usize,
+        msg: String,
+    },
     #[error("{op}: no kernel for device {device}: {hint}")]
     Unsupported {
         op: &'static str,

@@ -15,6 +15,7 @@
 
 mod error;
 pub mod fp8;
+pub mod nsa;
 pub mod reference;
 mod storage;
 

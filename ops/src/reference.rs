@@ -137,6 +137,120 @@ pub fn fp8_linear(
     Ok(Tensor::from_vec(y, dims, x.device())?)
 }
 
+/// NSA selection attention, naively: for each (batch, query, query head) gather the set of
+/// selected keys the query may see (`0 <= j < Tk`, `j <= q_offset + t`, each key once), then an
+/// f64 softmax over them. Dense BTHD shapes as [`crate::nsa::SelectionAttention::forward`];
+/// `scale` defaults to `1/sqrt(D)`, `q_offset` to `Tk - Tq`. Returns `o [B, Tq, Hq, Dv]` and
+/// `lse [B, Tq, Hq]`, both f32 (`o = 0`, `lse = -inf` where nothing is visible).
+pub fn nsa_selection<'s>(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    selection: impl Into<crate::nsa::Selection<'s>>,
+    scale: Option<f64>,
+    q_offset: Option<usize>,
+) -> Result<(Tensor, Tensor)> {
+    use crate::nsa::Selection;
+    use std::collections::BTreeSet;
+
+    let (b, tq, hq, d) = q.dims4()?;
+    let (_, tk, hkv, _) = k.dims4()?;
+    let dv = v.dims4()?.3;
+    let g = hq / hkv;
+    let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
+    let q_offset = match q_offset {
+        Some(o) => o,
+        None => tk.checked_sub(tq).ok_or_else(|| {
+            crate::error::invalid("q_offset", "Tq > Tk needs an explicit q_offset")
+        })?,
+    };
+    let host = |t: &Tensor| -> Result<Vec<f64>> {
+        Ok(t.to_device(&Device::Cpu)?
+            .to_dtype(DType::F64)?
+            .flatten_all()?
+            .to_vec1()?)
+    };
+    let (qv, kv, vv) = (host(q)?, host(k)?, host(v)?);
+    let sel = selection.into();
+    // keys named by row (bi, t, h), as a set
+    let keys_of: Box<dyn Fn(usize, usize, usize) -> BTreeSet<i64>> = match sel {
+        Selection::Blocks(s) => {
+            let idx4: Vec<i64> = s
+                .indices()
+                .to_device(&Device::Cpu)?
+                .to_dtype(DType::I64)?
+                .flatten_all()?
+                .to_vec1()?;
+            let [_, stq, shkv, n] = s.dims();
+            let bs = s.block_size() as i64;
+            Box::new(move |bi, t, h| {
+                let row = &idx4[((bi * stq + t) * shkv + h) * n..][..n];
+                row.iter()
+                    .filter(|&&i| i >= 0)
+                    .flat_map(|&i| i * bs..(i + 1) * bs)
+                    .collect()
+            })
+        }
+        Selection::Ranges(s) => {
+            let r: Vec<i64> = s
+                .ranges()
+                .to_device(&Device::Cpu)?
+                .to_dtype(DType::I64)?
+                .flatten_all()?
+                .to_vec1()?;
+            let [_, stq, shkv, n] = s.dims();
+            Box::new(move |bi, t, h| {
+                let row = &r[((bi * stq + t) * shkv + h) * n * 2..][..n * 2];
+                row.chunks(2).flat_map(|p| p[0]..p[1]).collect()
+            })
+        }
+    };
+    let mut o = vec![0f32; b * tq * hq * dv];
+    let mut lse = vec![f32::NEG_INFINITY; b * tq * hq];
+    for bi in 0..b {
+        for t in 0..tq {
+            let pos = (q_offset + t) as i64;
+            for h in 0..hkv {
+                let keys: Vec<usize> = keys_of(bi, t, h)
+                    .into_iter()
+                    .filter(|&j| j >= 0 && j < tk as i64 && j <= pos)
+                    .map(|j| j as usize)
+                    .collect();
+                if keys.is_empty() {
+                    continue;
+                }
+                for qh in h * g..(h + 1) * g {
+                    let qrow = &qv[((bi * tq + t) * hq + qh) * d..][..d];
+                    let scores: Vec<f64> = keys
+                        .iter()
+                        .map(|&j| {
+                            let krow = &kv[((bi * tk + j) * hkv + h) * d..][..d];
+                            scale * qrow.iter().zip(krow).map(|(a, b)| a * b).sum::<f64>()
+                        })
+                        .collect();
+                    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                    let l: f64 = w.iter().sum();
+                    let out = &mut o[((bi * tq + t) * hq + qh) * dv..][..dv];
+                    for c in 0..dv {
+                        let acc: f64 = keys
+                            .iter()
+                            .zip(&w)
+                            .map(|(&j, wj)| wj * vv[((bi * tk + j) * hkv + h) * dv + c])
+                            .sum();
+                        out[c] = (acc / l) as f32;
+                    }
+                    lse[(bi * tq + t) * hq + qh] = (m + l.ln()) as f32;
+                }
+            }
+        }
+    }
+    Ok((
+        Tensor::from_vec(o, (b, tq, hq, dv), q.device())?,
+        Tensor::from_vec(lse, (b, tq, hq), q.device())?,
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

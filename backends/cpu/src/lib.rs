@@ -18,6 +18,7 @@
 mod error;
 pub mod fp8;
 pub mod linear;
+pub mod nsa;
 pub mod quant;
 mod simd;
 

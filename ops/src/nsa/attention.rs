@@ -1,0 +1,406 @@
+use std::sync::Arc;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
+use fp8nsa_cpu::nsa::{selection_attention, AttnDims, SeqInfo};
+
+use super::sdpa::masked_sdpa;
+use super::selection::{HostSelection, Selection};
+use crate::error::{invalid, shape_err, Error, Result};
+
+/// Default `min_len`: below this many keys the dense fallback is used.
+pub const DEFAULT_MIN_LEN: usize = 2048;
+/// Environment variable overriding [`DEFAULT_MIN_LEN`].
+pub const MIN_LEN_ENV: &str = "FP8NSA_NSA_MIN_LEN";
+
+/// NSA selection attention: each query attends to the keys its selection names (shared by the G
+/// query heads of a kv head), causally, with an f32 softmax.
+///
+/// Layout BTHD: `q [B, Tq, Hq, D]`, `k [B, Tk, Hkv, D]`, `v [B, Tk, Hkv, Dv]`, `Hq = G · Hkv`,
+/// f32/bf16/f16. Query `i` sits at position `q_offset + i` (default `Tk - Tq`: prefill, decode
+/// and chunked prefill alike) and sees key `j` iff `j <= q_offset + i`. Output
+/// `o [B, Tq, Hq, Dv]` in the input dtype and, `with_lse`, `lse [B, Tq, Hq]` f32 (natural log).
+/// A query that sees no selected key gets `o = 0`, `lse = -inf`.
+///
+/// On the CPU the selection is validated first (duplicates, overlaps and out-of-range entries
+/// are errors). Below `min_len` keys, or where no kernel exists for the device, a dense masked
+/// SDPA built from Candle ops runs instead, and a `tracing` event says why.
+#[derive(Clone, Debug)]
+pub struct SelectionAttention {
+    scale: Option<f32>,
+    q_offset: Option<usize>,
+    min_len: usize,
+    with_lse: bool,
+}
+
+impl Default for SelectionAttention {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SelectionAttention {
+    /// Scale `1/sqrt(D)`, default `q_offset`, `min_len` from `FP8NSA_NSA_MIN_LEN` or 2048, no
+    /// lse.
+    pub fn new() -> Self {
+        let min_len = std::env::var(MIN_LEN_ENV)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(DEFAULT_MIN_LEN);
+        Self {
+            scale: None,
+            q_offset: None,
+            min_len,
+            with_lse: false,
+        }
+    }
+
+    /// Score scale (default `1/sqrt(D)`).
+    pub fn scale(mut self, scale: f32) -> Self {
+        self.scale = Some(scale);
+        self
+    }
+
+    /// Absolute position of the first query (default `Tk - Tq`, per sequence for varlen).
+    pub fn q_offset(mut self, q_offset: usize) -> Self {
+        self.q_offset = Some(q_offset);
+        self
+    }
+
+    /// Key count below which the dense fallback runs.
+    pub fn min_len(mut self, min_len: usize) -> Self {
+        self.min_len = min_len;
+        self
+    }
+
+    /// Also return the log-sum-exp of the scores.
+    pub fn with_lse(mut self, with_lse: bool) -> Self {
+        self.with_lse = with_lse;
+        self
+    }
+
+    /// Dense batch: see the type's docs for shapes. `selection` is a `&BlockSelection` or
+    /// `&SelectionRanges` of `[B, Tq, Hkv, ..]`.
+    pub fn forward<'s>(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        selection: impl Into<Selection<'s>>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let sel = selection.into();
+        let (b, tq, hq, d) = dims4("q", q, "[B, Tq, Hq, D]")?;
+        let (bk, tk, hkv, dk) = dims4("k", k, "[B, Tk, Hkv, D]")?;
+        let (bv, tv, hv, dv) = dims4("v", v, "[B, Tk, Hkv, Dv]")?;
+        if bk != b || dk != d {
+            return Err(shape_err("k", format!("[{b}, Tk, Hkv, {d}]"), k.dims()));
+        }
+        if (bv, tv, hv) != (b, tk, hkv) {
+            return Err(shape_err("v", format!("[{b}, {tk}, {hkv}, Dv]"), v.dims()));
+        }
+        let q_offset = match self.q_offset {
+            Some(o) => o,
+            None => tk.checked_sub(tq).ok_or_else(|| {
+                invalid(
+                    "q_offset",
+                    format!("Tq = {tq} > Tk = {tk} needs an explicit q_offset"),
+                )
+            })?,
+        };
+        let seqs: Vec<SeqInfo> = (0..b)
+            .map(|i| SeqInfo {
+                q_start: i * tq,
+                q_len: tq,
+                k_start: i * tk,
+                k_len: tk,
+                q_offset,
+            })
+            .collect();
+        let (o, lse) = self.run(
+            &q.reshape((b * tq, hq, d))?,
+            &k.reshape((b * tk, hkv, d))?,
+            &v.reshape((b * tk, hkv, dv))?,
+            &seqs,
+            sel,
+            [b, tq, hkv],
+        )?;
+        let lse = match lse {
+            Some(l) => Some(l.reshape((b, tq, hq))?),
+            None => None,
+        };
+        Ok((o.reshape((b, tq, hq, dv))?, lse))
+    }
+
+    /// Packed sequences: `q [ΣTq, Hq, D]`, `k [ΣTk, Hkv, D]`, `v [ΣTk, Hkv, Dv]`,
+    /// `cu_seqlens_q` / `cu_seqlens_k` (u32, i32 or i64, length B + 1, from 0 to the totals).
+    /// The selection is packed like q, `[1, ΣTq, Hkv, ..]`, with key positions relative to
+    /// each sequence's own keys. Output `o [ΣTq, Hq, Dv]`, `lse [ΣTq, Hq]`.
+    pub fn forward_varlen<'s>(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cu_seqlens_q: &Tensor,
+        cu_seqlens_k: &Tensor,
+        selection: impl Into<Selection<'s>>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let sel = selection.into();
+        let (tq, _, d) = dims3("q", q, "[ΣTq, Hq, D]")?;
+        let (tk, hkv, dk) = dims3("k", k, "[ΣTk, Hkv, D]")?;
+        let (tv, hv, _) = dims3("v", v, "[ΣTk, Hkv, Dv]")?;
+        if dk != d {
+            return Err(shape_err("k", format!("[ΣTk, Hkv, {d}]"), k.dims()));
+        }
+        if (tv, hv) != (tk, hkv) {
+            return Err(shape_err("v", format!("[{tk}, {hkv}, Dv]"), v.dims()));
+        }
+        let cq = cu_seqlens("cu_seqlens_q", cu_seqlens_q, tq)?;
+        let ck = cu_seqlens("cu_seqlens_k", cu_seqlens_k, tk)?;
+        if cq.len() != ck.len() {
+            return Err(shape_err(
+                "cu_seqlens_k",
+                format!("[{}] like cu_seqlens_q", cq.len()),
+                cu_seqlens_k.dims(),
+            ));
+        }
+        let mut seqs = Vec::with_capacity(cq.len() - 1);
+        for i in 0..cq.len() - 1 {
+            let (q_len, k_len) = (cq[i + 1] - cq[i], ck[i + 1] - ck[i]);
+            let q_offset = match self.q_offset {
+                Some(o) => o,
+                None => k_len.checked_sub(q_len).ok_or_else(|| {
+                    invalid(
+                        "q_offset",
+                        format!(
+                            "sequence {i}: Tq = {q_len} > Tk = {k_len} needs an explicit q_offset"
+                        ),
+                    )
+                })?,
+            };
+            seqs.push(SeqInfo {
+                q_start: cq[i],
+                q_len,
+                k_start: ck[i],
+                k_len,
+                q_offset,
+            });
+        }
+        self.run(q, k, v, &seqs, sel, [1, tq, hkv])
+    }
+
+    /// Token-packed core shared by both entry points.
+    fn run(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        seqs: &[SeqInfo],
+        sel: Selection<'_>,
+        sel_dims: [usize; 3],
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (tq, hq, d) = q.dims3()?;
+        let (_, hkv, _) = k.dims3()?;
+        let dv = v.dims()[2];
+        if hkv == 0 || hq % hkv != 0 {
+            return Err(shape_err(
+                "q",
+                format!("Hq a multiple of Hkv = {hkv}"),
+                q.dims(),
+            ));
+        }
+        if tq == 0 || d == 0 || dv == 0 {
+            return Err(shape_err("q", "non-empty tensors", q.dims()));
+        }
+        for (arg, t) in [("q", q), ("k", k), ("v", v)] {
+            if !matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+                return Err(Error::DType {
+                    arg,
+                    expected: "f32, bf16 or f16",
+                    got: t.dtype(),
+                });
+            }
+            if t.dtype() != q.dtype() || !t.device().same_device(q.device()) {
+                return Err(invalid(arg, "q, k and v must share dtype and device"));
+            }
+        }
+        let sd = sel.dims();
+        if sd[..3] != sel_dims {
+            return Err(shape_err(
+                "selection",
+                format!("[{}, {}, {}, ..]", sel_dims[0], sel_dims[1], sel_dims[2]),
+                &sd,
+            ));
+        }
+        let host = HostSelection::from_selection(sel)?;
+        let mut seq_of = vec![0usize; tq];
+        for (i, s) in seqs.iter().enumerate() {
+            seq_of[s.q_start..s.q_start + s.q_len].fill(i);
+        }
+        // errors name (batch, token): the sequence and the token within it
+        host.validate(
+            &|t| {
+                let s = seqs[seq_of[t]];
+                (seq_of[t], t - s.q_start, s.k_len)
+            },
+            hkv,
+        )?;
+        let scale = self.scale.unwrap_or(1.0 / (d as f32).sqrt());
+        let max_tk = seqs.iter().map(|s| s.k_len).max().unwrap_or(0);
+        let reason = if max_tk < self.min_len {
+            Some(format!("tk = {max_tk} < min_len = {}", self.min_len))
+        } else if !q.device().is_cpu() {
+            Some(format!("no selection kernel for {:?}", q.device()))
+        } else {
+            None
+        };
+        let _span = tracing::debug_span!("fp8nsa::nsa_selection", tq, hq, hkv, d, dv).entered();
+        if let Some(reason) = reason {
+            tracing::debug!(op = "nsa_selection", backend = "sdpa-fallback", %reason, tq, hq, hkv, d, dv);
+            let (o, lse) = masked_sdpa(q, k, v, seqs, &host, scale)?;
+            return Ok((o.to_dtype(q.dtype())?, self.with_lse.then_some(lse)));
+        }
+        tracing::debug!(
+            op = "nsa_selection",
+            backend = "cpu",
+            kernel = "cpu-selection",
+            tq,
+            hq,
+            hkv,
+            d,
+            dv,
+            selected = sd[3]
+        );
+        let op = SelectionOp {
+            dims: AttnDims { hq, hkv, d, dv },
+            seqs: seqs.to_vec().into(),
+            sel: Arc::new(host),
+            scale,
+        };
+        let packed = q
+            .contiguous()?
+            .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)?;
+        let o = packed.narrow(2, 0, dv)?.to_dtype(q.dtype())?;
+        let lse = if self.with_lse {
+            Some(packed.narrow(2, dv, 1)?.squeeze(2)?.contiguous()?)
+        } else {
+            None
+        };
+        Ok((o, lse))
+    }
+}
+
+fn dims4(arg: &'static str, t: &Tensor, want: &str) -> Result<(usize, usize, usize, usize)> {
+    match *t.dims() {
+        [a, b, c, d] => Ok((a, b, c, d)),
+        _ => Err(shape_err(arg, want, t.dims())),
+    }
+}
+
+fn dims3(arg: &'static str, t: &Tensor, want: &str) -> Result<(usize, usize, usize)> {
+    match *t.dims() {
+        [a, b, c] => Ok((a, b, c)),
+        _ => Err(shape_err(arg, want, t.dims())),
+    }
+}
+
+fn cu_seqlens(arg: &'static str, t: &Tensor, total: usize) -> Result<Vec<usize>> {
+    if t.rank() != 1 || t.dims()[0] < 2 {
+        return Err(shape_err(arg, "[B + 1] with B >= 1", t.dims()));
+    }
+    let v: Vec<i64> = match t.dtype() {
+        DType::U32 | DType::I32 | DType::I64 => t.to_dtype(DType::I64)?.to_vec1()?,
+        got => {
+            return Err(Error::DType {
+                arg,
+                expected: "u32, i32 or i64",
+                got,
+            })
+        }
+    };
+    let ok = v[0] == 0
+        && *v.last().expect("len >= 2") == total as i64
+        && v.windows(2).all(|w| w[1] >= w[0]);
+    if !ok {
+        return Err(invalid(
+            arg,
+            format!("must rise from 0 to {total} without decreasing, got {v:?}"),
+        ));
+    }
+    Ok(v.into_iter().map(|x| x as usize).collect())
+}
+
+/// The Candle custom op: `(q, k, v)` token-packed -> `[Σtq, Hq, Dv + 1]` f32, the last column
+/// holding the lse.
+#[derive(Clone)]
+struct SelectionOp {
+    dims: AttnDims,
+    seqs: Arc<[SeqInfo]>,
+    sel: Arc<HostSelection>,
+    scale: f32,
+}
+
+fn contiguous<'a, T>(arg: &'static str, v: &'a [T], l: &Layout) -> Result<&'a [T]> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| invalid(arg, "must be contiguous"))?;
+    Ok(&v[a..b])
+}
+
+impl CustomOp3 for SelectionOp {
+    fn name(&self) -> &'static str {
+        "fp8nsa-nsa-selection"
+    }
+
+    fn cpu_fwd(
+        &self,
+        qs: &CpuStorage,
+        ql: &Layout,
+        ks: &CpuStorage,
+        kl: &Layout,
+        vs: &CpuStorage,
+        vl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let AttnDims { hq, dv, .. } = self.dims;
+        let tq = ql.dims()[0];
+        let mut o = vec![0f32; tq * hq * dv];
+        let mut lse = vec![0f32; tq * hq];
+        let spans = self.sel.spans();
+        let run = |o: &mut [f32], lse: &mut [f32]| -> Result<()> {
+            macro_rules! go {
+                ($q:expr, $k:expr, $v:expr) => {
+                    selection_attention(
+                        contiguous("q", $q, ql)?,
+                        contiguous("k", $k, kl)?,
+                        contiguous("v", $v, vl)?,
+                        self.dims,
+                        &self.seqs,
+                        spans,
+                        self.scale,
+                        o,
+                        lse,
+                    )?
+                };
+            }
+            match (qs, ks, vs) {
+                (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => go!(q, k, v),
+                (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => go!(q, k, v),
+                (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => go!(q, k, v),
+                _ => {
+                    return Err(Error::DType {
+                        arg: "q, k, v",
+                        expected: "one of f32, bf16, f16 for all three",
+                        got: qs.dtype(),
+                    })
+                }
+            }
+            Ok(())
+        };
+        run(&mut o, &mut lse)?;
+        let mut packed = Vec::with_capacity(tq * hq * (dv + 1));
+        for (row, l) in o.chunks_exact(dv).zip(&lse) {
+            packed.extend_from_slice(row);
+            packed.push(*l);
+        }
+        Ok((CpuStorage::F32(packed), Shape::from((tq, hq, dv + 1))))
+    }
+}

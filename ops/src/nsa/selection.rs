@@ -1,0 +1,300 @@
+use candle_core::{DType, Device, Tensor};
+use fp8nsa_cpu::nsa::Spans;
+
+use crate::error::{invalid, shape_err, Error, Result};
+
+/// Fixed-size key blocks per (batch, query, kv head): `indices [B, Tq, Hkv, S]` i32, block `i`
+/// covering keys `[i * block_size, (i + 1) * block_size)`, `-1` padding, any order. Shared by
+/// the G query heads of a kv head.
+#[derive(Clone, Debug)]
+pub struct BlockSelection {
+    indices: Tensor,
+    block_size: usize,
+}
+
+/// Arbitrary key ranges per (batch, query, kv head): `ranges [B, Tq, Hkv, R, 2]` i32,
+/// half-open `[start, end)` at any alignment; `end <= start` is padding.
+#[derive(Clone, Debug)]
+pub struct SelectionRanges {
+    ranges: Tensor,
+}
+
+/// Either kind of selection, as taken by [`super::SelectionAttention`].
+#[derive(Clone, Copy, Debug)]
+pub enum Selection<'a> {
+    Blocks(&'a BlockSelection),
+    Ranges(&'a SelectionRanges),
+}
+
+impl<'a> From<&'a BlockSelection> for Selection<'a> {
+    fn from(s: &'a BlockSelection) -> Self {
+        Selection::Blocks(s)
+    }
+}
+
+impl<'a> From<&'a SelectionRanges> for Selection<'a> {
+    fn from(s: &'a SelectionRanges) -> Self {
+        Selection::Ranges(s)
+    }
+}
+
+fn check_i32(arg: &'static str, t: &Tensor) -> Result<()> {
+    if t.dtype() != DType::I32 {
+        return Err(Error::DType {
+            arg,
+            expected: "i32",
+            got: t.dtype(),
+        });
+    }
+    Ok(())
+}
+
+impl BlockSelection {
+    pub fn new(indices: Tensor, block_size: usize) -> Result<Self> {
+        check_i32("indices", &indices)?;
+        if indices.rank() != 4 {
+            return Err(shape_err("indices", "[B, Tq, Hkv, S]", indices.dims()));
+        }
+        if block_size == 0 {
+            return Err(invalid("block_size", "must be at least 1, got 0"));
+        }
+        Ok(Self {
+            indices,
+            block_size,
+        })
+    }
+
+    pub fn indices(&self) -> &Tensor {
+        &self.indices
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// `[B, Tq, Hkv, S]`.
+    pub fn dims(&self) -> [usize; 4] {
+        let d = self.indices.dims();
+        [d[0], d[1], d[2], d[3]]
+    }
+
+    /// Errors for an index below `-1`, a block that starts at or past `tk`, or a duplicate.
+    pub fn validate(&self, tk: usize) -> Result<()> {
+        let [_, tq, hkv, _] = self.dims();
+        HostSelection::from_selection(Selection::Blocks(self))?
+            .validate(&|t| (t / tq.max(1), t % tq.max(1), tk), hkv)
+    }
+
+    /// The same selection as ranges `[B, Tq, Hkv, S, 2]` (padding becomes `[0, 0)`).
+    pub fn to_ranges(&self) -> Result<SelectionRanges> {
+        let bs = self.block_size as i64;
+        let v: Vec<i32> = self
+            .indices
+            .to_device(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<i32>()?
+            .into_iter()
+            .flat_map(|i| {
+                if i < 0 {
+                    [0, 0]
+                } else {
+                    let a = (i as i64 * bs).min(i32::MAX as i64);
+                    [a as i32, (a + bs).min(i32::MAX as i64) as i32]
+                }
+            })
+            .collect();
+        let mut dims = self.indices.dims().to_vec();
+        dims.push(2);
+        SelectionRanges::new(Tensor::from_vec(v, dims, self.indices.device())?)
+    }
+}
+
+impl SelectionRanges {
+    pub fn new(ranges: Tensor) -> Result<Self> {
+        check_i32("ranges", &ranges)?;
+        if ranges.rank() != 5 || ranges.dims()[4] != 2 {
+            return Err(shape_err("ranges", "[B, Tq, Hkv, R, 2]", ranges.dims()));
+        }
+        Ok(Self { ranges })
+    }
+
+    pub fn ranges(&self) -> &Tensor {
+        &self.ranges
+    }
+
+    /// `[B, Tq, Hkv, R]`.
+    pub fn dims(&self) -> [usize; 4] {
+        let d = self.ranges.dims();
+        [d[0], d[1], d[2], d[3]]
+    }
+
+    /// Errors for a non-empty range that does not start on a key (`start < 0` or
+    /// `start >= tk`), or that overlaps another range of its row. An end past `tk` is clamped,
+    /// as a partial last block is, so `BlockSelection::to_ranges` always validates.
+    pub fn validate(&self, tk: usize) -> Result<()> {
+        let [_, tq, hkv, _] = self.dims();
+        HostSelection::from_selection(Selection::Ranges(self))?
+            .validate(&|t| (t / tq.max(1), t % tq.max(1), tk), hkv)
+    }
+}
+
+impl Selection<'_> {
+    /// `[B, Tq, Hkv, S or R]`.
+    pub fn dims(&self) -> [usize; 4] {
+        match self {
+            Selection::Blocks(s) => s.dims(),
+            Selection::Ranges(s) => s.dims(),
+        }
+    }
+
+    pub fn device(&self) -> &Device {
+        match self {
+            Selection::Blocks(s) => s.indices.device(),
+            Selection::Ranges(s) => s.ranges.device(),
+        }
+    }
+}
+
+/// A selection read back to the host, rows = `(batch * Tq + token) * Hkv + head`.
+pub(crate) enum HostSelection {
+    Blocks {
+        indices: Vec<i32>,
+        per_row: usize,
+        block_size: usize,
+    },
+    Ranges {
+        ranges: Vec<i32>,
+        per_row: usize,
+    },
+}
+
+impl HostSelection {
+    pub(crate) fn from_selection(sel: Selection<'_>) -> Result<Self> {
+        let host = |t: &Tensor| -> Result<Vec<i32>> {
+            Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<i32>()?)
+        };
+        Ok(match sel {
+            Selection::Blocks(s) => HostSelection::Blocks {
+                indices: host(&s.indices)?,
+                per_row: s.dims()[3],
+                block_size: s.block_size,
+            },
+            Selection::Ranges(s) => HostSelection::Ranges {
+                ranges: host(&s.ranges)?,
+                per_row: s.dims()[3],
+            },
+        })
+    }
+
+    pub(crate) fn spans(&self) -> Spans<'_> {
+        match self {
+            HostSelection::Blocks {
+                indices,
+                per_row,
+                block_size,
+            } => Spans::Blocks {
+                indices,
+                per_row: *per_row,
+                block_size: *block_size,
+            },
+            HostSelection::Ranges { ranges, per_row } => Spans::Ranges {
+                ranges,
+                per_row: *per_row,
+            },
+        }
+    }
+
+    fn per_row(&self) -> usize {
+        match self {
+            HostSelection::Blocks { per_row, .. } | HostSelection::Ranges { per_row, .. } => {
+                *per_row
+            }
+        }
+    }
+
+    /// Validates every row. Tokens are numbered over all sequences; `locate(token)` gives its
+    /// (batch, token within the sequence, key count of the sequence); `hkv` kv heads per token.
+    pub(crate) fn validate(
+        &self,
+        locate: &dyn Fn(usize) -> (usize, usize, usize),
+        hkv: usize,
+    ) -> Result<()> {
+        let per_row = self.per_row();
+        if per_row == 0 || hkv == 0 {
+            return Ok(());
+        }
+        let rows = match self {
+            HostSelection::Blocks { indices, .. } => indices.len() / per_row,
+            HostSelection::Ranges { ranges, .. } => ranges.len() / (2 * per_row),
+        };
+        let mut spans: Vec<(i64, i64, usize)> = Vec::with_capacity(per_row);
+        for row in 0..rows {
+            let head = row % hkv;
+            let (batch, token, tk) = locate(row / hkv);
+            let tk = tk as i64;
+            let err = |entry: usize, msg: String| Error::Selection {
+                batch,
+                token,
+                head,
+                entry,
+                msg,
+            };
+            spans.clear();
+            match self {
+                HostSelection::Blocks {
+                    indices,
+                    block_size,
+                    ..
+                } => {
+                    let bs = *block_size as i64;
+                    for (e, &i) in indices[row * per_row..(row + 1) * per_row]
+                        .iter()
+                        .enumerate()
+                    {
+                        if i == -1 {
+                            continue;
+                        }
+                        if i < -1 {
+                            return Err(err(e, format!("block index {i}: only -1 pads")));
+                        }
+                        if i as i64 * bs >= tk {
+                            return Err(err(
+                                e,
+                                format!(
+                                    "block {i} starts at key {}, past tk = {tk}",
+                                    i as i64 * bs
+                                ),
+                            ));
+                        }
+                        spans.push((i as i64 * bs, (i as i64 + 1) * bs, e));
+                    }
+                }
+                HostSelection::Ranges { ranges, .. } => {
+                    let row_r = &ranges[2 * row * per_row..2 * (row + 1) * per_row];
+                    for (e, r) in row_r.chunks_exact(2).enumerate() {
+                        let (a, b) = (r[0] as i64, r[1] as i64);
+                        if b <= a {
+                            continue;
+                        }
+                        if a < 0 || a >= tk {
+                            return Err(err(
+                                e,
+                                format!("range [{a}, {b}) starts outside [0, tk = {tk})"),
+                            ));
+                        }
+                        spans.push((a, b, e));
+                    }
+                }
+            }
+            spans.sort_unstable();
+            for w in spans.windows(2) {
+                let ((a0, b0, e0), (a1, _, e1)) = (w[0], w[1]);
+                if a1 < b0 {
+                    let what = if a0 == a1 { "duplicates" } else { "overlaps" };
+                    return Err(err(e1.max(e0), format!("{what} entry {}", e1.min(e0))));
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,520 @@
+//! NSA selection attention: the CPU kernel and the dense fallback against the f64 reference.
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use fp8nsa::nsa::{BlockSelection, Selection, SelectionAttention, SelectionRanges};
+use fp8nsa::reference;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+
+struct Qkv {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn qkv(
+    rng: &mut StdRng,
+    b: usize,
+    tq: usize,
+    tk: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    dv: usize,
+    dtype: DType,
+) -> Qkv {
+    let mk = |rng: &mut StdRng, dims: &[usize]| {
+        let n = dims.iter().product();
+        tensor(gaussian(rng, n), dims).to_dtype(dtype).unwrap()
+    };
+    Qkv {
+        q: mk(rng, &[b, tq, hq, d]),
+        k: mk(rng, &[b, tk, hkv, d]),
+        v: mk(rng, &[b, tk, hkv, dv]),
+    }
+}
+
+fn rms_ratio(o: &Tensor, want: &Tensor) -> f64 {
+    let o: Vec<f64> = o
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let w: Vec<f64> = want
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let num: f64 = o.iter().zip(&w).map(|(a, b)| (a - b) * (a - b)).sum();
+    let den: f64 = w.iter().map(|b| b * b).sum();
+    if den == 0.0 {
+        return if num == 0.0 { 0.0 } else { f64::INFINITY };
+    }
+    (num / den).sqrt()
+}
+
+fn check_lse(lse: &Tensor, want: &Tensor, what: &str) {
+    let a: Vec<f32> = lse.flatten_all().unwrap().to_vec1().unwrap();
+    let b: Vec<f32> = want.flatten_all().unwrap().to_vec1().unwrap();
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        if y.is_infinite() {
+            assert!(
+                x.is_infinite() && *x < 0.0,
+                "{what}: lse[{i}] = {x}, want -inf"
+            );
+        } else {
+            assert!(
+                (x - y).abs() < 1e-3 * (1.0 + y.abs()),
+                "{what}: lse[{i}] = {x}, want {y}"
+            );
+        }
+    }
+}
+
+/// Runs the kernel (min_len 0) and the fallback (min_len = max) against the reference.
+fn check<'s>(x: &Qkv, sel: impl Into<Selection<'s>> + Copy, q_offset: Option<usize>, what: &str) {
+    let tol = if x.q.dtype() == DType::F32 {
+        1e-4
+    } else {
+        5e-3
+    };
+    let (want, want_lse) = reference::nsa_selection(&x.q, &x.k, &x.v, sel, None, q_offset).unwrap();
+    for (path, min_len) in [("kernel", 0), ("fallback", usize::MAX)] {
+        let mut att = SelectionAttention::new().min_len(min_len).with_lse(true);
+        if let Some(o) = q_offset {
+            att = att.q_offset(o);
+        }
+        let (o, lse) = att.forward(&x.q, &x.k, &x.v, sel).unwrap();
+        assert_eq!(
+            (o.dims(), o.dtype()),
+            (want.dims(), x.q.dtype()),
+            "{what} {path}"
+        );
+        let err = rms_ratio(&o, &want);
+        assert!(err < tol, "{what} {path}: rms ratio {err:e}");
+        check_lse(&lse.unwrap(), &want_lse, &format!("{what} {path}"));
+    }
+}
+
+fn ranges_tensor(rows: Vec<Vec<[i32; 2]>>, b: usize, tq: usize, hkv: usize) -> SelectionRanges {
+    let r = rows.iter().map(|x| x.len()).max().unwrap();
+    let mut flat = Vec::new();
+    for row in rows {
+        for i in 0..r {
+            flat.extend(row.get(i).copied().unwrap_or([0, 0]));
+        }
+    }
+    SelectionRanges::new(Tensor::from_vec(flat, (b, tq, hkv, r, 2), &Device::Cpu).unwrap()).unwrap()
+}
+
+/// `n` disjoint random ranges inside `[0, tk)` in random order, plus a padding entry.
+fn random_ranges(rng: &mut StdRng, tk: usize, n: usize) -> Vec<[i32; 2]> {
+    let n = n.min(tk.div_ceil(2));
+    let mut pts: Vec<i32> = (0..=tk as i32).collect();
+    pts.shuffle(rng);
+    let mut pts = pts[..2 * n].to_vec();
+    pts.sort();
+    let mut rs: Vec<[i32; 2]> = pts.chunks(2).map(|p| [p[0], p[1]]).collect();
+    rs.push([7, 3]);
+    rs.shuffle(rng);
+    rs
+}
+
+fn random_blocks(rng: &mut StdRng, nblocks: usize, s: usize) -> Vec<i32> {
+    let mut ids: Vec<i32> = (0..nblocks as i32).collect();
+    ids.shuffle(rng);
+    let mut row: Vec<i32> = ids[..s.min(nblocks)].to_vec();
+    row.resize(s, -1);
+    row.shuffle(rng);
+    row
+}
+
+fn block_selection(
+    rng: &mut StdRng,
+    b: usize,
+    tq: usize,
+    hkv: usize,
+    tk: usize,
+    bs: usize,
+    s: usize,
+) -> BlockSelection {
+    let nb = tk.div_ceil(bs);
+    let v: Vec<i32> = (0..b * tq * hkv)
+        .flat_map(|_| random_blocks(rng, nb, s))
+        .collect();
+    BlockSelection::new(
+        Tensor::from_vec(v, (b, tq, hkv, s), &Device::Cpu).unwrap(),
+        bs,
+    )
+    .unwrap()
+}
+
+#[test]
+fn single_range_per_query() {
+    let mut rng = rng("single_range");
+    let (b, t, hq, hkv, d) = (2, 150, 8, 2, 64);
+    let x = qkv(&mut rng, b, t, t, hq, hkv, d, d, DType::F32);
+    let rows = (0..b * t * hkv)
+        .map(|_| random_ranges(&mut rng, t, 1))
+        .collect();
+    check(&x, &ranges_tensor(rows, b, t, hkv), None, "single range");
+}
+
+#[test]
+fn many_ranges_per_query() {
+    let mut rng = rng("many_ranges");
+    let (b, t, hq, hkv, d) = (1, 160, 4, 1, 128);
+    let x = qkv(&mut rng, b, t, t, hq, hkv, d, d, DType::F32);
+    // the case the original Triton kernel could not compile
+    let fixed = vec![vec![[0, 16], [32, 48], [64, 80]]; b * t * hkv];
+    check(
+        &x,
+        &ranges_tensor(fixed, b, t, hkv),
+        None,
+        "[[0,16],[32,48],[64,80]]",
+    );
+    let rows = (0..b * t * hkv)
+        .map(|_| random_ranges(&mut rng, t, 6))
+        .collect();
+    check(
+        &x,
+        &ranges_tensor(rows, b, t, hkv),
+        None,
+        "six random ranges",
+    );
+}
+
+#[test]
+fn mixed_alignment_and_padding() {
+    let mut rng = rng("mixed");
+    let (b, t, hq, hkv, d) = (2, 130, 8, 2, 64);
+    let x = qkv(&mut rng, b, t, t, hq, hkv, d, d, DType::F32);
+    let rows = (0..b * t * hkv)
+        .map(|i| match i % 3 {
+            0 => vec![[0, 64], [64, 128]], // adjacent block-aligned
+            1 => random_ranges(&mut rng, t, 3),
+            _ => vec![[5, 5], [17, 29], [1000, 999]], // padding both ways
+        })
+        .collect();
+    check(&x, &ranges_tensor(rows, b, t, hkv), None, "mixed");
+}
+
+#[test]
+fn random_block_selections_for_each_group_size_and_head_dim() {
+    let mut rng = rng("random_blocks");
+    for g in [1, 4, 16] {
+        for (d, dv) in [(64, 64), (128, 128), (128, 64), (64, 128)] {
+            let (b, t, hkv) = (1, 140, 2);
+            let x = qkv(&mut rng, b, t, t, g * hkv, hkv, d, dv, DType::F32);
+            let sel = block_selection(&mut rng, b, t, hkv, t, 16, 4);
+            check(&x, &sel, None, &format!("G={g} D={d} Dv={dv}"));
+        }
+    }
+}
+
+#[test]
+fn block_aligned_ranges_equal_the_blocks() {
+    let mut rng = rng("blocks_vs_ranges");
+    let (b, t, hq, hkv, d) = (2, 200, 8, 2, 64);
+    let x = qkv(&mut rng, b, t, t, hq, hkv, d, d, DType::F32);
+    let blocks = block_selection(&mut rng, b, t, hkv, t, 32, 3);
+    let ranges = blocks.to_ranges().unwrap();
+    check(&x, &ranges, None, "to_ranges");
+    for min_len in [0, usize::MAX] {
+        let att = SelectionAttention::new().min_len(min_len).with_lse(true);
+        let (ob, lb) = att.forward(&x.q, &x.k, &x.v, &blocks).unwrap();
+        let (or, lr) = att.forward(&x.q, &x.k, &x.v, &ranges).unwrap();
+        assert_eq!(rms_ratio(&ob, &or), 0.0);
+        check_lse(&lb.unwrap(), &lr.unwrap(), "blocks vs ranges");
+    }
+}
+
+#[test]
+fn decode_and_chunked_prefill_with_q_offset() {
+    let mut rng = rng("decode_chunked");
+    let (hq, hkv, d) = (16, 1, 128);
+    for (tq, tk, q_offset) in [
+        (1, 500, None),
+        (7, 300, None),
+        (5, 300, Some(100)),
+        (3, 2, Some(0)),
+    ] {
+        let x = qkv(&mut rng, 2, tq, tk, hq, hkv, d, d, DType::F32);
+        let sel = block_selection(&mut rng, 2, tq, hkv, tk, 64, 3);
+        check(
+            &x,
+            &sel,
+            q_offset,
+            &format!("tq={tq} tk={tk} q_offset={q_offset:?}"),
+        );
+        let rows = (0..2 * tq * hkv)
+            .map(|_| random_ranges(&mut rng, tk, 2))
+            .collect();
+        check(
+            &x,
+            &ranges_tensor(rows, 2, tq, hkv),
+            q_offset,
+            &format!("ranges tq={tq} tk={tk}"),
+        );
+    }
+}
+
+#[test]
+fn bf16_and_f16_inputs() {
+    let mut rng = rng("half_inputs");
+    for dtype in [DType::BF16, DType::F16] {
+        let (b, t, hq, hkv, d) = (1, 150, 8, 2, 128);
+        let x = qkv(&mut rng, b, t, t, hq, hkv, d, 64, dtype);
+        let sel = block_selection(&mut rng, b, t, hkv, t, 16, 5);
+        check(&x, &sel, None, &format!("{dtype:?}"));
+    }
+}
+
+#[test]
+fn empty_rows_give_zero_and_minus_infinity() {
+    let mut rng = rng("empty_rows");
+    let (b, t, hq, hkv, d) = (1, 40, 4, 1, 64);
+    let x = qkv(&mut rng, b, t, t, hq, hkv, d, d, DType::F32);
+    // only future keys (invisible to every query before 30), or nothing at all
+    let rows = (0..t)
+        .map(|i| {
+            if i % 2 == 0 {
+                vec![[30, 40]]
+            } else {
+                vec![[3, 3]]
+            }
+        })
+        .collect();
+    let sel = ranges_tensor(rows, b, t, hkv);
+    check(&x, &sel, None, "empty rows");
+    let (o, lse) = SelectionAttention::new()
+        .min_len(0)
+        .with_lse(true)
+        .forward(&x.q, &x.k, &x.v, &sel)
+        .unwrap();
+    let o: Vec<Vec<Vec<f32>>> = o.squeeze(0).unwrap().to_vec3().unwrap();
+    let lse: Vec<Vec<f32>> = lse.unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+    assert!(o[1].iter().flatten().all(|&x| x == 0.0));
+    assert!(lse[1].iter().all(|&x| x == f32::NEG_INFINITY));
+    assert!(o[34].iter().flatten().any(|&x| x != 0.0));
+    let all_pad = BlockSelection::new(
+        Tensor::full(-1i32, (b, t, hkv, 3), &Device::Cpu).unwrap(),
+        16,
+    )
+    .unwrap();
+    check(&x, &all_pad, None, "all -1");
+}
+
+#[test]
+fn varlen_three_sequences_match_each_sequence_alone() {
+    let mut rng = rng("varlen");
+    let (hq, hkv, d, dv) = (8, 2, 64, 64);
+    let lens = [(40, 40), (1, 250), (17, 120)]; // prefill, decode, chunked prefill
+    let seqs: Vec<(Qkv, BlockSelection)> = lens
+        .iter()
+        .map(|&(tq, tk)| {
+            let x = qkv(&mut rng, 1, tq, tk, hq, hkv, d, dv, DType::F32);
+            let sel = block_selection(&mut rng, 1, tq, hkv, tk, 16, 4);
+            (x, sel)
+        })
+        .collect();
+    let cat = |f: &dyn Fn(&Qkv) -> Tensor| {
+        Tensor::cat(
+            &seqs
+                .iter()
+                .map(|(x, _)| f(x).squeeze(0).unwrap())
+                .collect::<Vec<_>>(),
+            0,
+        )
+        .unwrap()
+    };
+    let (q, k, v) = (
+        cat(&|x| x.q.clone()),
+        cat(&|x| x.k.clone()),
+        cat(&|x| x.v.clone()),
+    );
+    let idx = Tensor::cat(
+        &seqs
+            .iter()
+            .map(|(_, s)| s.indices().clone())
+            .collect::<Vec<_>>(),
+        1,
+    )
+    .unwrap();
+    let sel = BlockSelection::new(idx, 16).unwrap();
+    let mut cq = vec![0u32];
+    let mut ck = vec![0u32];
+    for &(tq, tk) in &lens {
+        cq.push(cq.last().unwrap() + tq as u32);
+        ck.push(ck.last().unwrap() + tk as u32);
+    }
+    let cq = Tensor::new(cq, &Device::Cpu).unwrap();
+    let ck = Tensor::new(ck, &Device::Cpu).unwrap();
+    for min_len in [0, usize::MAX] {
+        let att = SelectionAttention::new().min_len(min_len).with_lse(true);
+        let (o, lse) = att.forward_varlen(&q, &k, &v, &cq, &ck, &sel).unwrap();
+        let lse = lse.unwrap();
+        let mut start = 0;
+        for ((x, s), &(tq, _)) in seqs.iter().zip(&lens) {
+            let (want, want_lse) =
+                reference::nsa_selection(&x.q, &x.k, &x.v, s, None, None).unwrap();
+            let got = o.narrow(0, start, tq).unwrap().unsqueeze(0).unwrap();
+            let err = rms_ratio(&got, &want);
+            assert!(
+                err < 1e-4,
+                "varlen min_len={min_len} seq at {start}: {err:e}"
+            );
+            check_lse(
+                &lse.narrow(0, start, tq).unwrap().unsqueeze(0).unwrap(),
+                &want_lse,
+                "varlen",
+            );
+            start += tq;
+        }
+    }
+}
+
+fn err_of<T: std::fmt::Debug>(r: Result<T, fp8nsa::OpsError>) -> String {
+    match r {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn validation_errors_name_the_entry() {
+    let dev = Device::Cpu;
+    let blocks = |v: Vec<i32>, s: usize| {
+        BlockSelection::new(Tensor::from_vec(v, (1, 2, 1, s), &dev).unwrap(), 16).unwrap()
+    };
+    // duplicate block in batch 0, token 1, entry 2
+    let e = err_of(blocks(vec![0, 1, -1, 3, 1, 3], 3).validate(64));
+    assert!(
+        e.contains("batch 0")
+            && e.contains("token 1")
+            && e.contains("entry 2")
+            && e.contains("duplicate"),
+        "{e}"
+    );
+    // block past tk
+    let e = err_of(blocks(vec![0, 4, 1, 2], 2).validate(64));
+    assert!(
+        e.contains("token 0") && e.contains("entry 1") && e.contains("past tk"),
+        "{e}"
+    );
+    // partial last block is in range
+    blocks(vec![0, 4, 1, 2], 2).validate(65).unwrap();
+    // negative other than -1
+    let e = err_of(blocks(vec![-2, 0, 1, 2], 2).validate(64));
+    assert!(e.contains("only -1 pads"), "{e}");
+    let ranges = |v: Vec<i32>, r: usize| {
+        SelectionRanges::new(Tensor::from_vec(v, (1, 1, 2, r, 2), &dev).unwrap()).unwrap()
+    };
+    // overlap in kv head 1
+    let e = err_of(ranges(vec![0, 10, 20, 30, 0, 10, 5, 12], 2).validate(64));
+    assert!(e.contains("kv head 1") && e.contains("overlaps"), "{e}");
+    // out of range: a range must start on a key (its end is clamped to tk, like a partial
+    // last block)
+    let e = err_of(ranges(vec![64, 70, 0, 0, 0, 1, 2, 3], 2).validate(64));
+    assert!(e.contains("outside"), "{e}");
+    ranges(vec![60, 70, 0, 0, 0, 1, 2, 3], 2)
+        .validate(64)
+        .unwrap();
+    let e = err_of(ranges(vec![-3, 5, 0, 0, 0, 1, 2, 3], 2).validate(64));
+    assert!(e.contains("outside"), "{e}");
+    // padding in any form is fine
+    ranges(vec![9, 2, 70, 70, -5, -9, 0, 64], 2)
+        .validate(64)
+        .unwrap();
+    // forward validates on the CPU, in both paths
+    let x = qkv(&mut rng("validation"), 1, 2, 64, 2, 1, 8, 8, DType::F32);
+    for min_len in [0, usize::MAX] {
+        let att = SelectionAttention::new().min_len(min_len);
+        let e = err_of(att.forward(&x.q, &x.k, &x.v, &blocks(vec![0, 0, 1, 2], 2)));
+        assert!(e.contains("duplicates"), "{e}");
+    }
+    // constructors
+    let e = err_of(BlockSelection::new(
+        Tensor::zeros((1, 2, 1, 3), DType::I64, &dev).unwrap(),
+        16,
+    ));
+    assert!(e.contains("indices") && e.contains("i32"), "{e}");
+    let e = err_of(BlockSelection::new(
+        Tensor::zeros((2, 1, 3), DType::I32, &dev).unwrap(),
+        16,
+    ));
+    assert!(
+        e.contains("indices") && e.contains("[B, Tq, Hkv, S]"),
+        "{e}"
+    );
+    let e = err_of(BlockSelection::new(
+        Tensor::zeros((1, 2, 1, 3), DType::I32, &dev).unwrap(),
+        0,
+    ));
+    assert!(e.contains("block_size"), "{e}");
+    let e = err_of(SelectionRanges::new(
+        Tensor::zeros((1, 2, 1, 3, 3), DType::I32, &dev).unwrap(),
+    ));
+    assert!(e.contains("ranges"), "{e}");
+}
+
+#[test]
+fn shape_and_argument_errors() {
+    let dev = Device::Cpu;
+    let mut rng = rng("shape_errors");
+    let x = qkv(&mut rng, 1, 4, 16, 4, 2, 8, 8, DType::F32);
+    let sel = block_selection(&mut rng, 1, 4, 2, 16, 4, 2);
+    let att = SelectionAttention::new();
+    // selection rows do not match q
+    let wrong = block_selection(&mut rng, 1, 3, 2, 16, 4, 2);
+    assert!(err_of(att.forward(&x.q, &x.k, &x.v, &wrong)).contains("selection"));
+    // Hq not a multiple of Hkv
+    let q3 = Tensor::zeros((1, 4, 3, 8), DType::F32, &dev).unwrap();
+    assert!(err_of(att.forward(&q3, &x.k, &x.v, &sel)).contains("Hkv"));
+    // head dim mismatch, mixed dtypes, integer dtype
+    let k7 = Tensor::zeros((1, 16, 2, 7), DType::F32, &dev).unwrap();
+    assert!(err_of(att.forward(&x.q, &k7, &x.v, &sel)).contains("k"));
+    let kb = x.k.to_dtype(DType::BF16).unwrap();
+    assert!(err_of(att.forward(&x.q, &kb, &x.v, &sel)).contains("dtype"));
+    let qi = Tensor::zeros((1, 4, 4, 8), DType::U32, &dev).unwrap();
+    assert!(err_of(att.forward(&qi, &x.k, &x.v, &sel)).contains("dtype"));
+    // Tq > Tk without an explicit offset
+    let long = qkv(&mut rng, 1, 20, 16, 4, 2, 8, 8, DType::F32);
+    let sel20 = block_selection(&mut rng, 1, 20, 2, 16, 4, 2);
+    assert!(err_of(att.forward(&long.q, &long.k, &long.v, &sel20)).contains("q_offset"));
+    assert!(att
+        .clone()
+        .q_offset(0)
+        .forward(&long.q, &long.k, &long.v, &sel20)
+        .is_ok());
+    // varlen: bad cu_seqlens
+    let (q, k, v) = (
+        x.q.squeeze(0).unwrap(),
+        x.k.squeeze(0).unwrap(),
+        x.v.squeeze(0).unwrap(),
+    );
+    let cu = |v: Vec<u32>| Tensor::new(v, &dev).unwrap();
+    assert!(
+        err_of(att.forward_varlen(&q, &k, &v, &cu(vec![0, 3]), &cu(vec![0, 16]), &sel))
+            .contains("cu_seqlens_q")
+    );
+    assert!(
+        err_of(att.forward_varlen(&q, &k, &v, &cu(vec![0, 4]), &cu(vec![0, 9, 16]), &sel))
+            .contains("cu_seqlens_k")
+    );
+    assert!(
+        err_of(att.forward_varlen(&q, &k, &v, &cu(vec![1, 4]), &cu(vec![0, 16]), &sel))
+            .contains("cu_seqlens_q")
+    );
+    assert!(att
+        .forward_varlen(&q, &k, &v, &cu(vec![0, 4]), &cu(vec![0, 16]), &sel)
+        .is_ok());
+}
