@@ -41,5 +41,5 @@ pub mod nsa {
 
 /// f64 reference implementations of the numerics contract.
 pub mod reference {
-    pub use fp8nsa_ops::reference::{fp8_linear, nsa_selection};
+    pub use fp8nsa_ops::reference::{fp8_linear, nsa_layer, nsa_selection, NsaLayerReference};
 }

@@ -1,5 +1,6 @@
 //! Native Sparse Attention (DeepSeek, arXiv 2502.11089): selection attention over chosen key
-//! blocks or arbitrary ranges, with a dense masked-SDPA fallback.
+//! blocks or arbitrary ranges, with a dense masked-SDPA fallback ([`SelectionAttention`]), and
+//! the full three-branch layer ([`NativeSparseAttention`]) with its decode cache.
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
@@ -20,8 +21,14 @@
 //! ```
 
 mod attention;
+mod compress;
+mod config;
+mod layer;
 mod sdpa;
 mod selection;
 
 pub use attention::{SelectionAttention, DEFAULT_MIN_LEN, MIN_LEN_ENV};
+pub use compress::{Compressor, MlpCompressor};
+pub use config::{CompressorKind, NsaConfig};
+pub use layer::{Gates, NativeSparseAttention, NsaCache, NsaDims, NsaOutput};
 pub use selection::{BlockSelection, Selection, SelectionRanges};

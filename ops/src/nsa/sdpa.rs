@@ -84,3 +84,15 @@ pub(crate) fn masked_sdpa(
     }
     Ok((Tensor::cat(&os, 0)?, Tensor::cat(&lses, 0)?))
 }
+
+/// Softmax over the last dim of `-inf`-masked scores, and the log-sum-exp. A row that sees
+/// nothing has max `-inf`; clamping it keeps `exp(-inf - m) = 0` (not NaN), so such a row gives
+/// zero probabilities and `lse = -inf`.
+pub(crate) fn masked_softmax(scores: &Tensor) -> Result<(Tensor, Tensor)> {
+    let m = scores.max_keepdim(D::Minus1)?.maximum(f32::MIN)?;
+    let p = scores.broadcast_sub(&m)?.exp()?;
+    let l = p.sum_keepdim(D::Minus1)?;
+    let probs = p.broadcast_div(&l.maximum(f32::MIN_POSITIVE)?)?;
+    let lse = (m + l.log()?)?;
+    Ok((probs, lse))
+}

@@ -1,0 +1,668 @@
+use candle_core::{DType, Device, Tensor};
+use candle_nn::{Linear, Module, VarBuilder};
+
+use super::compress::{Compressor, MlpCompressor};
+use super::config::{CompressorKind, NsaConfig};
+use super::sdpa::masked_softmax;
+use super::{BlockSelection, SelectionAttention, SelectionRanges};
+use crate::error::{invalid, shape_err, Error, Result};
+
+/// Head layout of the layer: `Hq = G · Hkv` query heads of dim `d`, values of dim `dv`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NsaDims {
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub dv: usize,
+}
+
+/// Branch gates, per query head: `sigmoid(Linear(x))` (the paper), or fixed weights (e.g. to
+/// run a dense checkpoint through NSA without trained gates).
+#[derive(Clone, Debug)]
+pub enum Gates {
+    /// `hidden -> 3 * Hq`, laid out `[compressed | selected | window]`, each `Hq` wide.
+    Learned(Linear),
+    /// `[compressed, selected, window]` for every head and token.
+    Fixed([f32; 3]),
+}
+
+/// Every branch of one call, for inspection and tests.
+#[derive(Clone, Debug)]
+pub struct NsaOutput {
+    /// The gated sum `[B, Tq, Hq, Dv]`, in the input dtype.
+    pub o: Tensor,
+    /// Branch outputs `[B, Tq, Hq, Dv]`, f32.
+    pub compressed: Tensor,
+    pub selected: Tensor,
+    pub window: Tensor,
+    /// Gates `[B, Tq, Hq, 3]` f32.
+    pub gates: Tensor,
+    /// The top-n blocks per (batch, query, kv head).
+    pub selection: BlockSelection,
+    /// Selection-block importance `[B, Tq, Hkv, ceil(Tk / select_block)]` f32 (paper eq. 9,
+    /// summed over the G heads of the group).
+    pub importance: Tensor,
+}
+
+/// A `[B, T, H, D]` tensor that grows along T in place (capacity doubles), so appending a
+/// token costs the token, not the whole history.
+#[derive(Debug, Default)]
+struct GrowBuf {
+    buf: Option<Tensor>,
+    len: usize,
+}
+
+impl Clone for GrowBuf {
+    /// A deep copy: appends write into the buffer, so clones must not share it.
+    fn clone(&self) -> Self {
+        Self {
+            buf: self
+                .view()
+                .map(|v| v.copy().expect("copying a cache buffer")),
+            len: self.len,
+        }
+    }
+}
+
+impl GrowBuf {
+    fn view(&self) -> Option<Tensor> {
+        self.buf
+            .as_ref()
+            .map(|b| b.narrow(1, 0, self.len).expect("len <= capacity"))
+    }
+
+    fn append(&mut self, x: &Tensor) -> Result<()> {
+        let (b, n, h, d) = x.dims4()?;
+        if n == 0 {
+            return Ok(());
+        }
+        let cap = self.buf.as_ref().map_or(0, |t| t.dims()[1]);
+        if self.len + n > cap {
+            let new_cap = (2 * cap).max(self.len + n).max(256);
+            let grown = Tensor::zeros((b, new_cap, h, d), x.dtype(), x.device())?;
+            if let Some(old) = self.view().filter(|_| self.len > 0) {
+                grown.slice_set(&old.contiguous()?, 1, 0)?;
+            }
+            self.buf = Some(grown);
+        }
+        let buf = self.buf.as_ref().expect("allocated above");
+        buf.slice_set(&x.contiguous()?, 1, self.len)?;
+        self.len += n;
+        Ok(())
+    }
+
+    fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+}
+
+/// Keys, values and compressed keys / values of a sequence being decoded. Compressed blocks are
+/// appended as they complete (one every `compress_stride` tokens), never recomputed. Buffers
+/// grow in place; `clone` makes an independent copy.
+#[derive(Clone, Debug, Default)]
+pub struct NsaCache {
+    k: GrowBuf,
+    v: GrowBuf,
+    ck: GrowBuf,
+    cv: GrowBuf,
+}
+
+impl NsaCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.k.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Compressed blocks held.
+    pub fn compressed_len(&self) -> usize {
+        self.ck.len
+    }
+
+    /// `[B, T, Hkv, D]` keys held, if any.
+    pub fn keys(&self) -> Option<Tensor> {
+        self.k.view()
+    }
+
+    /// `[B, T, Hkv, Dv]` values held, if any.
+    pub fn values(&self) -> Option<Tensor> {
+        self.v.view()
+    }
+
+    /// `[B, n_c, Hkv, D]` compressed keys (f32), if any.
+    pub fn compressed_keys(&self) -> Option<Tensor> {
+        self.ck.view()
+    }
+
+    /// Forgets everything after the first `len` tokens (and the compressed blocks that need
+    /// them), e.g. to roll back rejected speculative tokens.
+    pub fn truncate(&mut self, len: usize, cfg: &NsaConfig) {
+        self.k.truncate(len);
+        self.v.truncate(len);
+        let n_c = cfg.compressed_len(self.k.len);
+        self.ck.truncate(n_c);
+        self.cv.truncate(n_c);
+    }
+
+    pub fn reset(&mut self) {
+        *self = Self::default();
+    }
+}
+
+/// Queries per chunk of the compressed branch (bounds its `[G, chunk, n_c]` score matrices).
+const CMP_CHUNK: usize = 256;
+
+/// The three-branch Native Sparse Attention layer (DeepSeek, arXiv 2502.11089) over projected
+/// q / k / v:
+///
+/// `o = g_cmp · Attn(q, K̃, Ṽ) + g_slc · Attn(q, K[top-n blocks]) + g_win · Attn(q, K[last w])`
+///
+/// - compression: keys / values of overlapping blocks (`compress_block`, `compress_stride`)
+///   become one compressed key / value each; a query sees a compressed block once all its keys
+///   are at or before the query;
+/// - selection: the compressed branch's attention probabilities, remapped to selection blocks
+///   (eq. 9) and summed over the G heads of a kv group, rank the blocks; the top `num_selected`,
+///   with the first `num_initial` and the `num_local` blocks ending at the query forced, feed
+///   [`SelectionAttention`] (so every backend's selection kernel is reused);
+/// - sliding window: the last `window` keys;
+/// - gates: per head per branch, see [`Gates`].
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use fp8nsa_ops::nsa::{Compressor, Gates, NativeSparseAttention, NsaCache, NsaConfig, NsaDims};
+///
+/// let dev = Device::Cpu;
+/// let dims = NsaDims { hq: 4, hkv: 1, d: 32, dv: 32 };
+/// let nsa = NativeSparseAttention::new(NsaConfig::default(), dims, Compressor::MeanPool,
+///                                      Gates::Fixed([1.0, 1.0, 1.0]))?;
+/// let (q, k, v) = (Tensor::randn(0f32, 1.0, (1, 100, 4, 32), &dev)?,
+///                  Tensor::randn(0f32, 1.0, (1, 100, 1, 32), &dev)?,
+///                  Tensor::randn(0f32, 1.0, (1, 100, 1, 32), &dev)?);
+/// let x = Tensor::zeros((1, 100, 8), candle_core::DType::F32, &dev)?; // gate input (unused here)
+/// let o = nsa.forward(&x, &q, &k, &v)?; // prefill: [1, 100, 4, 32]
+/// let mut cache = NsaCache::new();
+/// let o2 = nsa.forward_step(&x, &q, &k, &v, &mut cache)?; // same, and fills the cache
+/// assert_eq!((o.dims(), cache.len(), cache.compressed_len()), (o2.dims(), 100, 5));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct NativeSparseAttention {
+    cfg: NsaConfig,
+    dims: NsaDims,
+    compressor: Compressor,
+    gates: Gates,
+    attention: SelectionAttention,
+    scale: f32,
+}
+
+impl NativeSparseAttention {
+    pub fn new(
+        cfg: NsaConfig,
+        dims: NsaDims,
+        compressor: Compressor,
+        gates: Gates,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        if dims.hkv == 0 || dims.hq == 0 || dims.hq % dims.hkv != 0 || dims.d == 0 || dims.dv == 0 {
+            return Err(invalid(
+                "dims",
+                format!("need Hq a positive multiple of Hkv and D, Dv >= 1, got {dims:?}"),
+            ));
+        }
+        if compressor.kind() != cfg.compressor {
+            return Err(invalid(
+                "compressor",
+                format!(
+                    "config asks for {:?}, got {:?}",
+                    cfg.compressor,
+                    compressor.kind()
+                ),
+            ));
+        }
+        if cfg.compressor == CompressorKind::Mlp && dims.d != dims.dv {
+            return Err(invalid("dims", "the MLP compressor needs Dv == D"));
+        }
+        Ok(Self {
+            scale: 1.0 / (dims.d as f32).sqrt(),
+            cfg,
+            dims,
+            compressor,
+            gates,
+            attention: SelectionAttention::new(),
+        })
+    }
+
+    /// Loads the gate projection `gate` (`hidden -> 3 * Hq`, with bias) and, for the MLP
+    /// compressor, `k_compress.*` / `v_compress.*` (see [`MlpCompressor::load`]).
+    pub fn load(cfg: NsaConfig, dims: NsaDims, hidden: usize, vb: VarBuilder) -> Result<Self> {
+        let gates = Gates::Learned(candle_nn::linear(hidden, 3 * dims.hq, vb.pp("gate"))?);
+        let compressor = match cfg.compressor {
+            CompressorKind::MeanPool => Compressor::MeanPool,
+            CompressorKind::Mlp => {
+                let l = cfg.compress_block;
+                let h = if cfg.mlp_hidden == 0 {
+                    l * dims.d / 4
+                } else {
+                    cfg.mlp_hidden
+                };
+                Compressor::Mlp {
+                    k: MlpCompressor::load(vb.pp("k_compress"), l, dims.d, h)?,
+                    v: MlpCompressor::load(vb.pp("v_compress"), l, dims.dv, h)?,
+                }
+            }
+        };
+        Self::new(cfg, dims, compressor, gates)
+    }
+
+    /// The selection / window branches use [`SelectionAttention`] with this `min_len`.
+    pub fn with_attention(mut self, attention: SelectionAttention) -> Self {
+        self.attention = attention;
+        self
+    }
+
+    pub fn config(&self) -> &NsaConfig {
+        &self.cfg
+    }
+
+    pub fn dims(&self) -> NsaDims {
+        self.dims
+    }
+
+    /// Stateless call over a whole context: `gate_input [B, Tq, hidden]` (the layer's input
+    /// hidden states, read only by learned gates), projected `q [B, Tq, Hq, D]`,
+    /// `k [B, Tk, Hkv, D]`, `v [B, Tk, Hkv, Dv]`, the queries being the last `Tq` positions
+    /// (`q_offset = Tk - Tq`). Returns `[B, Tq, Hq, Dv]` in q's dtype.
+    pub fn forward(
+        &self,
+        gate_input: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Tensor> {
+        Ok(self.forward_detailed(gate_input, q, k, v)?.o)
+    }
+
+    /// [`Self::forward`] with every branch, the gates, the selection and the importance.
+    pub fn forward_detailed(
+        &self,
+        gate_input: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<NsaOutput> {
+        let tk = self.check_kv(k, v)?;
+        let n_c = self.cfg.compressed_len(tk);
+        let ck = self.compressor.compress(&self.cfg, k, 0, n_c, true)?;
+        let cv = self.compressor.compress(&self.cfg, v, 0, n_c, false)?;
+        self.core(gate_input, q, k, v, &ck, &cv)
+    }
+
+    /// Decoding (or chunked prefill) with a cache: appends `k_new`/`v_new [B, Tn, Hkv, ..]` and
+    /// their completed compressed blocks to `cache`, then attends `q [B, Tn, Hq, D]` (the new
+    /// positions) over everything cached. Prefill of T tokens equals T calls of one token.
+    pub fn forward_step(
+        &self,
+        gate_input: &Tensor,
+        q: &Tensor,
+        k_new: &Tensor,
+        v_new: &Tensor,
+        cache: &mut NsaCache,
+    ) -> Result<Tensor> {
+        Ok(self
+            .forward_step_detailed(gate_input, q, k_new, v_new, cache)?
+            .o)
+    }
+
+    /// [`Self::forward_step`] with every branch.
+    pub fn forward_step_detailed(
+        &self,
+        gate_input: &Tensor,
+        q: &Tensor,
+        k_new: &Tensor,
+        v_new: &Tensor,
+        cache: &mut NsaCache,
+    ) -> Result<NsaOutput> {
+        self.append_kv(k_new, v_new, cache)?;
+        let view = |b: &GrowBuf| b.view().expect("appended above");
+        let (k, v) = (view(&cache.k), view(&cache.v));
+        let (ck, cv) = match (cache.ck.view(), cache.cv.view()) {
+            (Some(ck), Some(cv)) => (ck, cv),
+            _ => {
+                let (b, _, h, _) = k.dims4()?;
+                let z = |d| Tensor::zeros((b, 0, h, d), DType::F32, k.device());
+                (z(self.dims.d)?, z(self.dims.dv)?)
+            }
+        };
+        self.core(gate_input, q, &k, &v, &ck, &cv)
+    }
+
+    /// Appends `k_new`/`v_new [B, Tn, Hkv, ..]` and the compressed blocks they complete to
+    /// `cache` without attending (e.g. to load a prompt's KV computed elsewhere).
+    pub fn append_kv(&self, k_new: &Tensor, v_new: &Tensor, cache: &mut NsaCache) -> Result<()> {
+        self.check_kv(k_new, v_new)?;
+        if let Some(k) = cache.k.view() {
+            let (b, _, h, d) = k.dims4()?;
+            let (b2, _, h2, d2) = k_new.dims4()?;
+            if (b, h, d) != (b2, h2, d2) || k.dtype() != k_new.dtype() {
+                return Err(shape_err(
+                    "k_new",
+                    format!("[{b}, Tn, {h}, {d}] of {:?}, like the cache", k.dtype()),
+                    k_new.dims(),
+                ));
+            }
+        }
+        cache.k.append(k_new)?;
+        cache.v.append(v_new)?;
+        let (k, v) = (cache.k.view(), cache.v.view());
+        let (k, v) = (k.expect("appended"), v.expect("appended"));
+        let (old, new) = (cache.compressed_len(), self.cfg.compressed_len(cache.len()));
+        if new > old {
+            cache.ck.append(
+                &self
+                    .compressor
+                    .compress(&self.cfg, &k, old, new - old, true)?,
+            )?;
+            cache.cv.append(
+                &self
+                    .compressor
+                    .compress(&self.cfg, &v, old, new - old, false)?,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn check_kv(&self, k: &Tensor, v: &Tensor) -> Result<usize> {
+        let NsaDims { hkv, d, dv, .. } = self.dims;
+        let (b, tk, h, dk) = k
+            .dims4()
+            .map_err(|_| shape_err("k", "[B, Tk, Hkv, D]", k.dims()))?;
+        if (h, dk) != (hkv, d) {
+            return Err(shape_err("k", format!("[B, Tk, {hkv}, {d}]"), k.dims()));
+        }
+        if v.dims() != [b, tk, hkv, dv] {
+            return Err(shape_err(
+                "v",
+                format!("[{b}, {tk}, {hkv}, {dv}]"),
+                v.dims(),
+            ));
+        }
+        Ok(tk)
+    }
+
+    fn gate_values(&self, gate_input: &Tensor, b: usize, tq: usize) -> Result<Tensor> {
+        let hq = self.dims.hq;
+        match &self.gates {
+            Gates::Fixed(w) => {
+                let t = Tensor::new(&w[..], gate_input.device())?;
+                Ok(t.reshape((1, 1, 1, 3))?
+                    .broadcast_as((b, tq, hq, 3))?
+                    .contiguous()?)
+            }
+            Gates::Learned(lin) => {
+                let dims = gate_input.dims();
+                if dims.len() != 3 || dims[..2] != [b, tq] {
+                    return Err(shape_err(
+                        "gate_input",
+                        format!("[{b}, {tq}, hidden]"),
+                        dims,
+                    ));
+                }
+                let g = candle_nn::ops::sigmoid(&lin.forward(gate_input)?.to_dtype(DType::F32)?)?;
+                Ok(g.reshape((b, tq, 3, hq))?.transpose(2, 3)?.contiguous()?)
+            }
+        }
+    }
+
+    /// The three branches for queries at the last `Tq` of `Tk` positions.
+    fn core(
+        &self,
+        gate_input: &Tensor,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        ck: &Tensor,
+        cv: &Tensor,
+    ) -> Result<NsaOutput> {
+        let NsaDims { hq, hkv, d, .. } = self.dims;
+        let (b, tq, hq2, d2) = q
+            .dims4()
+            .map_err(|_| shape_err("q", "[B, Tq, Hq, D]", q.dims()))?;
+        let (bk, tk, _, _) = k.dims4()?;
+        if (hq2, d2, b) != (hq, d, bk) {
+            return Err(shape_err("q", format!("[{bk}, Tq, {hq}, {d}]"), q.dims()));
+        }
+        if tq > tk {
+            return Err(invalid(
+                "q",
+                format!("Tq = {tq} queries but only Tk = {tk} keys"),
+            ));
+        }
+        if !matches!(q.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::DType {
+                arg: "q",
+                expected: "f32, bf16 or f16",
+                got: q.dtype(),
+            });
+        }
+        let q_offset = tk - tq;
+        let _span = tracing::debug_span!("fp8nsa::nsa_layer", b, tq, tk, hq, hkv).entered();
+        let gates = self.gate_values(gate_input, b, tq)?;
+
+        // compressed branch and block importance
+        let (o_cmp, importance, selection) = self.compressed_branch(q, ck, cv, q_offset, tk)?;
+        let o_slc = self
+            .attention
+            .clone()
+            .q_offset(q_offset)
+            .with_lse(false)
+            .forward(q, k, v, &selection)?
+            .0;
+        let o_win = self
+            .attention
+            .clone()
+            .q_offset(q_offset)
+            .with_lse(false)
+            .forward(q, k, v, &self.window_ranges(b, tq, q_offset, q.device())?)?
+            .0;
+        let o_slc = o_slc.to_dtype(DType::F32)?;
+        let o_win = o_win.to_dtype(DType::F32)?;
+        let g = |i: usize| gates.narrow(3, i, 1);
+        let o = ((o_cmp.broadcast_mul(&g(0)?)? + o_slc.broadcast_mul(&g(1)?)?)?
+            + o_win.broadcast_mul(&g(2)?)?)?;
+        tracing::debug!(
+            op = "nsa_layer",
+            b,
+            tq,
+            tk,
+            compressed = ck.dims()[1],
+            selected = self.cfg.num_selected,
+            window = self.cfg.window
+        );
+        Ok(NsaOutput {
+            o: o.to_dtype(q.dtype())?,
+            compressed: o_cmp,
+            selected: o_slc,
+            window: o_win,
+            gates,
+            selection,
+            importance,
+        })
+    }
+
+    fn window_ranges(
+        &self,
+        b: usize,
+        tq: usize,
+        q_offset: usize,
+        dev: &Device,
+    ) -> Result<SelectionRanges> {
+        let hkv = self.dims.hkv;
+        let mut r = Vec::with_capacity(b * tq * hkv * 2);
+        for _ in 0..b {
+            for t in 0..tq {
+                let p = q_offset + t;
+                let start = (p + 1).saturating_sub(self.cfg.window);
+                for _ in 0..hkv {
+                    r.extend([start as i32, (p + 1) as i32]);
+                }
+            }
+        }
+        SelectionRanges::new(Tensor::from_vec(r, (b, tq, hkv, 1, 2), dev)?)
+    }
+
+    /// Compressed attention (dense over the visible compressed keys), its probabilities
+    /// remapped to selection-block importance, and the top-n selection.
+    fn compressed_branch(
+        &self,
+        q: &Tensor,
+        ck: &Tensor,
+        cv: &Tensor,
+        q_offset: usize,
+        tk: usize,
+    ) -> Result<(Tensor, Tensor, BlockSelection)> {
+        let NsaDims { hq, hkv, d, dv } = self.dims;
+        let g = hq / hkv;
+        let (b, tq, _, _) = q.dims4()?;
+        let n_c = ck.dims()[1];
+        let nb = tk.div_ceil(self.cfg.select_block);
+        let mut importance = vec![0f32; b * tq * hkv * nb];
+        let mut outs = Vec::with_capacity(b);
+        for bi in 0..b {
+            let mut chunks = Vec::new();
+            for t0 in (0..tq).step_by(CMP_CHUNK) {
+                let tc = CMP_CHUNK.min(tq - t0);
+                if n_c == 0 {
+                    chunks.push(Tensor::zeros((tc, hq, dv), DType::F32, q.device())?);
+                    continue;
+                }
+                let qs = q
+                    .narrow(0, bi, 1)?
+                    .narrow(1, t0, tc)?
+                    .to_dtype(DType::F32)?
+                    .reshape((tc, hkv, g, d))?
+                    .permute((1, 2, 0, 3))?
+                    .reshape((hkv, g * tc, d))?
+                    .contiguous()?;
+                let kb = ck
+                    .narrow(0, bi, 1)?
+                    .squeeze(0)?
+                    .transpose(0, 1)?
+                    .contiguous()?;
+                let vb = cv
+                    .narrow(0, bi, 1)?
+                    .squeeze(0)?
+                    .transpose(0, 1)?
+                    .contiguous()?;
+                // a query at position p sees compressed block i iff the block ends at or before p
+                let mut mask = vec![f32::NEG_INFINITY; tc * n_c];
+                for t in 0..tc {
+                    let vis = self.cfg.compressed_len(q_offset + t0 + t + 1).min(n_c);
+                    mask[t * n_c..t * n_c + vis].fill(0.0);
+                }
+                let mask = Tensor::from_vec(mask, (1, 1, tc, n_c), q.device())?;
+                let scores = (qs.matmul(&kb.t()?)? * self.scale as f64)?
+                    .reshape((hkv, g, tc, n_c))?
+                    .broadcast_add(&mask)?;
+                let (probs, _) = masked_softmax(&scores)?;
+                let o = probs
+                    .reshape((hkv, g * tc, n_c))?
+                    .matmul(&vb)?
+                    .reshape((hkv, g, tc, dv))?
+                    .permute((2, 0, 1, 3))?
+                    .reshape((tc, hq, dv))?;
+                chunks.push(o);
+                // group-summed probabilities [hkv, tc, n_c] -> block importance
+                let p: Vec<f32> = probs
+                    .sum(1)?
+                    .flatten_all()?
+                    .to_device(&Device::Cpu)?
+                    .to_vec1()?;
+                for h in 0..hkv {
+                    for t in 0..tc {
+                        let row = &p[(h * tc + t) * n_c..(h * tc + t + 1) * n_c];
+                        let at = ((bi * tq + t0 + t) * hkv + h) * nb;
+                        self.remap(row, &mut importance[at..at + nb]);
+                    }
+                }
+            }
+            outs.push(Tensor::cat(&chunks, 0)?);
+        }
+        let o_cmp = Tensor::stack(&outs, 0)?;
+        let selection = self.top_n(&importance, b, tq, nb, q_offset, q.device())?;
+        let importance = Tensor::from_vec(importance, (b, tq, hkv, nb), q.device())?;
+        Ok((o_cmp, importance, selection))
+    }
+
+    /// Paper eq. 9 for 0-based blocks: compressed block `i` covers keys
+    /// `[i·stride, i·stride + l)`, so selection block `j` collects
+    /// `Σ_{m < l'/stride} Σ_{n < l/stride} p[(l'/stride)·j + m − n]`, which weighs each
+    /// compressed block by the keys it shares with selection block `j`.
+    fn remap(&self, p: &[f32], out: &mut [f32]) {
+        let s = self.cfg.compress_stride;
+        let (ratio, span) = (self.cfg.select_block / s, self.cfg.compress_block / s);
+        for (j, o) in out.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for m in 0..ratio {
+                for n in 0..span {
+                    let i = (ratio * j + m) as isize - n as isize;
+                    if i >= 0 && (i as usize) < p.len() {
+                        acc += p[i as usize];
+                    }
+                }
+            }
+            *o = acc;
+        }
+    }
+
+    /// Top-n blocks per row among those at or before the query, with the initial and local
+    /// blocks forced; ties go to the lower block index. `-1` pads.
+    fn top_n(
+        &self,
+        importance: &[f32],
+        b: usize,
+        tq: usize,
+        nb: usize,
+        q_offset: usize,
+        dev: &Device,
+    ) -> Result<BlockSelection> {
+        let (hkv, n) = (self.dims.hkv, self.cfg.num_selected);
+        let mut idx = Vec::with_capacity(b * tq * hkv * n);
+        let mut cand: Vec<usize> = Vec::with_capacity(nb);
+        let mut row: Vec<i32> = Vec::with_capacity(n);
+        for bi in 0..b {
+            for t in 0..tq {
+                let cur = (q_offset + t) / self.cfg.select_block;
+                for h in 0..hkv {
+                    let imp = &importance[((bi * tq + t) * hkv + h) * nb..][..nb];
+                    let forced =
+                        |j: usize| j < self.cfg.num_initial || j + self.cfg.num_local > cur;
+                    row.clear();
+                    row.extend((0..=cur).filter(|&j| forced(j)).map(|j| j as i32));
+                    cand.clear();
+                    cand.extend((0..=cur).filter(|&j| !forced(j)));
+                    let budget = n.saturating_sub(row.len()).min(cand.len());
+                    if budget > 0 && budget < cand.len() {
+                        cand.select_nth_unstable_by(budget - 1, |&a, &c| {
+                            imp[c].total_cmp(&imp[a]).then(a.cmp(&c))
+                        });
+                    }
+                    row.extend(cand[..budget].iter().map(|&j| j as i32));
+                    row.sort_unstable();
+                    row.resize(n, -1);
+                    idx.extend_from_slice(&row);
+                }
+            }
+        }
+        BlockSelection::new(
+            Tensor::from_vec(idx, (b, tq, hkv, n), dev)?,
+            self.cfg.select_block,
+        )
+    }
+}

@@ -1,0 +1,610 @@
+//! The full NSA layer against the f64 reference, plus the properties that pin its math.
+
+mod common;
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use fp8nsa::nsa::{
+    BlockSelection, Compressor, Gates, NativeSparseAttention, NsaCache, NsaConfig, NsaDims,
+    SelectionAttention, SelectionRanges,
+};
+use fp8nsa::reference;
+use rand::rngs::StdRng;
+
+fn qkv(rng: &mut StdRng, tq: usize, tk: usize, dims: NsaDims) -> (Tensor, Tensor, Tensor) {
+    let mk = |rng: &mut StdRng, dims: &[usize]| tensor(gaussian(rng, dims.iter().product()), dims);
+    (
+        mk(rng, &[1, tq, dims.hq, dims.d]),
+        mk(rng, &[1, tk, dims.hkv, dims.d]),
+        mk(rng, &[1, tk, dims.hkv, dims.dv]),
+    )
+}
+
+fn small_cfg() -> NsaConfig {
+    NsaConfig {
+        compress_block: 16,
+        compress_stride: 8,
+        select_block: 32,
+        num_selected: 4,
+        num_initial: 1,
+        num_local: 2,
+        window: 48,
+        ..NsaConfig::default()
+    }
+}
+
+fn rows(t: &Tensor) -> Vec<f32> {
+    t.to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn sel_rows(s: &BlockSelection) -> Vec<i32> {
+    s.indices().flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// Whether two top-n rows differ only by blocks whose importance ties within `tol` (relative
+/// to the row's largest importance): f32 and f64 rounding may then pick either.
+fn near_tie(a: &[i32], b: &[i32], imp: &[f64], tol: f64) -> bool {
+    let max = imp.iter().cloned().fold(0.0, f64::max).max(1e-30);
+    let only_a: Vec<usize> = a
+        .iter()
+        .filter(|x| **x >= 0 && !b.contains(x))
+        .map(|&x| x as usize)
+        .collect();
+    let only_b: Vec<usize> = b
+        .iter()
+        .filter(|x| **x >= 0 && !a.contains(x))
+        .map(|&x| x as usize)
+        .collect();
+    only_a.len() == only_b.len()
+        && only_a
+            .iter()
+            .all(|&x| only_b.iter().any(|&y| (imp[x] - imp[y]).abs() <= tol * max))
+}
+
+/// rms ratio over the (token) rows where `keep[t]`.
+fn rms_rows(a: &[f32], b: &[f32], row: usize, keep: &[bool]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (t, k) in keep.iter().enumerate() {
+        if *k {
+            for i in t * row..(t + 1) * row {
+                num += ((a[i] - b[i]) as f64).powi(2);
+                den += (b[i] as f64).powi(2);
+            }
+        }
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
+/// Runs the layer and the reference; selections must agree except at near-ties, and outputs
+/// must agree on every token whose selections agree.
+fn compare_with_reference(
+    cfg: NsaConfig,
+    dims: NsaDims,
+    tq: usize,
+    tk: usize,
+    gates: [f32; 3],
+    what: &str,
+) {
+    let mut rng = rng(what);
+    let (q, k, v) = qkv(&mut rng, tq, tk, dims);
+    let nsa =
+        NativeSparseAttention::new(cfg.clone(), dims, Compressor::MeanPool, Gates::Fixed(gates))
+            .unwrap();
+    let x = Tensor::zeros((1, tq, 4), DType::F32, &Device::Cpu).unwrap();
+    let out = nsa.forward_detailed(&x, &q, &k, &v).unwrap();
+    let want = reference::nsa_layer(&cfg, &q, &k, &v, gates.map(|g| g as f64)).unwrap();
+    let (ours, theirs) = (sel_rows(&out.selection), &want.selection);
+    let n = cfg.num_selected;
+    let nb = tk.div_ceil(cfg.select_block);
+    let imp = rows(&out.importance);
+    let mut keep = vec![true; tq];
+    let mut ties = 0;
+    for (r, (a, b)) in ours.chunks(n).zip(theirs.chunks(n)).enumerate() {
+        let ref_imp = &want.importance[r * nb..(r + 1) * nb];
+        for (x, y) in imp[r * nb..(r + 1) * nb].iter().zip(ref_imp) {
+            assert!(
+                (*x as f64 - y).abs() < 1e-4 * (1.0 + y.abs()),
+                "{what}: importance {x} vs {y}"
+            );
+        }
+        if a != b {
+            assert!(
+                near_tie(a, b, ref_imp, 1e-5),
+                "{what}: row {r}: {a:?} vs {b:?}, importance {ref_imp:?}"
+            );
+            keep[r / dims.hkv] = false;
+            ties += 1;
+        }
+    }
+    assert!(
+        ties * 20 <= ours.len() / n,
+        "{what}: {ties} near-ties is too many"
+    );
+    let err = rms_rows(&rows(&out.o), &rows(&want.o), dims.hq * dims.dv, &keep);
+    assert!(err < 1e-4, "{what}: rms ratio {err:e}");
+}
+
+#[test]
+fn layer_matches_reference_small_blocks() {
+    let dims = NsaDims {
+        hq: 8,
+        hkv: 2,
+        d: 32,
+        dv: 32,
+    };
+    compare_with_reference(
+        small_cfg(),
+        dims,
+        300,
+        300,
+        [0.3, 0.5, 0.7],
+        "prefill small blocks",
+    );
+    compare_with_reference(
+        small_cfg(),
+        dims,
+        50,
+        300,
+        [0.3, 0.5, 0.7],
+        "chunked prefill",
+    );
+    compare_with_reference(small_cfg(), dims, 1, 301, [1.0, 1.0, 1.0], "decode");
+    // fewer keys than a compressed block: the compressed branch is empty
+    compare_with_reference(small_cfg(), dims, 10, 10, [0.3, 0.5, 0.7], "tiny context");
+}
+
+#[test]
+fn layer_matches_reference_paper_defaults() {
+    // 18 selection blocks of 64 > 16 selected, so the ranking matters
+    let dims = NsaDims {
+        hq: 4,
+        hkv: 1,
+        d: 64,
+        dv: 32,
+    };
+    compare_with_reference(
+        NsaConfig::default(),
+        dims,
+        64,
+        1100,
+        [0.2, 0.6, 0.2],
+        "paper defaults",
+    );
+}
+
+#[test]
+fn covering_selection_and_window_equal_dense_causal_attention() {
+    let mut rng = rng("covering");
+    let t = 200;
+    let dims = NsaDims {
+        hq: 8,
+        hkv: 2,
+        d: 32,
+        dv: 32,
+    };
+    let cfg = NsaConfig {
+        num_selected: 7,
+        window: 256,
+        ..small_cfg()
+    }; // 7 * 32 >= 200
+    let (q, k, v) = qkv(&mut rng, t, t, dims);
+    let nsa = NativeSparseAttention::new(
+        cfg,
+        dims,
+        Compressor::MeanPool,
+        Gates::Fixed([0.0, 1.0, 0.0]),
+    )
+    .unwrap();
+    let x = Tensor::zeros((1, t, 4), DType::F32, &Device::Cpu).unwrap();
+    let out = nsa.forward_detailed(&x, &q, &k, &v).unwrap();
+    let all = SelectionRanges::new(
+        Tensor::from_vec(
+            [0i32, t as i32].repeat(t * 2),
+            (1, t, 2, 1, 2),
+            &Device::Cpu,
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let (dense, _) = reference::nsa_selection(&q, &k, &v, &all, None, None).unwrap();
+    let all_rows = vec![true; t];
+    for (name, o) in [
+        ("selection", &out.selected),
+        ("window", &out.window),
+        ("gated", &out.o),
+    ] {
+        let err = rms_rows(&rows(o), &rows(&dense), dims.hq * dims.dv, &all_rows);
+        assert!(err < 1e-4, "{name} branch vs dense: {err:e}");
+    }
+}
+
+#[test]
+fn prefill_equals_successive_decode_steps() {
+    let mut rng = rng("prefill_vs_decode");
+    let dims = NsaDims {
+        hq: 4,
+        hkv: 2,
+        d: 32,
+        dv: 32,
+    };
+    let cfg = small_cfg();
+    let t = 180;
+    let (q, k, v) = qkv(&mut rng, t, t, dims);
+    let nsa = NativeSparseAttention::new(
+        cfg.clone(),
+        dims,
+        Compressor::MeanPool,
+        Gates::Fixed([0.4, 0.4, 0.4]),
+    )
+    .unwrap();
+    let x = Tensor::zeros((1, t, 4), DType::F32, &Device::Cpu).unwrap();
+    let full = nsa.forward_detailed(&x, &q, &k, &v).unwrap();
+    let (o_full, sel_full, imp_full) = (
+        rows(&full.o),
+        sel_rows(&full.selection),
+        rows(&full.importance),
+    );
+    let nb = t.div_ceil(cfg.select_block);
+    // a 37-token chunk first, then one token at a time
+    let mut cache = NsaCache::new();
+    let mut pos = 0;
+    let mut keep = vec![true; t];
+    let mut o_steps = vec![0f32; o_full.len()];
+    let row = dims.hq * dims.dv;
+    for len in std::iter::once(37).chain(std::iter::repeat_n(1, t - 37)) {
+        let n = |x: &Tensor| x.narrow(1, pos, len).unwrap();
+        let out = nsa
+            .forward_step_detailed(&n(&x), &n(&q), &n(&k), &n(&v), &mut cache)
+            .unwrap();
+        assert_eq!(cache.len(), pos + len);
+        assert_eq!(cache.compressed_len(), cfg.compressed_len(pos + len));
+        o_steps[pos * row..(pos + len) * row].copy_from_slice(&rows(&out.o));
+        let sel = sel_rows(&out.selection);
+        let imp = rows(&out.importance);
+        let nb_now = (pos + len).div_ceil(cfg.select_block);
+        for i in 0..len {
+            for h in 0..dims.hkv {
+                let r = (pos + i) * dims.hkv + h;
+                let a = &sel[(i * dims.hkv + h) * cfg.num_selected..][..cfg.num_selected];
+                let b = &sel_full[r * cfg.num_selected..][..cfg.num_selected];
+                let imp_full_row: Vec<f64> = imp_full[r * nb..r * nb + nb_now]
+                    .iter()
+                    .map(|&x| x as f64)
+                    .collect();
+                let imp_row = &imp[(i * dims.hkv + h) * nb_now..][..nb_now];
+                for (x, y) in imp_row.iter().zip(&imp_full_row) {
+                    assert!(
+                        (*x as f64 - y).abs() < 1e-5,
+                        "importance at {}: {x} vs {y}",
+                        pos + i
+                    );
+                }
+                if a != b {
+                    assert!(
+                        near_tie(a, b, &imp_full_row, 1e-5),
+                        "pos {}: {a:?} vs {b:?}",
+                        pos + i
+                    );
+                    keep[pos + i] = false;
+                }
+            }
+        }
+        pos += len;
+    }
+    // compressed keys of the cache are exactly those of a prefill
+    let ck_full = {
+        let mut c = NsaCache::new();
+        nsa.forward_step(&x, &q, &k, &v, &mut c).unwrap();
+        rows(&c.compressed_keys().unwrap())
+    };
+    assert_eq!(rows(&cache.compressed_keys().unwrap()), ck_full);
+    let err = rms_rows(&o_steps, &o_full, row, &keep);
+    assert!(err < 1e-5, "decode steps vs prefill: {err:e}");
+
+    // clones are independent; truncation rolls back keys and compressed blocks
+    let mut fork = cache.clone();
+    let one = |x: &Tensor, p: usize| x.narrow(1, p, 1).unwrap();
+    nsa.forward_step(
+        &one(&x, 0),
+        &one(&q, 0),
+        &one(&k, 0),
+        &one(&v, 0),
+        &mut fork,
+    )
+    .unwrap();
+    assert_eq!((fork.len(), cache.len()), (t + 1, t));
+    cache.truncate(100, &cfg);
+    assert_eq!(
+        (cache.len(), cache.compressed_len()),
+        (100, cfg.compressed_len(100))
+    );
+    let o100 = nsa
+        .forward_step(
+            &one(&x, 100),
+            &one(&q, 100),
+            &one(&k, 100),
+            &one(&v, 100),
+            &mut cache,
+        )
+        .unwrap();
+    if keep[100] {
+        let err = rms_rows(&rows(&o100), &o_full[100 * row..101 * row], row, &[true]);
+        assert!(err < 1e-5, "after truncate: {err:e}");
+    }
+    assert_eq!(
+        rows(&fork.keys().unwrap().narrow(1, 0, t).unwrap()),
+        rows(&k)
+    );
+}
+
+#[test]
+fn top_n_never_looks_ahead_and_keeps_forced_blocks() {
+    let mut rng = rng("top_n_properties");
+    let dims = NsaDims {
+        hq: 4,
+        hkv: 2,
+        d: 32,
+        dv: 32,
+    };
+    for cfg in [
+        small_cfg(),
+        NsaConfig {
+            num_selected: 5,
+            num_initial: 2,
+            num_local: 1,
+            ..small_cfg()
+        },
+    ] {
+        let (tq, tk) = (120, 400);
+        let (q, k, v) = qkv(&mut rng, tq, tk, dims);
+        let nsa = NativeSparseAttention::new(
+            cfg.clone(),
+            dims,
+            Compressor::MeanPool,
+            Gates::Fixed([1.0; 3]),
+        )
+        .unwrap();
+        let x = Tensor::zeros((1, tq, 4), DType::F32, &Device::Cpu).unwrap();
+        let out = nsa.forward_detailed(&x, &q, &k, &v).unwrap();
+        out.selection.validate(tk).unwrap();
+        let sel = sel_rows(&out.selection);
+        for (r, row) in sel.chunks(cfg.num_selected).enumerate() {
+            let p = tk - tq + r / dims.hkv;
+            let cur = p / cfg.select_block;
+            let chosen: Vec<usize> = row
+                .iter()
+                .filter(|&&j| j >= 0)
+                .map(|&j| j as usize)
+                .collect();
+            assert!(
+                chosen.iter().all(|&j| j <= cur),
+                "future block at p = {p}: {row:?}"
+            );
+            assert_eq!(chosen.len(), cfg.num_selected.min(cur + 1));
+            for j in (0..cfg.num_initial).chain(cur + 1 - cfg.num_local..=cur) {
+                assert!(
+                    chosen.contains(&j),
+                    "forced block {j} missing at p = {p}: {row:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn learned_gates_and_mlp_compressor_load_from_a_varbuilder() {
+    let mut rng = rng("load_layer");
+    let dims = NsaDims {
+        hq: 4,
+        hkv: 2,
+        d: 16,
+        dv: 16,
+    };
+    let hidden = 24;
+    let cfg = NsaConfig {
+        compressor: fp8nsa::nsa::CompressorKind::Mlp,
+        mlp_hidden: 20,
+        ..small_cfg()
+    };
+    let l = cfg.compress_block;
+    let mut w = HashMap::new();
+    let mut put = |name: &str, dims: &[usize], rng: &mut StdRng| {
+        let v: Vec<f32> = gaussian(rng, dims.iter().product())
+            .into_iter()
+            .map(|x| x * 0.1)
+            .collect();
+        w.insert(name.to_string(), tensor(v, dims));
+    };
+    put("attn.gate.weight", &[3 * dims.hq, hidden], &mut rng);
+    put("attn.gate.bias", &[3 * dims.hq], &mut rng);
+    for kv in ["k_compress", "v_compress"] {
+        put(&format!("attn.{kv}.pos"), &[l, dims.d], &mut rng);
+        put(
+            &format!("attn.{kv}.fc1.weight"),
+            &[20, l * dims.d],
+            &mut rng,
+        );
+        put(&format!("attn.{kv}.fc1.bias"), &[20], &mut rng);
+        put(&format!("attn.{kv}.fc2.weight"), &[dims.d, 20], &mut rng);
+        put(&format!("attn.{kv}.fc2.bias"), &[dims.d], &mut rng);
+    }
+    let vb = candle_nn::VarBuilder::from_tensors(w.clone(), DType::F32, &Device::Cpu);
+    let nsa = NativeSparseAttention::load(cfg.clone(), dims, hidden, vb.pp("attn")).unwrap();
+    let t = 70;
+    let (q, k, v) = qkv(&mut rng, t, t, dims);
+    let x = tensor(gaussian(&mut rng, t * hidden), &[1, t, hidden]);
+    let out = nsa.forward_detailed(&x, &q, &k, &v).unwrap();
+
+    // gates: sigmoid(x W^T + b), [compressed | selected | window] each Hq wide
+    let (gw, gb) = (&w["attn.gate.weight"], &w["attn.gate.bias"]);
+    let lin = x
+        .matmul(&gw.t().unwrap().unsqueeze(0).unwrap())
+        .unwrap()
+        .broadcast_add(gb)
+        .unwrap();
+    let g = candle_nn::ops::sigmoid(&lin)
+        .unwrap()
+        .reshape((1, t, 3, dims.hq))
+        .unwrap();
+    let gate = |i: usize| {
+        g.narrow(2, i, 1)
+            .unwrap()
+            .squeeze(2)
+            .unwrap()
+            .unsqueeze(3)
+            .unwrap()
+    };
+    let want = ((out.compressed.broadcast_mul(&gate(0)).unwrap()
+        + out.selected.broadcast_mul(&gate(1)).unwrap())
+    .unwrap()
+        + out.window.broadcast_mul(&gate(2)).unwrap())
+    .unwrap();
+    let all = vec![true; t];
+    assert!(rms_rows(&rows(&out.o), &rows(&want), dims.hq * dims.dv, &all) < 1e-6);
+
+    // MLP compressor: block i = fc2(gelu(fc1(flatten(k[i*s .. i*s + l] + pos))))
+    let mut cache = NsaCache::new();
+    nsa.forward_step(&x, &q, &k, &v, &mut cache).unwrap();
+    let ck = cache.compressed_keys().unwrap();
+    let s = cfg.compress_stride;
+    for (i, h) in [(0, 0), (3, 1), (cfg.compressed_len(t) - 1, 1)] {
+        let block = k
+            .narrow(1, i * s, l)
+            .unwrap()
+            .narrow(2, h, 1)
+            .unwrap()
+            .reshape((l, dims.d))
+            .unwrap();
+        let flat = (block + &w["attn.k_compress.pos"])
+            .unwrap()
+            .reshape((1, l * dims.d))
+            .unwrap();
+        let lin = |x: &Tensor, n: &str| {
+            x.matmul(&w[&format!("attn.k_compress.{n}.weight")].t().unwrap())
+                .unwrap()
+                .broadcast_add(&w[&format!("attn.k_compress.{n}.bias")])
+                .unwrap()
+        };
+        let want = lin(&lin(&flat, "fc1").gelu().unwrap(), "fc2");
+        let got = ck
+            .narrow(1, i, 1)
+            .unwrap()
+            .narrow(2, h, 1)
+            .unwrap()
+            .reshape((1, dims.d))
+            .unwrap();
+        let err = rel_frobenius(&got, &want);
+        assert!(err < 1e-5, "compressed key {i}, head {h}: {err:e}");
+    }
+}
+
+#[test]
+fn config_deserializes_and_validates() {
+    let cfg: NsaConfig = serde_json::from_str("{}").unwrap();
+    assert_eq!(cfg, NsaConfig::default());
+    assert_eq!(
+        (
+            cfg.compress_block,
+            cfg.compress_stride,
+            cfg.select_block,
+            cfg.num_selected,
+            cfg.num_initial,
+            cfg.num_local,
+            cfg.window
+        ),
+        (32, 16, 64, 16, 1, 2, 512)
+    );
+    let cfg: NsaConfig =
+        serde_json::from_str(r#"{"select_block": 128, "compressor": "mlp"}"#).unwrap();
+    assert_eq!(cfg.compressor, fp8nsa::nsa::CompressorKind::Mlp);
+    cfg.validate().unwrap();
+    let bad = |c: NsaConfig, needle: &str| {
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains(needle), "{e}");
+    };
+    bad(
+        NsaConfig {
+            select_block: 72,
+            ..NsaConfig::default()
+        },
+        "select_block",
+    );
+    bad(
+        NsaConfig {
+            compress_block: 40,
+            ..NsaConfig::default()
+        },
+        "compress_block",
+    );
+    bad(
+        NsaConfig {
+            num_selected: 2,
+            ..NsaConfig::default()
+        },
+        "num_selected",
+    );
+    bad(
+        NsaConfig {
+            window: 0,
+            ..NsaConfig::default()
+        },
+        "window",
+    );
+}
+
+#[test]
+fn bad_shapes_are_errors() {
+    let mut rng = rng("layer_errors");
+    let dims = NsaDims {
+        hq: 4,
+        hkv: 2,
+        d: 16,
+        dv: 16,
+    };
+    let nsa = NativeSparseAttention::new(
+        small_cfg(),
+        dims,
+        Compressor::MeanPool,
+        Gates::Fixed([1.0; 3]),
+    )
+    .unwrap();
+    let x = Tensor::zeros((1, 8, 4), DType::F32, &Device::Cpu).unwrap();
+    let (q, k, v) = qkv(&mut rng, 8, 8, dims);
+    let k3 = Tensor::zeros((1, 8, 3, 16), DType::F32, &Device::Cpu).unwrap();
+    assert!(nsa
+        .forward(&x, &q, &k3, &v)
+        .unwrap_err()
+        .to_string()
+        .contains("k"));
+    let (q9, _, _) = qkv(&mut rng, 9, 8, dims);
+    assert!(nsa.forward(&x, &q9, &k, &v).is_err());
+    let bad_dims = NsaDims {
+        hq: 3,
+        hkv: 2,
+        d: 16,
+        dv: 16,
+    };
+    assert!(NativeSparseAttention::new(
+        small_cfg(),
+        bad_dims,
+        Compressor::MeanPool,
+        Gates::Fixed([1.0; 3])
+    )
+    .is_err());
+    // the cache refuses keys of another shape
+    let mut cache = NsaCache::new();
+    nsa.forward_step(&x, &q, &k, &v, &mut cache).unwrap();
+    let (q1, _, _) = qkv(&mut rng, 1, 1, dims);
+    let k1 = Tensor::zeros((1, 1, 2, 8), DType::F32, &Device::Cpu).unwrap();
+    assert!(nsa
+        .forward_step(&x.narrow(1, 0, 1).unwrap(), &q1, &k1, &k1, &mut cache)
+        .is_err());
+    let _ = SelectionAttention::new();
+}
