@@ -1,0 +1,211 @@
+use candle_core::{DType, Device, Module, Tensor};
+use fp8nsa_ops::nsa::{Compressor, Gates, NativeSparseAttention, NsaCache, NsaConfig, NsaDims};
+
+use crate::config::{LlamaConfig, ModelOptions, RopeStyle};
+use crate::error::{invalid, Result};
+use crate::linear::Linear;
+use crate::weights::Weights;
+
+/// The attention of every layer.
+#[derive(Clone, Debug, Default)]
+pub enum AttentionKind {
+    /// Dense causal softmax attention.
+    #[default]
+    Dense,
+    /// Native Sparse Attention. Gates come from `{layer}.self_attn.nsa.gate` when the weights
+    /// have them; a dense checkpoint has none, and then the gates are fixed to the selection
+    /// branch (`[0, 1, 0]`): training-free NSA, where the compressed branch only ranks blocks.
+    Nsa(NsaConfig),
+}
+
+/// Rotary position embedding tables.
+#[derive(Clone, Debug)]
+pub(crate) struct Rope {
+    cos: Tensor,
+    sin: Tensor,
+    style: RopeStyle,
+}
+
+impl Rope {
+    pub(crate) fn new(cfg: &LlamaConfig) -> Result<Self> {
+        let hd = cfg.head_dim();
+        let max = cfg.max_position_embeddings.max(1);
+        let inv: Vec<f32> = (0..hd / 2)
+            .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64) as f32)
+            .collect();
+        let inv = Tensor::from_vec(inv, (1, hd / 2), &Device::Cpu)?;
+        let t = Tensor::arange(0u32, max as u32, &Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .reshape((max, 1))?;
+        let f = t.broadcast_mul(&inv)?;
+        Ok(Self {
+            cos: f.cos()?,
+            sin: f.sin()?,
+            style: cfg.rope_style,
+        })
+    }
+
+    /// Rotates `x [B, T, H, D]` for positions `pos..pos + T`.
+    fn apply(&self, x: &Tensor, pos: usize) -> Result<Tensor> {
+        let t = x.dims()[1];
+        if pos + t > self.cos.dims()[0] {
+            return Err(invalid(
+                "position",
+                format!(
+                    "{} exceeds max_position_embeddings = {}",
+                    pos + t,
+                    self.cos.dims()[0]
+                ),
+            ));
+        }
+        let (cos, sin) = (self.cos.narrow(0, pos, t)?, self.sin.narrow(0, pos, t)?);
+        let xh = x.transpose(1, 2)?.contiguous()?;
+        let y = match self.style {
+            RopeStyle::Half => candle_nn::rotary_emb::rope(&xh, &cos, &sin)?,
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&xh, &cos, &sin)?,
+        };
+        Ok(y.transpose(1, 2)?.contiguous()?)
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Impl {
+    Dense,
+    Nsa(Box<NativeSparseAttention>),
+}
+
+/// Per-layer decode state.
+#[derive(Clone, Debug)]
+pub(crate) enum AttnCache {
+    Dense {
+        k: Option<Tensor>,
+        v: Option<Tensor>,
+    },
+    Nsa(NsaCache),
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    hq: usize,
+    hkv: usize,
+    hd: usize,
+    imp: Impl,
+}
+
+impl Attention {
+    pub(crate) fn new(
+        cfg: &LlamaConfig,
+        w: &Weights,
+        prefix: &str,
+        opts: &ModelOptions,
+        keep_dense: &dyn Fn(&str) -> bool,
+    ) -> Result<Self> {
+        let lin = |n: &str| {
+            let name = format!("{prefix}.{n}");
+            Linear::build(w, &name, opts.linear, keep_dense(&name))
+        };
+        let (hq, hkv, hd) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
+        let imp = match &opts.attention {
+            AttentionKind::Dense => Impl::Dense,
+            AttentionKind::Nsa(nsa_cfg) => {
+                let dims = NsaDims {
+                    hq,
+                    hkv,
+                    d: hd,
+                    dv: hd,
+                };
+                let gate = format!("{prefix}.nsa.gate");
+                let gates = match (
+                    w.get_opt(&format!("{gate}.weight")),
+                    w.get_opt(&format!("{gate}.bias")),
+                ) {
+                    (Some(wt), b) => Gates::Learned(candle_nn::Linear::new(wt, b)),
+                    (None, _) => Gates::Fixed([0.0, 1.0, 0.0]),
+                };
+                let nsa =
+                    NativeSparseAttention::new(nsa_cfg.clone(), dims, Compressor::MeanPool, gates)?;
+                Impl::Nsa(Box::new(nsa))
+            }
+        };
+        Ok(Self {
+            q: lin("q_proj")?,
+            k: lin("k_proj")?,
+            v: lin("v_proj")?,
+            o: lin("o_proj")?,
+            hq,
+            hkv,
+            hd,
+            imp,
+        })
+    }
+
+    pub(crate) fn new_cache(&self) -> AttnCache {
+        match self.imp {
+            Impl::Dense => AttnCache::Dense { k: None, v: None },
+            Impl::Nsa(_) => AttnCache::Nsa(NsaCache::new()),
+        }
+    }
+
+    /// `x [1, T, hidden]` at positions `pos..pos + T`.
+    pub(crate) fn forward(
+        &self,
+        x: &Tensor,
+        pos: usize,
+        rope: &Rope,
+        cache: &mut AttnCache,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let q = self.q.forward(x)?.reshape((b, t, self.hq, self.hd))?;
+        let k = self.k.forward(x)?.reshape((b, t, self.hkv, self.hd))?;
+        let v = self.v.forward(x)?.reshape((b, t, self.hkv, self.hd))?;
+        let (q, k) = (rope.apply(&q, pos)?, rope.apply(&k, pos)?);
+        let o = match (&self.imp, cache) {
+            (Impl::Dense, AttnCache::Dense { k: kc, v: vc }) => {
+                let k = match kc.take() {
+                    Some(old) => Tensor::cat(&[&old, &k], 1)?,
+                    None => k,
+                };
+                let v = match vc.take() {
+                    Some(old) => Tensor::cat(&[&old, &v], 1)?,
+                    None => v,
+                };
+                let o = self.dense(&q, &k, &v, pos)?;
+                (*kc, *vc) = (Some(k), Some(v));
+                o
+            }
+            (Impl::Nsa(nsa), AttnCache::Nsa(c)) => nsa.forward_step(x, &q, &k, &v, c)?,
+            _ => return Err(invalid("cache", "built for another attention kind")),
+        };
+        Ok(self.o.forward(&o.reshape((b, t, self.hq * self.hd))?)?)
+    }
+
+    /// Causal softmax attention, `q [B, T, Hq, D]` at `pos..`, `k`/`v [B, Tk, Hkv, D]`.
+    fn dense(&self, q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<Tensor> {
+        let (b, t, _, _) = q.dims4()?;
+        let tk = k.dims()[1];
+        let g = self.hq / self.hkv;
+        let expand = |x: &Tensor| -> Result<Tensor> {
+            let x = x.transpose(1, 2)?; // [B, Hkv, Tk, D]
+            Ok(x.unsqueeze(2)?
+                .expand((b, self.hkv, g, tk, self.hd))?
+                .reshape((b, self.hq, tk, self.hd))?)
+        };
+        let qh = q.transpose(1, 2)?.contiguous()?;
+        let (kh, vh) = (expand(k)?, expand(v)?);
+        let mut s = (qh.matmul(&kh.t()?)? / (self.hd as f64).sqrt())?;
+        if t > 1 {
+            let mask: Vec<f32> = (0..t)
+                .flat_map(|i| {
+                    (0..tk).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 })
+                })
+                .collect();
+            s = s.broadcast_add(&Tensor::from_vec(mask, (t, tk), q.device())?)?;
+        }
+        let p = candle_nn::ops::softmax_last_dim(&s)?;
+        Ok(p.matmul(&vh)?.transpose(1, 2)?.contiguous()?)
+    }
+}

@@ -1,0 +1,127 @@
+use serde::Deserialize;
+
+use crate::attention::AttentionKind;
+use crate::error::{invalid, Result};
+use crate::linear::LinearKind;
+
+/// How rotary embeddings pair the dimensions of a head: GGUF files store q/k permuted for
+/// interleaved pairs `(0, 1), (2, 3), ..`; Hugging Face checkpoints use halves `(i, i + D/2)`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RopeStyle {
+    #[default]
+    Half,
+    Interleaved,
+}
+
+/// The architecture of a Llama-family model (Hugging Face `config.json` field names).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+pub struct LlamaConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+    #[serde(default)]
+    pub eos_token_id: Option<u32>,
+    #[serde(skip)]
+    pub rope_style: RopeStyle,
+}
+
+fn default_eps() -> f64 {
+    1e-5
+}
+fn default_theta() -> f64 {
+    10_000.0
+}
+fn default_max_pos() -> usize {
+    4096
+}
+
+impl LlamaConfig {
+    /// A small model for demos and tests (hidden 576 like SmolLM2, 4 layers, GQA 9/3).
+    pub fn tiny() -> Self {
+        Self {
+            vocab_size: 512,
+            hidden_size: 576,
+            intermediate_size: 1536,
+            num_hidden_layers: 4,
+            num_attention_heads: 9,
+            num_key_value_heads: Some(3),
+            head_dim: Some(64),
+            rms_norm_eps: 1e-5,
+            rope_theta: 100_000.0,
+            max_position_embeddings: 4096,
+            tie_word_embeddings: true,
+            bos_token_id: Some(1),
+            eos_token_id: Some(2),
+            rope_style: RopeStyle::Half,
+        }
+    }
+
+    pub fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.kv_heads()),
+        ];
+        for (arg, v) in positive {
+            if v == 0 {
+                return Err(invalid(arg, "must be at least 1"));
+            }
+        }
+        if self.num_attention_heads % self.kv_heads() != 0 {
+            return Err(invalid(
+                "num_key_value_heads",
+                format!(
+                    "must divide num_attention_heads = {}, got {}",
+                    self.num_attention_heads,
+                    self.kv_heads()
+                ),
+            ));
+        }
+        if self.head_dim() % 2 != 0 {
+            return Err(invalid("head_dim", "must be even for rotary embeddings"));
+        }
+        Ok(())
+    }
+}
+
+/// How to build a model from its weights.
+#[derive(Clone, Debug, Default)]
+pub struct ModelOptions {
+    /// Kind of the attention and MLP projections. Weights that a checkpoint already stores in
+    /// fp8 are used as fp8 whatever this says.
+    pub linear: LinearKind,
+    pub attention: AttentionKind,
+    /// Also quantize the output head (off by default, as in fp8 checkpoints).
+    pub fp8_lm_head: bool,
+    /// Module names (e.g. `model.layers.0.mlp.down_proj`) kept dense (from
+    /// `quantization_config.modules_to_not_convert`).
+    pub modules_to_not_convert: Vec<String>,
+}

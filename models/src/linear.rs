@@ -1,0 +1,56 @@
+use candle_core::{Module, Tensor};
+use fp8nsa_ops::{ActQuant, Fp8BlockWeight, Fp8Linear};
+
+use crate::error::Result;
+use crate::weights::Weights;
+
+/// What a projection becomes when the model is built.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LinearKind {
+    /// `candle_nn::Linear` on the (dequantized) weight.
+    #[default]
+    Dense,
+    /// `Fp8Linear`: dense weights are quantized on load in `block`s; fp8 checkpoints keep
+    /// theirs.
+    Fp8 { block: [usize; 2], act: ActQuant },
+}
+
+/// A projection of the model.
+#[derive(Clone, Debug)]
+pub enum Linear {
+    Dense(candle_nn::Linear),
+    Fp8(Fp8Linear),
+}
+
+impl Linear {
+    /// Builds `{name}.weight` (and `{name}.bias` when present) as `kind`. A stored fp8 weight
+    /// (with `{name}.weight_scale_inv`) is loaded as fp8 with its block size.
+    pub fn build(w: &Weights, name: &str, kind: LinearKind, keep_dense: bool) -> Result<Self> {
+        let bias = w.get_opt(&format!("{name}.bias"));
+        if let Some((data, scales, block)) = w.fp8(name)? {
+            let weight = Fp8BlockWeight::from_parts(data, scales, block)?;
+            let act = match kind {
+                LinearKind::Fp8 { act, .. } => act,
+                LinearKind::Dense => ActQuant::Group,
+            };
+            return Ok(Linear::Fp8(Fp8Linear::new(weight, bias, act)?));
+        }
+        let weight = w.get(&format!("{name}.weight"))?;
+        match kind {
+            LinearKind::Fp8 { block, act } if !keep_dense => {
+                let q = Fp8BlockWeight::quantize(&weight, block)?;
+                Ok(Linear::Fp8(Fp8Linear::new(q, bias, act)?))
+            }
+            _ => Ok(Linear::Dense(candle_nn::Linear::new(weight, bias))),
+        }
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Linear::Dense(l) => l.forward(x),
+            Linear::Fp8(l) => l.forward(x),
+        }
+    }
+}

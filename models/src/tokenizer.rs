@@ -1,0 +1,93 @@
+//! A byte-level BPE tokenizer built from a GGUF file's metadata (`tokenizer.ggml.*`).
+
+use candle_core::quantized::gguf_file;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::{AddedToken, Tokenizer};
+
+use crate::error::{Error, Result};
+
+fn tok_err(e: impl std::fmt::Display) -> Error {
+    Error::Tokenizer(e.to_string())
+}
+
+/// The `gpt2`-model tokenizer of a GGUF file: vocabulary and merges from the metadata, control
+/// tokens (token type 3) as special tokens, digits split individually before byte-level BPE
+/// (the SmolLM / cosmo2 pre-tokenizer).
+pub fn from_gguf(content: &gguf_file::Content) -> Result<Tokenizer> {
+    let md = &content.metadata;
+    let get = |k: &str| md.get(k).ok_or_else(|| tok_err(format!("missing {k}")));
+    let model = get("tokenizer.ggml.model")?.to_string().map_err(tok_err)?;
+    if model != "gpt2" {
+        return Err(tok_err(format!(
+            "only byte-level BPE (gpt2) is supported, got {model}"
+        )));
+    }
+    let tokens: Vec<String> = get("tokenizer.ggml.tokens")?
+        .to_vec()
+        .map_err(tok_err)?
+        .iter()
+        .map(|v| v.to_string().cloned().map_err(tok_err))
+        .collect::<Result<_>>()?;
+    let merges: Vec<(String, String)> = get("tokenizer.ggml.merges")?
+        .to_vec()
+        .map_err(tok_err)?
+        .iter()
+        .map(|v| {
+            let s = v.to_string().map_err(tok_err)?;
+            let (a, b) = s
+                .split_once(' ')
+                .ok_or_else(|| tok_err(format!("bad merge {s:?}")))?;
+            Ok((a.to_string(), b.to_string()))
+        })
+        .collect::<Result<_>>()?;
+    let types: Vec<u32> = match md.get("tokenizer.ggml.token_type") {
+        Some(v) => v
+            .to_vec()
+            .map_err(tok_err)?
+            .iter()
+            .map(|t| {
+                t.to_u32()
+                    .or_else(|_| t.to_i32().map(|x| x as u32))
+                    .map_err(tok_err)
+            })
+            .collect::<Result<_>>()?,
+        None => vec![1; tokens.len()],
+    };
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), i as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .map_err(tok_err)?;
+    let mut tok = Tokenizer::new(bpe);
+    tok.with_pre_tokenizer(Some(Sequence::new(vec![
+        Digits::new(true).into(),
+        ByteLevel::new(false, true, true).into(),
+    ])));
+    tok.with_decoder(Some(ByteLevelDecoder::default()));
+    let special: Vec<AddedToken> = tokens
+        .iter()
+        .zip(&types)
+        .filter(|(_, &t)| t == 3)
+        .map(|(s, _)| AddedToken::from(s.clone(), true))
+        .collect();
+    tok.add_special_tokens(special).map_err(tok_err)?;
+    Ok(tok)
+}
+
+/// Token ids of `text` (no special tokens added).
+pub fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    Ok(tok.encode(text, false).map_err(tok_err)?.get_ids().to_vec())
+}
+
+/// Text of `ids`, special tokens skipped.
+pub fn decode(tok: &Tokenizer, ids: &[u32]) -> Result<String> {
+    tok.decode(ids, true).map_err(tok_err)
+}

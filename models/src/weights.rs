@@ -1,0 +1,274 @@
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file;
+use candle_core::{DType, Device, Tensor};
+use rand::SeedableRng;
+use rand_distr::{Distribution, Normal};
+
+use crate::config::{LlamaConfig, RopeStyle};
+use crate::error::{invalid, Error, Result};
+
+/// Named host tensors in Hugging Face Llama naming (`model.layers.N.self_attn.q_proj.weight`,
+/// ...): f32 for dense weights, F8E4M3 bytes plus `weight_scale_inv` for fp8 ones.
+#[derive(Clone, Debug, Default)]
+pub struct Weights {
+    map: HashMap<String, Tensor>,
+    /// Block size of stored fp8 weights (`quantization_config.weight_block_size`).
+    pub fp8_block: Option<[usize; 2]>,
+    /// `quantization_config.modules_to_not_convert`.
+    pub modules_to_not_convert: Vec<String>,
+}
+
+fn file_err(path: &Path, msg: impl ToString) -> Error {
+    Error::File {
+        path: path.to_path_buf(),
+        msg: msg.to_string(),
+    }
+}
+
+impl Weights {
+    pub fn from_tensors(map: HashMap<String, Tensor>) -> Self {
+        Self {
+            map,
+            ..Self::default()
+        }
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &String> {
+        self.map.keys()
+    }
+
+    pub fn get(&self, name: &str) -> Result<Tensor> {
+        self.map
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::MissingTensor(name.to_string()))
+    }
+
+    pub fn get_opt(&self, name: &str) -> Option<Tensor> {
+        self.map.get(name).cloned()
+    }
+
+    /// `(data, scales, block)` when `{module}.weight` is stored in fp8.
+    pub fn fp8(&self, module: &str) -> Result<Option<(Tensor, Tensor, [usize; 2])>> {
+        let Some(scales) = self.map.get(&format!("{module}.weight_scale_inv")) else {
+            return Ok(None);
+        };
+        let data = self.get(&format!("{module}.weight"))?;
+        let block = self.fp8_block.unwrap_or([128, 128]);
+        Ok(Some((data, scales.to_dtype(DType::F32)?, block)))
+    }
+
+    /// Seeded N(0, 0.02) weights (norms at 1) for `cfg`: a model to run without a download.
+    pub fn random(cfg: &LlamaConfig, seed: u64) -> Result<Self> {
+        cfg.validate()?;
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let normal = Normal::new(0f32, 0.02).expect("valid std");
+        let mut map = HashMap::new();
+        let mut put = |name: String, dims: &[usize], rng: &mut rand::rngs::StdRng| -> Result<()> {
+            let n = dims.iter().product();
+            let v: Vec<f32> = (0..n).map(|_| normal.sample(rng)).collect();
+            map.insert(name, Tensor::from_vec(v, dims, &Device::Cpu)?);
+            Ok(())
+        };
+        let mut ones = Vec::new();
+        let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
+        let (q, kv) = (cfg.num_attention_heads * hd, cfg.kv_heads() * hd);
+        put(
+            "model.embed_tokens.weight".into(),
+            &[cfg.vocab_size, h],
+            &mut rng,
+        )?;
+        if !cfg.tie_word_embeddings {
+            put("lm_head.weight".into(), &[cfg.vocab_size, h], &mut rng)?;
+        }
+        for l in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            for (n, dims) in [
+                ("self_attn.q_proj", [q, h]),
+                ("self_attn.k_proj", [kv, h]),
+                ("self_attn.v_proj", [kv, h]),
+                ("self_attn.o_proj", [h, q]),
+                ("mlp.gate_proj", [i, h]),
+                ("mlp.up_proj", [i, h]),
+                ("mlp.down_proj", [h, i]),
+            ] {
+                put(format!("{p}.{n}.weight"), &dims, &mut rng)?;
+            }
+            for n in ["input_layernorm", "post_attention_layernorm"] {
+                ones.push(format!("{p}.{n}.weight"));
+            }
+        }
+        ones.push("model.norm.weight".into());
+        for name in ones {
+            map.insert(name, Tensor::ones(h, DType::F32, &Device::Cpu)?);
+        }
+        Ok(Self::from_tensors(map))
+    }
+
+    /// A Hugging Face model directory: `config.json` and `*.safetensors`. fp8 weights
+    /// (`weight` F8_E4M3 + `weight_scale_inv`) stay fp8; everything else becomes f32.
+    pub fn load_hf_dir(dir: &Path) -> Result<(LlamaConfig, Self)> {
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| file_err(&cfg_path, e))?;
+        let mut cfg: LlamaConfig =
+            serde_json::from_str(&text).map_err(|e| file_err(&cfg_path, e))?;
+        cfg.rope_style = RopeStyle::Half;
+        cfg.validate()?;
+        let raw: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| file_err(&cfg_path, e))?;
+        let mut w = Self::default();
+        if let Some(qc) = raw.get("quantization_config") {
+            if let Some(b) = qc["weight_block_size"].as_array() {
+                let b: Vec<usize> = b
+                    .iter()
+                    .filter_map(|x| x.as_u64().map(|x| x as usize))
+                    .collect();
+                if b.len() != 2 || b.contains(&0) {
+                    return Err(file_err(
+                        &cfg_path,
+                        "weight_block_size must be two positive integers",
+                    ));
+                }
+                w.fp8_block = Some([b[0], b[1]]);
+            }
+            if let Some(m) = qc["modules_to_not_convert"].as_array() {
+                w.modules_to_not_convert = m
+                    .iter()
+                    .filter_map(|x| x.as_str().map(String::from))
+                    .collect();
+            }
+        }
+        let mut files: Vec<_> = std::fs::read_dir(dir)
+            .map_err(|e| file_err(dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(file_err(dir, "no .safetensors file"));
+        }
+        for f in files {
+            for (name, t) in candle_core::safetensors::load(&f, &Device::Cpu)? {
+                let t = match t.dtype() {
+                    DType::F8E4M3 | DType::U8 | DType::F32 => t,
+                    _ => t.to_dtype(DType::F32)?,
+                };
+                w.map.insert(name, t);
+            }
+        }
+        Ok((cfg, w))
+    }
+
+    /// A GGUF file of the llama architecture, every tensor dequantized to f32 on load and
+    /// renamed to Hugging Face names. `on_tensor(done, total)` reports progress.
+    pub fn load_gguf(
+        path: &Path,
+        on_tensor: &mut dyn FnMut(usize, usize),
+    ) -> Result<(LlamaConfig, Self, gguf_file::Content)> {
+        let mut file = std::fs::File::open(path).map_err(|e| file_err(path, e))?;
+        let content = gguf_file::Content::read(&mut file).map_err(|e| file_err(path, e))?;
+        let cfg = config_from_gguf(&content).map_err(|e| file_err(path, e))?;
+        let mut names: Vec<String> = content.tensor_infos.keys().cloned().collect();
+        names.sort();
+        let mut map = HashMap::new();
+        for (i, name) in names.iter().enumerate() {
+            let q = content
+                .tensor(&mut file, name, &Device::Cpu)
+                .map_err(|e| file_err(path, e))?;
+            let t = q.dequantize(&Device::Cpu)?;
+            if let Some(hf) = hf_name(name) {
+                map.insert(hf, t);
+            }
+            on_tensor(i + 1, names.len());
+        }
+        Ok((cfg, Self::from_tensors(map), content))
+    }
+}
+
+/// GGUF (llama.cpp) tensor names to Hugging Face ones.
+fn hf_name(gguf: &str) -> Option<String> {
+    let fixed = match gguf {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(f) = fixed {
+        return Some(f.to_string());
+    }
+    let rest = gguf.strip_prefix("blk.")?;
+    let (layer, tail) = rest.split_once('.')?;
+    let hf = match tail {
+        "attn_norm.weight" => "input_layernorm.weight",
+        "ffn_norm.weight" => "post_attention_layernorm.weight",
+        "attn_q.weight" => "self_attn.q_proj.weight",
+        "attn_k.weight" => "self_attn.k_proj.weight",
+        "attn_v.weight" => "self_attn.v_proj.weight",
+        "attn_output.weight" => "self_attn.o_proj.weight",
+        "ffn_gate.weight" => "mlp.gate_proj.weight",
+        "ffn_up.weight" => "mlp.up_proj.weight",
+        "ffn_down.weight" => "mlp.down_proj.weight",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}"))
+}
+
+fn config_from_gguf(c: &gguf_file::Content) -> Result<LlamaConfig> {
+    let md = &c.metadata;
+    let arch = md
+        .get("general.architecture")
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+        .unwrap_or_default();
+    if arch != "llama" {
+        return Err(invalid(
+            "general.architecture",
+            format!("expected llama, got {arch:?}"),
+        ));
+    }
+    let u = |k: &str| -> Result<usize> {
+        md.get(k)
+            .ok_or_else(|| invalid("gguf metadata", format!("missing {k}")))?
+            .to_u32()
+            .map(|v| v as usize)
+            .map_err(|e| invalid("gguf metadata", format!("{k}: {e}")))
+    };
+    let f = |k: &str, default: f64| {
+        md.get(k)
+            .and_then(|v| v.to_f32().ok())
+            .map_or(default, |v| v as f64)
+    };
+    let heads = u("llama.attention.head_count")?;
+    let hidden = u("llama.embedding_length")?;
+    let vocab = match md
+        .get("tokenizer.ggml.tokens")
+        .and_then(|v| v.to_vec().ok())
+    {
+        Some(t) => t.len(),
+        None => u("llama.vocab_size")?,
+    };
+    let cfg = LlamaConfig {
+        vocab_size: vocab,
+        hidden_size: hidden,
+        intermediate_size: u("llama.feed_forward_length")?,
+        num_hidden_layers: u("llama.block_count")?,
+        num_attention_heads: heads,
+        num_key_value_heads: Some(u("llama.attention.head_count_kv").unwrap_or(heads)),
+        head_dim: Some(u("llama.rope.dimension_count").unwrap_or(hidden / heads)),
+        rms_norm_eps: f("llama.attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta: f("llama.rope.freq_base", 10_000.0),
+        max_position_embeddings: u("llama.context_length").unwrap_or(4096),
+        tie_word_embeddings: !c.tensor_infos.contains_key("output.weight"),
+        bos_token_id: md
+            .get("tokenizer.ggml.bos_token_id")
+            .and_then(|v| v.to_u32().ok()),
+        eos_token_id: md
+            .get("tokenizer.ggml.eos_token_id")
+            .and_then(|v| v.to_u32().ok()),
+        rope_style: RopeStyle::Interleaved,
+    };
+    cfg.validate()?;
+    Ok(cfg)
+}

@@ -1,0 +1,187 @@
+//! The decoder on a small seeded-random model: fp8 and NSA variants against dense, the cache
+//! against full recomputation, generation.
+
+use candle_core::{DType, Tensor};
+use fp8nsa_models::*;
+use fp8nsa_ops::nsa::NsaConfig;
+use fp8nsa_ops::ActQuant;
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
+fn model(opts: ModelOptions) -> Llama {
+    let cfg = LlamaConfig::tiny();
+    Llama::new(&cfg, &Weights::random(&cfg, 7).unwrap(), &opts).unwrap()
+}
+
+fn prompt(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + 11) % 512).collect()
+}
+
+#[test]
+fn cached_decode_equals_full_forward() {
+    for opts in [
+        ModelOptions::default(),
+        ModelOptions {
+            attention: AttentionKind::Nsa(NsaConfig {
+                window: 32,
+                num_selected: 3,
+                select_block: 16,
+                compress_block: 16,
+                compress_stride: 8,
+                ..NsaConfig::default()
+            }),
+            ..Default::default()
+        },
+    ] {
+        let m = model(opts);
+        let ids = prompt(90);
+        let full = m.forward(&ids, &mut m.new_cache()).unwrap();
+        let mut cache = m.new_cache();
+        let mut rows = vec![m.forward(&ids[..50], &mut cache).unwrap()];
+        for &t in &ids[50..] {
+            rows.push(m.forward(&[t], &mut cache).unwrap());
+        }
+        assert_eq!(cache.len(), 90);
+        let stepped = Tensor::cat(&rows, 0).unwrap();
+        let d = max_abs_diff(&full, &stepped);
+        assert!(d < 1e-3, "cached decode differs by {d}");
+    }
+}
+
+#[test]
+fn fp8_model_stays_close_to_dense() {
+    let dense = model(ModelOptions::default());
+    let ids = prompt(40);
+    let want = dense.forward(&ids, &mut dense.new_cache()).unwrap();
+    let norm = |t: &Tensor| {
+        t.sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+            .sqrt()
+    };
+    for act in [ActQuant::None, ActQuant::Group] {
+        let fp8 = model(ModelOptions {
+            linear: LinearKind::Fp8 {
+                block: [128, 128],
+                act,
+            },
+            ..Default::default()
+        });
+        let got = fp8.forward(&ids, &mut fp8.new_cache()).unwrap();
+        // e4m3 keeps ~3.6% rms relative error per weight (and per activation for W8A8); on
+        // random weights four layers compound that to about 10%
+        let rel = norm(&(&got - &want).unwrap()) / norm(&want);
+        assert!(rel > 0.0 && rel < 0.2, "{act:?}: relative deviation {rel}");
+    }
+}
+
+#[test]
+fn nsa_covering_the_context_equals_dense() {
+    let dense = model(ModelOptions::default());
+    let nsa = model(ModelOptions {
+        attention: AttentionKind::Nsa(NsaConfig {
+            num_selected: 16,
+            ..NsaConfig::default()
+        }),
+        ..Default::default()
+    });
+    let ids = prompt(120);
+    let a = dense.forward(&ids, &mut dense.new_cache()).unwrap();
+    let b = nsa.forward(&ids, &mut nsa.new_cache()).unwrap();
+    let d = max_abs_diff(&a, &b);
+    assert!(
+        d < 1e-3,
+        "NSA (selection covering everything) vs dense: {d}"
+    );
+}
+
+#[test]
+fn generation_is_reproducible_and_stops_at_eos() {
+    let m = model(ModelOptions::default());
+    let p = prompt(8);
+    let g1 = generate(
+        &m,
+        &mut m.new_cache(),
+        &p,
+        10,
+        Sampling::Greedy,
+        None,
+        &mut |_| {},
+    )
+    .unwrap();
+    let g2 = generate(
+        &m,
+        &mut m.new_cache(),
+        &p,
+        10,
+        Sampling::Greedy,
+        None,
+        &mut |_| {},
+    )
+    .unwrap();
+    assert_eq!((g1.len(), &g1), (10, &g2));
+    let s = Sampling::TopP {
+        p: 0.9,
+        temperature: 0.8,
+        seed: 3,
+    };
+    let t1 = generate(&m, &mut m.new_cache(), &p, 10, s, None, &mut |_| {}).unwrap();
+    let t2 = generate(&m, &mut m.new_cache(), &p, 10, s, None, &mut |_| {}).unwrap();
+    assert_eq!(t1, t2);
+    let stop = generate(
+        &m,
+        &mut m.new_cache(),
+        &p,
+        10,
+        Sampling::Greedy,
+        Some(g1[2]),
+        &mut |_| {},
+    )
+    .unwrap();
+    let first = g1.iter().position(|&t| t == g1[2]).unwrap();
+    assert_eq!(stop, g1[..=first]);
+    assert!(generate(
+        &m,
+        &mut m.new_cache(),
+        &[],
+        3,
+        Sampling::Greedy,
+        None,
+        &mut |_| {}
+    )
+    .is_err());
+    assert!(perplexity(&m, &p).unwrap() > 1.0);
+}
+
+#[test]
+fn bad_configs_and_weights_are_errors() {
+    let mut cfg = LlamaConfig::tiny();
+    cfg.num_key_value_heads = Some(4);
+    assert!(Weights::random(&cfg, 1)
+        .unwrap_err()
+        .to_string()
+        .contains("num_key_value_heads"));
+    let cfg = LlamaConfig::tiny();
+    let w = Weights::from_tensors(Default::default());
+    assert!(Llama::new(&cfg, &w, &ModelOptions::default())
+        .unwrap_err()
+        .to_string()
+        .contains("missing tensor"));
+    let m = model(ModelOptions::default());
+    let mut c = m.new_cache();
+    let too_long: Vec<u32> = vec![1; 4097];
+    assert!(m.forward(&too_long, &mut c).is_err());
+    let _ = DType::F32;
+}
