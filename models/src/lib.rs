@@ -18,6 +18,7 @@
 mod attention;
 mod config;
 mod error;
+pub mod eval;
 mod generate;
 mod linear;
 mod llama;

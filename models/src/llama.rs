@@ -118,6 +118,22 @@ impl Llama {
         &self.cfg
     }
 
+    /// How many projections (output head included) run as [`Linear::Fp8`].
+    pub fn fp8_layer_count(&self) -> usize {
+        let fp8 = |l: &Linear| matches!(l, Linear::Fp8(_)) as usize;
+        fp8(&self.lm_head)
+            + self
+                .blocks
+                .iter()
+                .map(|b| {
+                    b.attn.projections().iter().map(|l| fp8(l)).sum::<usize>()
+                        + fp8(&b.gate)
+                        + fp8(&b.up)
+                        + fp8(&b.down)
+                })
+                .sum::<usize>()
+    }
+
     pub fn new_cache(&self) -> Cache {
         Cache {
             layers: self.blocks.iter().map(|b| b.attn.new_cache()).collect(),

@@ -97,25 +97,32 @@ pub fn fp8_linear(
         check_positive("bm", bm)?;
     }
     let kernel = CpuKernel::for_shape(&s);
-    // yt is the transposed output [n, m]: each task then owns a contiguous run of it.
-    let mut yt = vec![0f32; s.n * s.m];
     match kernel {
         CpuKernel::Gemv => {
+            // yt is the transposed output [n, m]: each task owns a contiguous run of it
+            let mut yt = vec![0f32; s.n * s.m];
             let xq = quantize_act(x, s.m, s.k, s.bk, act, false)?;
             let rows = 8;
             yt.par_chunks_mut(rows * s.m)
                 .enumerate()
                 .for_each(|(c, yt)| gemv_rows(&xq, w, sw, s, c * rows, yt));
+            for (r, row) in out.chunks_exact_mut(s.n).enumerate() {
+                for (j, y) in row.iter_mut().enumerate() {
+                    *y = yt[j * s.m + r];
+                }
+            }
         }
         CpuKernel::PanelGemm => {
             let xd = quantize_act(x, s.m, s.k, s.bk, act, true)?;
-            panel_gemm(&xd.values, w, sw, s, &mut yt);
+            panel_gemm(&xd.values, w, sw, s, out);
         }
     }
-    for (r, row) in out.chunks_exact_mut(s.n).enumerate() {
-        for (j, y) in row.iter_mut().enumerate() {
-            *y = yt[j * s.m + r] + bias.map_or(0.0, |b| b[j]);
-        }
+    if let Some(b) = bias {
+        out.par_chunks_mut(s.n).for_each(|row| {
+            for (y, b) in row.iter_mut().zip(b) {
+                *y += b;
+            }
+        });
     }
     Ok(kernel)
 }
@@ -230,17 +237,22 @@ simd_dispatch!(fn dequant_tile => dequant_tile_impl(
     w: &[u8], sw: &[f32], s: Fp8LinearShape, n0: usize, c0: usize, c1: usize, buf: &mut [f32]
 ));
 
-fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: Fp8LinearShape, yt: &mut [f32]) {
-    let p = PANEL_ROWS.min(s.n);
-    let kc = TILE_K.min(s.k);
+fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: Fp8LinearShape, out: &mut [f32]) {
     let threads = rayon::current_num_threads();
-    // Few panels (small n, large m): let each product use every thread instead.
-    let per_panel = s.n.div_ceil(p) >= 2 * threads;
+    // two panels per thread where n allows, 16 to PANEL_ROWS rows each
+    let p =
+        s.n.div_ceil(2 * threads)
+            .next_multiple_of(16)
+            .clamp(16, PANEL_ROWS)
+            .min(s.n);
+    let kc = TILE_K.min(s.k);
+    let per_panel = s.n.div_ceil(p) >= threads;
     let inner = if per_panel {
         gemm::Parallelism::None
     } else {
         gemm::Parallelism::Rayon(threads)
     };
+    // panel i computes its own row-major [m, rows] block
     let panel = |i: usize, dst: &mut [f32], buf: &mut [f32]| {
         let rows = dst.len() / s.m;
         for c0 in (0..s.k).step_by(kc) {
@@ -258,16 +270,24 @@ fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: Fp8LinearShape, yt: &mut [f32]
             gemm_nt(s.m, rows, c1 - c0, lhs, rhs, dst, c0 > 0, inner);
         }
     };
+    let mut blocks = vec![0f32; s.m * s.n];
     if per_panel {
-        yt.par_chunks_mut(p * s.m)
+        blocks
+            .par_chunks_mut(p * s.m)
             .enumerate()
             .for_each_init(|| vec![0f32; p * kc], |buf, (i, dst)| panel(i, dst, buf));
     } else {
         let mut buf = vec![0f32; p * kc];
-        for (i, dst) in yt.chunks_mut(p * s.m).enumerate() {
+        for (i, dst) in blocks.chunks_mut(p * s.m).enumerate() {
             panel(i, dst, &mut buf);
         }
     }
+    out.par_chunks_mut(s.n).enumerate().for_each(|(r, row)| {
+        for (i, block) in blocks.chunks(p * s.m).enumerate() {
+            let rows = block.len() / s.m;
+            row[i * p..i * p + rows].copy_from_slice(&block[r * rows..(r + 1) * rows]);
+        }
+    });
 }
 
 /// A row-major matrix operand: row `r` starts at `data[r * ld]`.
@@ -277,8 +297,8 @@ struct Operand<'a> {
     ld: usize,
 }
 
-/// `dst[j * m + i] (+)= Σ_kk lhs[i, kk] · rhs[j, kk]` for `i < m, j < p, kk < k`: lhs `[m, k]`
-/// and rhs `[p, k]` row-major, dst column-major `[m, p]` (that is, row-major `[p, m]`).
+/// `dst[i * p + j] (+)= Σ_kk lhs[i, kk] · rhs[j, kk]` for `i < m, j < p, kk < k`: lhs `[m, k]`
+/// and rhs `[p, k]` row-major, dst row-major `[m, p]`.
 #[allow(clippy::too_many_arguments)]
 fn gemm_nt(
     m: usize,
@@ -302,8 +322,8 @@ fn gemm_nt(
             p,
             k,
             dst.as_mut_ptr(),
-            m as isize,
             1,
+            p as isize,
             accumulate,
             lhs.data.as_ptr(),
             1,

@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, Result};
-use crate::fp8::{e4m3_to_f32, quantize, scale_for_amax};
+use crate::fp8::{fake_quant_slice, quantize, scale_for_amax};
 
 /// How activations are quantized before the product. The K-group is always the weight's `bk`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -122,9 +122,8 @@ pub fn quantize_act(
                 *s = scale_for_amax(a);
                 let mul = if dequantize { *s } else { 1.0 };
                 for r in 0..rows {
-                    for i in r * k + k0..r * k + k1 {
-                        out[i] = e4m3_to_f32(quantize(x[i], *s)) * mul;
-                    }
+                    let span = r * k + k0..r * k + k1;
+                    fake_quant_slice(&x[span.clone()], *s, mul, &mut out[span]);
                 }
             }
         });
