@@ -1,0 +1,385 @@
+//! StableHLO programs, emitted as MLIR text. fp8 travels as `ui8` and is bitcast to
+//! `f8E4M3FN` inside the program; every scale is applied per K-block, before the sum over
+//! blocks, as the numerics contract says.
+
+use std::fmt::Write;
+
+/// Dynamic activation quantization of the fp8 linear program (mirrors `ActQuant`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ActScheme {
+    None,
+    Group,
+    Block2d { bm: usize },
+}
+
+/// Shape of an fp8 linear call: `x [m, k]`, `W [n, k]` in `bn x bk` blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct LinearShape {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub bn: usize,
+    pub bk: usize,
+}
+
+fn ty(dims: &[usize], elem: &str) -> String {
+    let mut s = String::from("tensor<");
+    for d in dims {
+        let _ = write!(s, "{d}x");
+    }
+    s + elem + ">"
+}
+
+fn f32t(dims: &[usize]) -> String {
+    ty(dims, "f32")
+}
+
+/// An f32 as an MLIR literal: decimal with a point (MLIR needs one) or, for infinities and
+/// NaN, the bit pattern in hex.
+fn lit(v: f32) -> String {
+    if v.is_finite() {
+        format!("{v:.9e}")
+    } else {
+        format!("0x{:08X}", v.to_bits())
+    }
+}
+
+fn list(v: &[usize]) -> String {
+    v.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A tiny SSA builder: each op gets a fresh `%vN` name.
+struct Body {
+    text: String,
+    next: usize,
+}
+
+impl Body {
+    fn new() -> Self {
+        Self {
+            text: String::new(),
+            next: 0,
+        }
+    }
+
+    fn op(&mut self, rhs: String) -> String {
+        let name = format!("%v{}", self.next);
+        self.next += 1;
+        let _ = writeln!(self.text, "    {name} = {rhs}");
+        name
+    }
+
+    fn splat(&mut self, v: f32, dims: &[usize]) -> String {
+        self.op(format!(
+            "stablehlo.constant dense<{}> : {}",
+            lit(v),
+            f32t(dims)
+        ))
+    }
+
+    fn unary(&mut self, op: &str, x: &str, dims: &[usize]) -> String {
+        self.op(format!("stablehlo.{op} {x} : {}", f32t(dims)))
+    }
+
+    fn binary(&mut self, op: &str, a: &str, b: &str, dims: &[usize]) -> String {
+        self.op(format!("stablehlo.{op} {a}, {b} : {}", f32t(dims)))
+    }
+
+    fn reshape(&mut self, x: &str, from: &[usize], to: &[usize]) -> String {
+        self.op(format!(
+            "stablehlo.reshape {x} : ({}) -> {}",
+            f32t(from),
+            f32t(to)
+        ))
+    }
+
+    fn transpose(&mut self, x: &str, from: &[usize], perm: &[usize]) -> String {
+        let to: Vec<usize> = perm.iter().map(|&p| from[p]).collect();
+        self.op(format!(
+            "stablehlo.transpose {x}, dims = [{}] : ({}) -> {}",
+            list(perm),
+            f32t(from),
+            f32t(&to)
+        ))
+    }
+
+    fn broadcast(&mut self, x: &str, from: &[usize], map: &[usize], to: &[usize]) -> String {
+        self.op(format!(
+            "stablehlo.broadcast_in_dim {x}, dims = [{}] : ({}) -> {}",
+            list(map),
+            f32t(from),
+            f32t(to)
+        ))
+    }
+
+    /// Zero padding at the high end of each dim.
+    fn pad(&mut self, x: &str, from: &[usize], to: &[usize]) -> String {
+        if from == to {
+            return x.to_string();
+        }
+        let zero = self.op(format!(
+            "stablehlo.constant dense<{}> : tensor<f32>",
+            lit(0.0)
+        ));
+        let high: Vec<usize> = from.iter().zip(to).map(|(a, b)| b - a).collect();
+        let zeros = vec![0; from.len()];
+        self.op(format!(
+            "stablehlo.pad {x}, {zero}, low = [{}], high = [{}], interior = [{}] : ({}, tensor<f32>) -> {}",
+            list(&zeros),
+            list(&high),
+            list(&zeros),
+            f32t(from),
+            f32t(to)
+        ))
+    }
+
+    /// The leading `to` corner of `x`.
+    fn slice(&mut self, x: &str, from: &[usize], to: &[usize]) -> String {
+        if from == to {
+            return x.to_string();
+        }
+        let ones = vec![1; from.len()];
+        let zeros = vec![0; from.len()];
+        self.op(format!(
+            "\"stablehlo.slice\"({x}) {{start_indices = array<i64: {}>, limit_indices = array<i64: {}>, strides = array<i64: {}>}} : ({}) -> {}",
+            list(&zeros),
+            list(to),
+            list(&ones),
+            f32t(from),
+            f32t(to)
+        ))
+    }
+
+    /// Reduction of `dims` with `op` ("maximum" / "add") from `init`.
+    fn reduce(&mut self, x: &str, from: &[usize], dims: &[usize], op: &str, init: f32) -> String {
+        let to: Vec<usize> = (0..from.len())
+            .filter(|i| !dims.contains(i))
+            .map(|i| from[i])
+            .collect();
+        let init = self.op(format!(
+            "stablehlo.constant dense<{}> : tensor<f32>",
+            lit(init)
+        ));
+        self.op(format!(
+            "\"stablehlo.reduce\"({x}, {init}) ({{\n    ^bb0(%a: tensor<f32>, %b: tensor<f32>):\n      %r = stablehlo.{op} %a, %b : tensor<f32>\n      stablehlo.return %r : tensor<f32>\n    }}) {{dimensions = array<i64: {}>}} : ({}, tensor<f32>) -> {}",
+            list(dims),
+            f32t(from),
+            f32t(&to)
+        ))
+    }
+}
+
+/// The fp8 block linear (TPU kernel v1: plain XLA, which schedules the pipelining itself).
+///
+/// Arguments: `x f32[m, k]`, `wq ui8[n, k]` (e4m3fn bytes), `sw f32[ceil(n/bn), ceil(k/bk)]`,
+/// and `bias f32[n]` when `bias`. Result `f32[m, n]`.
+pub fn fp8_linear(s: LinearShape, act: ActScheme, bias: bool) -> String {
+    let LinearShape { m, n, k, bn, bk } = s;
+    let (kb, nb) = (k.div_ceil(bk), n.div_ceil(bn));
+    let kp = kb * bk;
+    let rows = match act {
+        ActScheme::Block2d { bm } => m.div_ceil(bm) * bm,
+        _ => m,
+    };
+    let mut b = Body::new();
+    // activations: pad to whole blocks (zeros change neither amax nor sums), quantize
+    let xp = b.pad("%x", &[m, k], &[rows, kp]);
+    let (xq, sx_rows) = match act {
+        ActScheme::None => (b.reshape(&xp, &[rows, kp], &[rows, kb, bk]), None),
+        ActScheme::Group => {
+            let xr = b.reshape(&xp, &[rows, kp], &[rows, kb, bk]);
+            let (q, sc) = quantize(&mut b, &xr, &[rows, kb, bk], &[2], &[0, 1], &[rows, kb]);
+            (q, Some(sc))
+        }
+        ActScheme::Block2d { bm } => {
+            let mb = rows / bm;
+            let full = [mb, bm, kb, bk];
+            let xr = b.reshape(&xp, &[rows, kp], &full);
+            let (q, sc) = quantize(&mut b, &xr, &full, &[1, 3], &[0, 2], &[mb, kb]);
+            let q = b.reshape(&q, &full, &[rows, kb, bk]);
+            let sb = b.broadcast(&sc, &[mb, kb], &[0, 2], &[mb, bm, kb]);
+            (q, Some(b.reshape(&sb, &[mb, bm, kb], &[rows, kb])))
+        }
+    };
+    // weights: bytes -> e4m3fn -> f32, padded to whole K-blocks
+    let w8 = b.op(format!(
+        "stablehlo.bitcast_convert %wq : ({}) -> {}",
+        ty(&[n, k], "ui8"),
+        ty(&[n, k], "f8E4M3FN")
+    ));
+    let wf = b.op(format!(
+        "stablehlo.convert {w8} : ({}) -> {}",
+        ty(&[n, k], "f8E4M3FN"),
+        f32t(&[n, k])
+    ));
+    let wp = b.pad(&wf, &[n, k], &[n, kp]);
+    let wr = b.reshape(&wp, &[n, kp], &[n, kb, bk]);
+    // one f32 dot per K-block: [kb, rows, n]
+    let d = b.op(format!(
+        "stablehlo.dot_general {xq}, {wr}, batching_dims = [1] x [1], contracting_dims = [2] x [2] : ({}, {}) -> {}",
+        f32t(&[rows, kb, bk]),
+        f32t(&[n, kb, bk]),
+        f32t(&[kb, rows, n])
+    ));
+    // weight scales per output row: [nb, kb] -> [n, kb]
+    let swb = b.broadcast("%sw", &[nb, kb], &[0, 2], &[nb, bn, kb]);
+    let swr = b.reshape(&swb, &[nb, bn, kb], &[nb * bn, kb]);
+    let swn = b.slice(&swr, &[nb * bn, kb], &[n, kb]);
+    let full = [kb, rows, n];
+    let sw3 = b.broadcast(&swn, &[n, kb], &[2, 0], &full);
+    let mut scaled = b.binary("multiply", &d, &sw3, &full);
+    if let Some(sx) = sx_rows {
+        let sx3 = b.broadcast(&sx, &[rows, kb], &[1, 0], &full);
+        scaled = b.binary("multiply", &scaled, &sx3, &full);
+    }
+    let y = b.reduce(&scaled, &full, &[0], "add", 0.0);
+    let mut y = b.slice(&y, &[rows, n], &[m, n]);
+    if bias {
+        let bb = b.broadcast("%bias", &[n], &[1], &[m, n]);
+        y = b.binary("add", &y, &bb, &[m, n]);
+    }
+    let bias_arg = if bias {
+        format!(", %bias: {}", f32t(&[n]))
+    } else {
+        String::new()
+    };
+    format!(
+        "module @fp8_linear {{\n  func.func public @main(%x: {}, %wq: {}, %sw: {}{bias_arg}) -> {} {{\n{}    return {y} : {}\n  }}\n}}\n",
+        f32t(&[m, k]),
+        ty(&[n, k], "ui8"),
+        f32t(&[nb, kb]),
+        f32t(&[m, n]),
+        b.text,
+        f32t(&[m, n]),
+    )
+}
+
+/// `sat(rne(x / s))` over `x` with one scale per `keep` dims (reducing `red`), returned as
+/// f32 values, plus the scales `[scale_dims]`.
+fn quantize(
+    b: &mut Body,
+    x: &str,
+    dims: &[usize],
+    red: &[usize],
+    keep: &[usize],
+    scale_dims: &[usize],
+) -> (String, String) {
+    let ax = b.unary("abs", x, dims);
+    let amax = b.reduce(&ax, dims, red, "maximum", 0.0);
+    let floor = b.splat(1e-12, scale_dims);
+    let am = b.binary("maximum", &amax, &floor, scale_dims);
+    let c448 = b.splat(448.0, scale_dims);
+    let sc = b.binary("divide", &am, &c448, scale_dims);
+    let sb = b.broadcast(&sc, scale_dims, keep, dims);
+    let q = b.binary("divide", x, &sb, dims);
+    let lo = b.op(format!(
+        "stablehlo.constant dense<{}> : tensor<f32>",
+        lit(-448.0)
+    ));
+    let hi = b.op(format!(
+        "stablehlo.constant dense<{}> : tensor<f32>",
+        lit(448.0)
+    ));
+    let qc = b.op(format!(
+        "stablehlo.clamp {lo}, {q}, {hi} : (tensor<f32>, {}, tensor<f32>) -> {}",
+        f32t(dims),
+        f32t(dims)
+    ));
+    let q8 = b.op(format!(
+        "stablehlo.convert {qc} : ({}) -> {}",
+        f32t(dims),
+        ty(dims, "f8E4M3FN")
+    ));
+    let qf = b.op(format!(
+        "stablehlo.convert {q8} : ({}) -> {}",
+        ty(dims, "f8E4M3FN"),
+        f32t(dims)
+    ));
+    (qf, sc)
+}
+
+/// Shape of one sequence of NSA selection attention (masked form).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AttnShape {
+    pub tq: usize,
+    pub tk: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub dv: usize,
+}
+
+/// Selection attention in masked form: `q f32[tq, hq, d]`, `k f32[tk, hkv, d]`,
+/// `v f32[tk, hkv, dv]`, `mask f32[hkv, tq, tk]` (0 where the query sees a selected key,
+/// -inf elsewhere) -> `o f32[tq, hq, dv]`, `lse f32[tq, hq]` (`o = 0`, `lse = -inf` for a
+/// query that sees nothing).
+pub fn nsa_selection(s: AttnShape, scale: f32) -> String {
+    let AttnShape {
+        tq,
+        tk,
+        hq,
+        hkv,
+        d,
+        dv,
+    } = s;
+    let g = hq / hkv;
+    let mut b = Body::new();
+    let qt = b.transpose("%q", &[tq, hq, d], &[1, 0, 2]);
+    let qr = b.reshape(&qt, &[hq, tq, d], &[hkv, g * tq, d]);
+    let kt = b.transpose("%k", &[tk, hkv, d], &[1, 0, 2]);
+    let vt = b.transpose("%v", &[tk, hkv, dv], &[1, 0, 2]);
+    let sc = b.op(format!(
+        "stablehlo.dot_general {qr}, {kt}, batching_dims = [0] x [0], contracting_dims = [2] x [2] : ({}, {}) -> {}",
+        f32t(&[hkv, g * tq, d]),
+        f32t(&[hkv, tk, d]),
+        f32t(&[hkv, g * tq, tk])
+    ));
+    let full = [hkv, g, tq, tk];
+    let s4 = b.reshape(&sc, &[hkv, g * tq, tk], &full);
+    let c = b.splat(scale, &full);
+    let s4 = b.binary("multiply", &s4, &c, &full);
+    let mb = b.broadcast("%mask", &[hkv, tq, tk], &[0, 2, 3], &full);
+    let sm = b.binary("add", &s4, &mb, &full);
+    let red = [hkv, g, tq];
+    let m = b.reduce(&sm, &full, &[3], "maximum", f32::NEG_INFINITY);
+    // a query that sees nothing has max -inf; clamping keeps exp(-inf - m) = 0, not NaN
+    let lowest = b.splat(f32::MIN, &red);
+    let m = b.binary("maximum", &m, &lowest, &red);
+    let m4 = b.broadcast(&m, &red, &[0, 1, 2], &full);
+    let e = b.binary("subtract", &sm, &m4, &full);
+    let e = b.unary("exponential", &e, &full);
+    let l = b.reduce(&e, &full, &[3], "add", 0.0);
+    let tiny = b.splat(f32::MIN_POSITIVE, &red);
+    let ls = b.binary("maximum", &l, &tiny, &red);
+    let l4 = b.broadcast(&ls, &red, &[0, 1, 2], &full);
+    let p = b.binary("divide", &e, &l4, &full);
+    let pr = b.reshape(&p, &full, &[hkv, g * tq, tk]);
+    let o = b.op(format!(
+        "stablehlo.dot_general {pr}, {vt}, batching_dims = [0] x [0], contracting_dims = [2] x [1] : ({}, {}) -> {}",
+        f32t(&[hkv, g * tq, tk]),
+        f32t(&[hkv, tk, dv]),
+        f32t(&[hkv, g * tq, dv])
+    ));
+    let o4 = b.reshape(&o, &[hkv, g * tq, dv], &[hkv, g, tq, dv]);
+    let ot = b.transpose(&o4, &[hkv, g, tq, dv], &[2, 0, 1, 3]);
+    let o = b.reshape(&ot, &[tq, hkv, g, dv], &[tq, hq, dv]);
+    let logl = b.unary("log", &l, &red);
+    let lse = b.binary("add", &m, &logl, &red);
+    let lt = b.transpose(&lse, &red, &[2, 0, 1]);
+    let lse = b.reshape(&lt, &[tq, hkv, g], &[tq, hq]);
+    format!(
+        "module @nsa_selection {{\n  func.func public @main(%q: {}, %k: {}, %v: {}, %mask: {}) -> ({}, {}) {{\n{}    return {o}, {lse} : {}, {}\n  }}\n}}\n",
+        f32t(&[tq, hq, d]),
+        f32t(&[tk, hkv, d]),
+        f32t(&[tk, hkv, dv]),
+        f32t(&[hkv, tq, tk]),
+        f32t(&[tq, hq, dv]),
+        f32t(&[tq, hq]),
+        b.text,
+        f32t(&[tq, hq, dv]),
+        f32t(&[tq, hq]),
+    )
+}

@@ -1,0 +1,285 @@
+//! A plugin, a client on its first device, and a cache of compiled programs: what the layers
+//! need to run through PJRT.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+
+use crate::error::{invalid, Error, Result};
+use crate::programs::{self, ActScheme, AttnShape, LinearShape};
+use crate::safe::{Api, Buffer, Client, Device, ElementType, Executable};
+
+/// Environment variable naming the plugin (`.so`) to load.
+pub const PLUGIN_ENV: &str = "FP8NSA_PJRT_PLUGIN";
+/// Environment variable choosing the TPU fp8 kernel variant.
+pub const TPU_KERNEL_ENV: &str = "FP8NSA_TPU_KERNEL";
+
+/// The fp8 linear kernel variants. `V1` is the XLA-native program (any platform); `V2`
+/// (manual async DMA, double buffering) and `V3` (V2 with the scales in SMEM) are Mosaic
+/// kernels that exist for TPUs only.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TpuKernel {
+    #[default]
+    V1,
+    V2,
+    V3,
+}
+
+impl FromStr for TpuKernel {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "v1" => Ok(TpuKernel::V1),
+            "v2" => Ok(TpuKernel::V2),
+            "v3" => Ok(TpuKernel::V3),
+            other => Err(invalid(
+                "FP8NSA_TPU_KERNEL",
+                format!("expected v1, v2 or v3, got {other:?}"),
+            )),
+        }
+    }
+}
+
+impl TpuKernel {
+    /// From `FP8NSA_TPU_KERNEL` (default v1).
+    pub fn from_env() -> Result<Self> {
+        match std::env::var(TPU_KERNEL_ENV) {
+            Ok(v) => v.parse(),
+            Err(_) => Ok(TpuKernel::V1),
+        }
+    }
+}
+
+/// The XLA CPU plugin of the `xla-cpu-pjrt` wheel, if Python has it installed.
+pub fn locate_cpu_plugin() -> Option<PathBuf> {
+    let script = "import site, sysconfig\n\
+                  paths = [sysconfig.get_paths()['purelib'], site.getusersitepackages()]\n\
+                  paths += site.getsitepackages() if hasattr(site, 'getsitepackages') else []\n\
+                  print('\\n'.join(paths))";
+    let out = std::process::Command::new("python3")
+        .args(["-c", script])
+        .output()
+        .ok()?;
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|d| PathBuf::from(d).join("xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so"))
+        .find(|p| p.is_file())
+}
+
+/// An fp8 weight resident on the device: uploaded once, used by every call.
+pub struct DeviceWeight {
+    wq: Buffer,
+    sw: Buffer,
+    bias: Option<Buffer>,
+    n: usize,
+    k: usize,
+    block: [usize; 2],
+}
+
+/// A loaded PJRT plugin with a client, its first device and compiled programs.
+pub struct PjrtRuntime {
+    api: &'static Api,
+    client: Client,
+    device: Device,
+    platform: String,
+    path: String,
+    cache: Mutex<HashMap<String, Arc<Executable>>>,
+}
+
+impl std::fmt::Debug for PjrtRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PjrtRuntime({}, platform {})", self.path, self.platform)
+    }
+}
+
+impl PjrtRuntime {
+    /// Loads the plugin at `path` and opens a client on it.
+    pub fn load(path: &str) -> Result<Self> {
+        let api = Api::load(path)?;
+        let client = api.client()?;
+        let device = client.device()?;
+        let platform = client.platform_name()?;
+        tracing::info!(plugin = path, %platform, version = ?api.version(), "PJRT plugin loaded");
+        Ok(Self {
+            api,
+            client,
+            device,
+            platform,
+            path: path.to_string(),
+            cache: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The plugin named by `FP8NSA_PJRT_PLUGIN`, else the installed XLA CPU plugin.
+    pub fn from_env() -> Result<Self> {
+        let path = match std::env::var(PLUGIN_ENV) {
+            Ok(p) => PathBuf::from(p),
+            Err(_) => locate_cpu_plugin().ok_or_else(|| Error::Load {
+                path: "(none)".into(),
+                message: format!(
+                    "set {PLUGIN_ENV} to a PJRT plugin, or `pip install xla-cpu-pjrt` for the CPU one"
+                ),
+            })?,
+        };
+        Self::load(&path.to_string_lossy())
+    }
+
+    /// The platform the plugin reports (`cpu`, `cuda`, `tpu`, ...).
+    pub fn platform(&self) -> &str {
+        &self.platform
+    }
+
+    pub fn api_version(&self) -> (i32, i32) {
+        self.api.version()
+    }
+
+    /// Programs compiled so far.
+    pub fn cached_programs(&self) -> usize {
+        self.cache.lock().map_or(0, |c| c.len())
+    }
+
+    /// Errors unless `kernel` can run on this plugin's platform.
+    pub fn check_kernel(&self, kernel: TpuKernel) -> Result<()> {
+        match kernel {
+            TpuKernel::V1 => Ok(()),
+            _ if self.platform == "tpu" => Err(invalid(
+                "kernel",
+                format!("{kernel:?} needs its exported Mosaic program (fp8nsa export-tpu), which this build does not load"),
+            )),
+            _ => Err(Error::NotOnPlatform {
+                what: format!("TpuKernel::{kernel:?}"),
+                platform: self.platform.clone(),
+            }),
+        }
+    }
+
+    /// Compiles `text` once per `key` and caches the executable.
+    pub fn executable(&self, key: &str, text: impl FnOnce() -> String) -> Result<Arc<Executable>> {
+        if let Some(e) = self.cache.lock().expect("program cache").get(key) {
+            return Ok(e.clone());
+        }
+        let text = text();
+        let t = std::time::Instant::now();
+        let exe = Arc::new(self.client.compile(
+            &text,
+            "mlir",
+            &crate::proto::compile_options(0, 1, 1),
+        )?);
+        tracing::debug!(
+            key,
+            ms = t.elapsed().as_secs_f64() * 1e3,
+            "PJRT program compiled"
+        );
+        self.cache
+            .lock()
+            .expect("program cache")
+            .insert(key.to_string(), exe.clone());
+        Ok(exe)
+    }
+
+    fn upload_f32(&self, v: &[f32], dims: &[usize]) -> Result<Buffer> {
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let dims: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
+        self.client
+            .upload(&bytes, ElementType::F32, &dims, &self.device)
+    }
+
+    /// Uploads an fp8 weight (`codes [n, k]`, `scales [ceil(n/bn), ceil(k/bk)]`, `bias [n]`).
+    pub fn upload_weight(
+        &self,
+        codes: &[u8],
+        scales: &[f32],
+        bias: Option<&[f32]>,
+        n: usize,
+        k: usize,
+        block: [usize; 2],
+    ) -> Result<DeviceWeight> {
+        let (nb, kb) = (n.div_ceil(block[0]), k.div_ceil(block[1]));
+        if scales.len() != nb * kb {
+            return Err(invalid(
+                "scales",
+                format!("{} values for [{nb}, {kb}]", scales.len()),
+            ));
+        }
+        Ok(DeviceWeight {
+            wq: self
+                .client
+                .upload(codes, ElementType::U8, &[n as i64, k as i64], &self.device)?,
+            sw: self.upload_f32(scales, &[nb, kb])?,
+            bias: bias.map(|b| self.upload_f32(b, &[n])).transpose()?,
+            n,
+            k,
+            block,
+        })
+    }
+
+    /// `y [m, n] = x [m, k] · Wᵀ (+ bias)` with the fp8 contract, through the v1 program.
+    pub fn fp8_linear(
+        &self,
+        x: &[f32],
+        m: usize,
+        w: &DeviceWeight,
+        act: ActScheme,
+        kernel: TpuKernel,
+    ) -> Result<Vec<f32>> {
+        self.check_kernel(kernel)?;
+        if x.len() != m * w.k || m == 0 {
+            return Err(invalid(
+                "x",
+                format!("{} values for [{m}, {}]", x.len(), w.k),
+            ));
+        }
+        let shape = LinearShape {
+            m,
+            n: w.n,
+            k: w.k,
+            bn: w.block[0],
+            bk: w.block[1],
+        };
+        let key = format!("fp8_linear {shape:?} {act:?} bias={}", w.bias.is_some());
+        let exe = self.executable(&key, || programs::fp8_linear(shape, act, w.bias.is_some()))?;
+        let xb = self.upload_f32(x, &[m, w.k])?;
+        let mut args = vec![&xb, &w.wq, &w.sw];
+        if let Some(b) = &w.bias {
+            args.push(b);
+        }
+        let out = exe.execute(&args)?;
+        out[0].to_f32()
+    }
+
+    /// Masked selection attention of one sequence (see [`programs::nsa_selection`]).
+    pub fn nsa_selection(
+        &self,
+        s: AttnShape,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        mask: &[f32],
+        scale: f32,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let key = format!("nsa_selection {s:?} scale={scale}");
+        let exe = self.executable(&key, || programs::nsa_selection(s, scale))?;
+        let bufs = [
+            self.upload_f32(q, &[s.tq, s.hq, s.d])?,
+            self.upload_f32(k, &[s.tk, s.hkv, s.d])?,
+            self.upload_f32(v, &[s.tk, s.hkv, s.dv])?,
+            self.upload_f32(mask, &[s.hkv, s.tq, s.tk])?,
+        ];
+        let out = exe.execute(&bufs.iter().collect::<Vec<_>>())?;
+        Ok((out[0].to_f32()?, out[1].to_f32()?))
+    }
+
+    /// The optimized program of a cached executable, rendered as HLO-like text.
+    pub fn optimized_hlo(&self, key: &str) -> Result<String> {
+        let exe = self
+            .cache
+            .lock()
+            .expect("program cache")
+            .get(key)
+            .cloned()
+            .ok_or_else(|| invalid("key", format!("no program compiled under {key:?}")))?;
+        let (format, bytes) = exe.optimized_program()?;
+        Ok(crate::proto::render_hlo(&bytes, &format).join("\n"))
+    }
+}
