@@ -32,7 +32,7 @@ mod error;
 
 pub use error::{Error, Result};
 pub use fp8nsa_ops::Error as OpsError;
-pub use fp8nsa_ops::{ActQuant, Fp8BlockWeight, Fp8Linear};
+pub use fp8nsa_ops::{ActQuant, Backend, Fp8BlockWeight, Fp8Linear, PjrtRuntime, TpuKernel};
 
 /// The Llama-family decoder on these layers, its loaders and generation.
 pub mod models {

@@ -62,3 +62,13 @@ pub(crate) fn invalid(arg: &'static str, msg: impl Into<String>) -> Error {
         msg: msg.into(),
     }
 }
+
+#[cfg(feature = "pjrt")]
+impl From<fp8nsa_pjrt::Error> for Error {
+    fn from(e: fp8nsa_pjrt::Error) -> Self {
+        Error::Invalid {
+            arg: "pjrt",
+            msg: e.to_string(),
+        }
+    }
+}

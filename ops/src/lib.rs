@@ -13,11 +13,13 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod backend;
 mod error;
 pub mod fp8;
 pub mod nsa;
 pub mod reference;
 mod storage;
 
+pub use backend::{Backend, PjrtRuntime, TpuKernel};
 pub use error::{Error, Result};
 pub use fp8::{ActQuant, Fp8BlockWeight, Fp8Linear};

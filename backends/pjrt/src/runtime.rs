@@ -77,6 +77,16 @@ pub struct DeviceWeight {
     block: [usize; 2],
 }
 
+impl std::fmt::Debug for DeviceWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "DeviceWeight([{}, {}] in {:?} blocks)",
+            self.n, self.k, self.block
+        )
+    }
+}
+
 /// A loaded PJRT plugin with a client, its first device and compiled programs.
 pub struct PjrtRuntime {
     api: &'static Api,

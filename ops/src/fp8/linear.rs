@@ -5,6 +5,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Shape, Tensor};
 use fp8nsa_cpu::linear::{fp8_linear, Fp8LinearShape};
 
 use super::{ActQuant, Fp8BlockWeight};
+use crate::backend::{Backend, TpuKernel};
 use crate::error::{invalid, shape_err, Error, Result};
 use crate::storage::{f32_slice, fp8_bytes, from_f32};
 
@@ -28,6 +29,11 @@ pub struct Fp8Linear {
     weight: Fp8BlockWeight,
     bias: Option<Tensor>,
     op: Fp8LinearOp,
+    backend: Backend,
+    kernel: TpuKernel,
+    /// The weight as uploaded to a PJRT device, shared by clones.
+    #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
+    device_weight: super::pjrt::WeightCache,
 }
 
 impl Fp8Linear {
@@ -62,7 +68,26 @@ impl Fp8Linear {
             act,
             bias: bias_host,
         };
-        Ok(Self { weight, bias, op })
+        Ok(Self {
+            weight,
+            bias,
+            op,
+            backend: Backend::Auto,
+            kernel: TpuKernel::V1,
+            device_weight: Default::default(),
+        })
+    }
+
+    /// Runs on `backend` (default `Backend::Auto`: the tensor's device, or `FP8NSA_BACKEND`).
+    pub fn with_backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+
+    /// The PJRT fp8 kernel variant (default v1, the XLA-native program).
+    pub fn with_tpu_kernel(mut self, kernel: TpuKernel) -> Self {
+        self.kernel = kernel;
+        self
     }
 
     pub fn weight(&self) -> &Fp8BlockWeight {
@@ -75,6 +100,21 @@ impl Fp8Linear {
 
     pub fn act(&self) -> ActQuant {
         self.op.act
+    }
+
+    #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
+    pub(crate) fn bias_host(&self) -> Option<&[f32]> {
+        self.op.bias.as_deref()
+    }
+
+    #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
+    pub(crate) fn tpu_kernel(&self) -> TpuKernel {
+        self.kernel
+    }
+
+    #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
+    pub(crate) fn device_weight(&self) -> &super::pjrt::WeightCache {
+        &self.device_weight
     }
 
     /// Like [`Module::forward`], with this crate's error type.
@@ -98,6 +138,13 @@ impl Fp8Linear {
                 got: x.dtype(),
             });
         }
+        let m = x.elem_count() / k;
+        if let Backend::Pjrt(rt) = self.backend.resolve()? {
+            let y = super::pjrt::fp8_linear(self, &rt, x, m)?;
+            let mut out_dims = dims.to_vec();
+            *out_dims.last_mut().expect("x has a last dim") = n;
+            return Ok(y.reshape(out_dims)?);
+        }
         if !x.device().is_cpu() || !self.weight.device().is_cpu() {
             return Err(Error::Unsupported {
                 op: "Fp8Linear",
@@ -105,7 +152,6 @@ impl Fp8Linear {
                 hint: "only the CPU backend is built; x and the weight must be on the CPU",
             });
         }
-        let m = x.elem_count() / k;
         let _span = tracing::debug_span!("fp8nsa::fp8_linear", m, n, k).entered();
         let x2 = x.reshape((m, k))?.contiguous()?;
         let y = x2.apply_op3_no_bwd(self.weight.data(), self.weight.scales(), &self.op)?;

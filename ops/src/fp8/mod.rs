@@ -2,6 +2,7 @@
 
 mod act;
 mod linear;
+mod pjrt;
 pub(crate) mod weight;
 
 pub use act::ActQuant;

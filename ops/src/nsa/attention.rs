@@ -6,6 +6,7 @@ use fp8nsa_cpu::nsa::{selection_attention, AttnDims, SeqInfo};
 
 use super::sdpa::masked_sdpa;
 use super::selection::{HostSelection, Selection};
+use crate::backend::Backend;
 use crate::error::{invalid, shape_err, Error, Result};
 
 /// Default `min_len`: below this many keys the dense fallback is used.
@@ -31,6 +32,7 @@ pub struct SelectionAttention {
     q_offset: Option<usize>,
     min_len: usize,
     with_lse: bool,
+    backend: Backend,
 }
 
 impl Default for SelectionAttention {
@@ -52,7 +54,15 @@ impl SelectionAttention {
             q_offset: None,
             min_len,
             with_lse: false,
+            backend: Backend::Auto,
         }
+    }
+
+    /// Runs on `backend` (default `Backend::Auto`: the tensor's device, or `FP8NSA_BACKEND`).
+    /// On PJRT the masked program runs whatever `min_len` says.
+    pub fn backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
     }
 
     /// Score scale (default `1/sqrt(D)`).
@@ -245,6 +255,10 @@ impl SelectionAttention {
             hkv,
         )?;
         let scale = self.scale.unwrap_or(1.0 / (d as f32).sqrt());
+        if let Backend::Pjrt(rt) = self.backend.resolve()? {
+            let (o, lse) = super::pjrt::selection(&rt, q, k, v, seqs, &host, scale)?;
+            return Ok((o.to_dtype(q.dtype())?, self.with_lse.then_some(lse)));
+        }
         let max_tk = seqs.iter().map(|s| s.k_len).max().unwrap_or(0);
         let reason = if max_tk < self.min_len {
             Some(format!("tk = {max_tk} < min_len = {}", self.min_len))

@@ -24,6 +24,7 @@ mod attention;
 mod compress;
 mod config;
 mod layer;
+mod pjrt;
 mod sdpa;
 mod selection;
 

@@ -21,26 +21,13 @@ pub(crate) fn masked_sdpa(
     let (_, hkv, _) = k.dims3()?;
     let dv = v.dims()[2];
     let g = hq / hkv;
-    let spans = sel.spans();
     let (mut os, mut lses) = (Vec::new(), Vec::new());
-    let mut row = Vec::new();
     for s in seqs {
         if s.q_len == 0 {
             continue;
         }
         let (tq, tk) = (s.q_len, s.k_len);
-        // mask [Hkv, 1, Tq, Tk]: 0 where visible and selected, -inf elsewhere
-        let mut mask = vec![f32::NEG_INFINITY; hkv * tq * tk];
-        for t in 0..tq {
-            let limit = tk.min(s.q_offset + t + 1);
-            for h in 0..hkv {
-                spans.row_spans((s.q_start + t) * hkv + h, limit, &mut row);
-                let m = &mut mask[(h * tq + t) * tk..(h * tq + t + 1) * tk];
-                for &(a, b) in &row {
-                    m[a..b].fill(0.0);
-                }
-            }
-        }
+        let mask = selection_mask(sel, s, hkv);
         let mask = Tensor::from_vec(mask, (hkv, 1, tq, tk), &Device::Cpu)?.to_device(q.device())?;
         let qs = q.narrow(0, s.q_start, tq)?.to_dtype(DType::F32)?;
         // [Tq, Hkv, G, D] -> [Hkv, G * Tq, D]
@@ -83,6 +70,26 @@ pub(crate) fn masked_sdpa(
         lses.push(lse.permute((2, 0, 1))?.reshape((tq, hq))?);
     }
     Ok((Tensor::cat(&os, 0)?, Tensor::cat(&lses, 0)?))
+}
+
+/// The selection of one sequence as an additive mask `[Hkv, Tq, Tk]`: 0 where the query sees
+/// a selected key (clamped, merged, causal), -inf elsewhere.
+pub(crate) fn selection_mask(sel: &HostSelection, s: &SeqInfo, hkv: usize) -> Vec<f32> {
+    let (tq, tk) = (s.q_len, s.k_len);
+    let spans = sel.spans();
+    let mut row = Vec::new();
+    let mut mask = vec![f32::NEG_INFINITY; hkv * tq * tk];
+    for t in 0..tq {
+        let limit = tk.min(s.q_offset + t + 1);
+        for h in 0..hkv {
+            spans.row_spans((s.q_start + t) * hkv + h, limit, &mut row);
+            let m = &mut mask[(h * tq + t) * tk..(h * tq + t + 1) * tk];
+            for &(a, b) in &row {
+                m[a..b].fill(0.0);
+            }
+        }
+    }
+    mask
 }
 
 /// Softmax over the last dim of `-inf`-masked scores, and the log-sum-exp. A row that sees

@@ -1,0 +1,102 @@
+//! `Fp8Linear` through a PJRT plugin: the weight is uploaded once per runtime and kept there;
+//! activations are staged through the host as f32 and the result comes back in x's dtype.
+
+use candle_core::Tensor;
+
+use super::Fp8Linear;
+use crate::backend::PjrtRuntime;
+use crate::error::Result;
+
+#[cfg(feature = "pjrt")]
+mod imp {
+    use std::sync::{Arc, Mutex};
+
+    use candle_core::{DType, Device};
+    use fp8nsa_pjrt::{programs::ActScheme, DeviceWeight};
+
+    use super::*;
+    use crate::backend::TpuKernel;
+    use crate::fp8::ActQuant;
+
+    /// `(runtime address, weight on that runtime's device)`.
+    pub(crate) type WeightCache = Arc<Mutex<Option<(usize, Arc<DeviceWeight>)>>>;
+
+    fn scheme(a: ActQuant) -> ActScheme {
+        match a {
+            ActQuant::None => ActScheme::None,
+            ActQuant::Group => ActScheme::Group,
+            ActQuant::Block2d { bm } => ActScheme::Block2d { bm },
+        }
+    }
+
+    fn kernel(k: TpuKernel) -> fp8nsa_pjrt::TpuKernel {
+        match k {
+            TpuKernel::V1 => fp8nsa_pjrt::TpuKernel::V1,
+            TpuKernel::V2 => fp8nsa_pjrt::TpuKernel::V2,
+            TpuKernel::V3 => fp8nsa_pjrt::TpuKernel::V3,
+        }
+    }
+
+    fn weight(layer: &Fp8Linear, rt: &Arc<PjrtRuntime>) -> Result<Arc<DeviceWeight>> {
+        let id = Arc::as_ptr(rt) as usize;
+        let mut slot = layer.device_weight().lock().expect("weight cache");
+        if let Some((owner, w)) = slot.as_ref() {
+            if *owner == id {
+                return Ok(w.clone());
+            }
+        }
+        let w = layer.weight();
+        let [n, k] = w.shape();
+        let codes = crate::fp8::weight::host_bytes("data", w.data())?;
+        let scales = w
+            .scales()
+            .to_device(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let dw = Arc::new(rt.upload_weight(&codes, &scales, layer.bias_host(), n, k, w.block())?);
+        *slot = Some((id, dw.clone()));
+        Ok(dw)
+    }
+
+    pub(crate) fn fp8_linear(
+        layer: &Fp8Linear,
+        rt: &Arc<PjrtRuntime>,
+        x: &Tensor,
+        m: usize,
+    ) -> Result<Tensor> {
+        let [n, k] = layer.weight().shape();
+        let dw = weight(layer, rt)?;
+        let xs = x
+            .to_device(&Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let y = rt.fp8_linear(&xs, m, &dw, scheme(layer.act()), kernel(layer.tpu_kernel()))?;
+        tracing::debug!(op = "fp8_linear", backend = "pjrt", platform = rt.platform(), kernel = ?layer.tpu_kernel(), m, n, k, act = ?layer.act());
+        Ok(Tensor::from_vec(y, (m, n), x.device())?.to_dtype(x.dtype())?)
+    }
+}
+
+#[cfg(not(feature = "pjrt"))]
+mod imp {
+    use std::sync::Arc;
+
+    use super::*;
+
+    pub(crate) type WeightCache = Arc<()>;
+
+    pub(crate) fn fp8_linear(
+        _: &Fp8Linear,
+        rt: &Arc<PjrtRuntime>,
+        _: &Tensor,
+        _: usize,
+    ) -> Result<Tensor> {
+        Err(crate::error::Error::Unsupported {
+            op: "Fp8Linear",
+            device: rt.platform().to_string(),
+            hint: "fp8nsa was built without the `pjrt` feature",
+        })
+    }
+}
+
+pub(crate) use imp::{fp8_linear, WeightCache};

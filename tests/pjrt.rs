@@ -1,0 +1,190 @@
+//! Both layers through the real XLA CPU PJRT plugin (`--features pjrt`, `pip install
+//! xla-cpu-pjrt`), against the CPU backend and the f64 reference.
+#![cfg(feature = "pjrt")]
+
+mod common;
+
+use std::sync::{Arc, OnceLock};
+
+use candle_core::{DType, Device, Module, Tensor};
+use common::*;
+use fp8nsa::nsa::{BlockSelection, SelectionAttention, SelectionRanges};
+use fp8nsa::{reference, ActQuant, Backend, Fp8BlockWeight, Fp8Linear, PjrtRuntime, TpuKernel};
+
+fn runtime() -> Option<Arc<PjrtRuntime>> {
+    static RT: OnceLock<Option<Arc<PjrtRuntime>>> = OnceLock::new();
+    RT.get_or_init(|| match fp8nsa_pjrt_plugin() {
+        Some(p) => Some(Arc::new(PjrtRuntime::load(&p).expect("plugin loads"))),
+        None => {
+            eprintln!("SKIPPED: XLA CPU PJRT plugin not found (pip install xla-cpu-pjrt)");
+            None
+        }
+    })
+    .clone()
+}
+
+fn fp8nsa_pjrt_plugin() -> Option<String> {
+    std::env::var("FP8NSA_PJRT_PLUGIN").ok().or_else(|| {
+        let out = std::process::Command::new("python3")
+            .args([
+                "-c",
+                "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+            ])
+            .output()
+            .ok()?;
+        let p = std::path::PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
+            .join("xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so");
+        p.is_file().then(|| p.to_string_lossy().into_owned())
+    })
+}
+
+#[test]
+fn fp8_linear_through_pjrt_matches_cpu_and_reference() {
+    let Some(rt) = runtime() else { return };
+    let mut rng = rng("pjrt_fp8_linear");
+    for (n, k) in [(576, 3884), (40, 300)] {
+        for block in [[128, 128], [64, 128], [512, 512]] {
+            let w = tensor(hetero(&mut rng, n, k, block[0], block[1]), &[n, k]);
+            let wq = Fp8BlockWeight::quantize(&w, block).unwrap();
+            let bias = tensor(gaussian(&mut rng, n), &[n]);
+            for act in [
+                ActQuant::None,
+                ActQuant::Group,
+                ActQuant::Block2d { bm: 64 },
+            ] {
+                let cpu = Fp8Linear::new(wq.clone(), Some(bias.clone()), act)
+                    .unwrap()
+                    .with_backend(Backend::Cpu);
+                let dev = cpu.clone().with_backend(Backend::Pjrt(rt.clone()));
+                for (m, dtype) in [(1, DType::F32), (7, DType::BF16), (83, DType::F32)] {
+                    let x = tensor(hetero(&mut rng, m, k, 1, block[1]), &[m, k])
+                        .to_dtype(dtype)
+                        .unwrap();
+                    let y = dev.forward(&x).unwrap();
+                    assert_eq!((y.dims(), y.dtype()), (&[m, n][..], dtype));
+                    let want = reference::fp8_linear(&x, &wq, Some(&bias), act).unwrap();
+                    let tol = if dtype == DType::F32 { 1e-3 } else { 8e-3 };
+                    let err = rel_frobenius(&y, &want);
+                    assert!(
+                        err < tol,
+                        "n={n} k={k} {block:?} {act:?} m={m} {dtype:?}: {err:e}"
+                    );
+                    let err_cpu = rel_frobenius(&y, &cpu.forward(&x).unwrap());
+                    assert!(err_cpu < tol, "vs CPU backend: {err_cpu:e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn selection_attention_through_pjrt_matches_cpu() {
+    let Some(rt) = runtime() else { return };
+    let mut rng = rng("pjrt_nsa");
+    let (b, t, hq, hkv, d, dv) = (2, 96, 8, 2, 64, 32);
+    let mk = |rng: &mut _, dims: &[usize]| tensor(gaussian(rng, dims.iter().product()), dims);
+    let (q, k, v) = (
+        mk(&mut rng, &[b, t, hq, d]),
+        mk(&mut rng, &[b, t, hkv, d]),
+        mk(&mut rng, &[b, t, hkv, dv]),
+    );
+    let idx: Vec<i32> = (0..b * t * hkv)
+        .flat_map(|i| [(i % 6) as i32, -1, ((i + 3) % 6) as i32])
+        .collect();
+    let blocks = BlockSelection::new(
+        Tensor::from_vec(idx, (b, t, hkv, 3), &Device::Cpu).unwrap(),
+        16,
+    )
+    .unwrap();
+    let r: Vec<i32> = (0..b * t * hkv)
+        .flat_map(|_| [0, 16, 32, 48, 64, 80])
+        .collect();
+    let ranges =
+        SelectionRanges::new(Tensor::from_vec(r, (b, t, hkv, 3, 2), &Device::Cpu).unwrap())
+            .unwrap();
+    let on = |backend| {
+        SelectionAttention::new()
+            .min_len(0)
+            .with_lse(true)
+            .backend(backend)
+    };
+    for (name, sel) in [
+        ("blocks", fp8nsa::nsa::Selection::from(&blocks)),
+        ("ranges", (&ranges).into()),
+    ] {
+        let (o, lse) = on(Backend::Pjrt(rt.clone()))
+            .forward(&q, &k, &v, sel)
+            .unwrap();
+        let (want, want_lse) = reference::nsa_selection(&q, &k, &v, sel, None, None).unwrap();
+        let err = rel_frobenius(&o, &want);
+        assert!(err < 1e-4, "{name}: {err:e}");
+        let (oc, _) = on(Backend::Cpu).forward(&q, &k, &v, sel).unwrap();
+        assert!(rel_frobenius(&o, &oc) < 1e-4);
+        let (a, b): (Vec<f32>, Vec<f32>) = (
+            lse.unwrap().flatten_all().unwrap().to_vec1().unwrap(),
+            want_lse.flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        for (x, y) in a.iter().zip(&b) {
+            assert!(
+                (x.is_infinite() && y.is_infinite()) || (x - y).abs() < 1e-3,
+                "lse {x} vs {y}"
+            );
+        }
+    }
+    // decode with a q_offset, and the validation still applies
+    let q1 = q.narrow(1, t - 1, 1).unwrap();
+    let sel1 = BlockSelection::new(
+        Tensor::from_vec(
+            [0i32, 5, 2, -1].repeat(b * hkv),
+            (b, 1, hkv, 4),
+            &Device::Cpu,
+        )
+        .unwrap(),
+        16,
+    )
+    .unwrap();
+    let (o, _) = on(Backend::Pjrt(rt.clone()))
+        .forward(&q1, &k, &v, &sel1)
+        .unwrap();
+    let (want, _) = reference::nsa_selection(&q1, &k, &v, &sel1, None, None).unwrap();
+    assert!(rel_frobenius(&o, &want) < 1e-4);
+    let dup = BlockSelection::new(
+        Tensor::from_vec([1i32, 1].repeat(b * hkv), (b, 1, hkv, 2), &Device::Cpu).unwrap(),
+        16,
+    )
+    .unwrap();
+    assert!(on(Backend::Pjrt(rt)).forward(&q1, &k, &v, &dup).is_err());
+}
+
+#[test]
+fn pjrt_errors_are_errors() {
+    let Some(rt) = runtime() else { return };
+    let e = PjrtRuntime::load("/nonexistent/libtpu.so")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("/nonexistent/libtpu.so"), "{e}");
+    let w = Fp8BlockWeight::quantize(
+        &Tensor::ones((8, 16), DType::F32, &Device::Cpu).unwrap(),
+        [4, 8],
+    )
+    .unwrap();
+    let layer = Fp8Linear::new(w, None, ActQuant::Group)
+        .unwrap()
+        .with_backend(Backend::Pjrt(rt.clone()));
+    // wrong K is caught before anything reaches the plugin
+    assert!(layer
+        .forward(&Tensor::ones((2, 15), DType::F32, &Device::Cpu).unwrap())
+        .is_err());
+    for k in [TpuKernel::V2, TpuKernel::V3] {
+        let e = layer
+            .clone()
+            .with_tpu_kernel(k)
+            .forward(&Tensor::ones((2, 16), DType::F32, &Device::Cpu).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("TPU-only") && e.contains("\"cpu\""), "{e}");
+    }
+    assert!(layer
+        .forward(&Tensor::ones((2, 16), DType::F32, &Device::Cpu).unwrap())
+        .is_ok());
+}
