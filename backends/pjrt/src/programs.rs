@@ -1,6 +1,7 @@
 //! StableHLO programs, emitted as MLIR text. fp8 travels as `ui8` and is bitcast to
-//! `f8E4M3FN` inside the program; every scale is applied per K-block, before the sum over
-//! blocks, as the numerics contract says.
+//! `f8E4M3FN` inside the program. Every product term is multiplied by its own K-block's
+//! activation and weight scales before anything is summed (the contract's per-K-block scaling,
+//! distributed over the block sum), which lets XLA run one plain dot.
 
 use std::fmt::Write;
 
@@ -204,7 +205,7 @@ pub fn fp8_linear(s: LinearShape, act: ActScheme, bias: bool) -> String {
             (q, Some(b.reshape(&sb, &[mb, bm, kb], &[rows, kb])))
         }
     };
-    // weights: bytes -> e4m3fn -> f32, padded to whole K-blocks
+    // weights: bytes -> e4m3fn -> f32, padded to whole K-blocks, times their block scale
     let w8 = b.op(format!(
         "stablehlo.bitcast_convert %wq : ({}) -> {}",
         ty(&[n, k], "ui8"),
@@ -217,25 +218,28 @@ pub fn fp8_linear(s: LinearShape, act: ActScheme, bias: bool) -> String {
     ));
     let wp = b.pad(&wf, &[n, k], &[n, kp]);
     let wr = b.reshape(&wp, &[n, kp], &[n, kb, bk]);
-    // one f32 dot per K-block: [kb, rows, n]
-    let d = b.op(format!(
-        "stablehlo.dot_general {xq}, {wr}, batching_dims = [1] x [1], contracting_dims = [2] x [2] : ({}, {}) -> {}",
-        f32t(&[rows, kb, bk]),
-        f32t(&[n, kb, bk]),
-        f32t(&[kb, rows, n])
-    ));
-    // weight scales per output row: [nb, kb] -> [n, kb]
     let swb = b.broadcast("%sw", &[nb, kb], &[0, 2], &[nb, bn, kb]);
     let swr = b.reshape(&swb, &[nb, bn, kb], &[nb * bn, kb]);
     let swn = b.slice(&swr, &[nb * bn, kb], &[n, kb]);
-    let full = [kb, rows, n];
-    let sw3 = b.broadcast(&swn, &[n, kb], &[2, 0], &full);
-    let mut scaled = b.binary("multiply", &d, &sw3, &full);
-    if let Some(sx) = sx_rows {
-        let sx3 = b.broadcast(&sx, &[rows, kb], &[1, 0], &full);
-        scaled = b.binary("multiply", &scaled, &sx3, &full);
-    }
-    let y = b.reduce(&scaled, &full, &[0], "add", 0.0);
+    let sw3 = b.broadcast(&swn, &[n, kb], &[0, 1], &[n, kb, bk]);
+    let wd = b.binary("multiply", &wr, &sw3, &[n, kb, bk]);
+    let wd = b.reshape(&wd, &[n, kb, bk], &[n, kp]);
+    // activations times their scales likewise: every product term carries its K-block's
+    // sx · sw before anything is summed, so one plain dot gives the contract's result
+    let xd = match sx_rows {
+        Some(sx) => {
+            let sx3 = b.broadcast(&sx, &[rows, kb], &[0, 1], &[rows, kb, bk]);
+            b.binary("multiply", &xq, &sx3, &[rows, kb, bk])
+        }
+        None => xq,
+    };
+    let xd = b.reshape(&xd, &[rows, kb, bk], &[rows, kp]);
+    let y = b.op(format!(
+        "stablehlo.dot_general {xd}, {wd}, contracting_dims = [1] x [1] : ({}, {}) -> {}",
+        f32t(&[rows, kp]),
+        f32t(&[n, kp]),
+        f32t(&[rows, n])
+    ));
     let mut y = b.slice(&y, &[rows, n], &[m, n]);
     if bias {
         let bb = b.broadcast("%bias", &[n], &[1], &[m, n]);
