@@ -7,6 +7,8 @@
 //! - [`nsa`]: NSA selection attention over selected key blocks or arbitrary ranges, with a dense
 //!   masked-SDPA fallback.
 //! - [`reference`]: the f64 reference every backend is tested against.
+//! - [`inspect`]: checks on compiled programs (fp8 operands, native fp8 dot, async copies,
+//!   memory spaces, double buffering, scales in SMEM): the `fp8nsa inspect` command.
 //! - [`convert`]: quantizing a safetensors checkpoint to that format (the `fp8nsa quantize`
 //!   command).
 //!
@@ -29,6 +31,7 @@
 
 pub mod convert;
 mod error;
+pub mod inspect;
 
 pub use error::{Error, Result};
 pub use fp8nsa_ops::Error as OpsError;

@@ -46,6 +46,27 @@ struct DemoArgs {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Check a compiled program (HLO text, StableHLO / MLIR, or Mosaic TPU MLIR): fp8 operands,
+    /// native fp8 dot or upcast, async copies, memory spaces, double buffering, scales in SMEM.
+    /// The exit status says whether the expectations of `--expect` hold.
+    Inspect {
+        /// The program text file.
+        file: PathBuf,
+        /// Kernel variant whose expectations must hold: v1, v2 or v3.
+        #[arg(long)]
+        expect: Option<String>,
+    },
+    /// Compile fp8nsa's PJRT programs on a plugin and write, for each, the StableHLO we emit
+    /// and the optimized program the plugin reports (as HLO text), ready for `inspect`.
+    #[cfg(feature = "pjrt")]
+    DumpPrograms {
+        /// Output directory.
+        #[arg(short, long)]
+        out: PathBuf,
+        /// PJRT plugin (default: FP8NSA_PJRT_PLUGIN, else the pip-installed XLA CPU plugin).
+        #[arg(long)]
+        plugin: Option<String>,
+    },
     /// Convert the 2-D linear weights of a safetensors checkpoint to fp8 e4m3fn with block
     /// scales (`weight` + `weight_scale_inv`, the DeepSeek-V3 / Qwen3-FP8 layout).
     Quantize {
@@ -99,6 +120,9 @@ fn main() -> ExitCode {
                 exclude,
             },
         ),
+        Some(Command::Inspect { file, expect }) => return inspect(&file, expect.as_deref()),
+        #[cfg(feature = "pjrt")]
+        Some(Command::DumpPrograms { out, plugin }) => dump_programs(&out, plugin.as_deref()),
         None => demo(cli.demo),
     };
     match result {
@@ -108,6 +132,90 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn inspect(file: &std::path::Path, expect: Option<&str>) -> ExitCode {
+    let expect = match expect
+        .map(str::parse::<fp8nsa::inspect::Variant>)
+        .transpose()
+    {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("error: --expect: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let text = match std::fs::read_to_string(file) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("error: {}: {e}", file.display());
+            return ExitCode::from(2);
+        }
+    };
+    let report = fp8nsa::inspect::inspect(&text);
+    print!("{}", report.render(expect));
+    match expect {
+        Some(v) if !report.satisfies(v) => ExitCode::FAILURE,
+        _ => ExitCode::SUCCESS,
+    }
+}
+
+#[cfg(feature = "pjrt")]
+fn dump_programs(out: &std::path::Path, plugin: Option<&str>) -> fp8nsa::Result<()> {
+    use fp8nsa_pjrt::programs::{self, ActScheme, AttnShape, LinearShape};
+    let pjrt_err = |e: fp8nsa_pjrt::Error| fp8nsa::Error::Invalid {
+        arg: "pjrt",
+        msg: e.to_string(),
+    };
+    let rt = match plugin {
+        Some(p) => fp8nsa_pjrt::PjrtRuntime::load(p),
+        None => fp8nsa_pjrt::PjrtRuntime::from_env(),
+    }
+    .map_err(pjrt_err)?;
+    std::fs::create_dir_all(out).map_err(|source| fp8nsa::Error::Io {
+        path: out.to_path_buf(),
+        source,
+    })?;
+    let shape = LinearShape {
+        m: 16,
+        n: 576,
+        k: 3884,
+        bn: 128,
+        bk: 128,
+    };
+    let attn = AttnShape {
+        tq: 64,
+        tk: 512,
+        hq: 8,
+        hkv: 2,
+        d: 64,
+        dv: 64,
+    };
+    let progs = [
+        (
+            "fp8_linear_v1_group",
+            programs::fp8_linear(shape, ActScheme::Group, true),
+        ),
+        (
+            "fp8_linear_v1_block2d",
+            programs::fp8_linear(shape, ActScheme::Block2d { bm: 16 }, false),
+        ),
+        ("nsa_selection_masked", programs::nsa_selection(attn, 0.125)),
+    ];
+    for (name, text) in progs {
+        rt.executable(name, || text.clone()).map_err(pjrt_err)?;
+        let hlo = rt.optimized_hlo(name).map_err(pjrt_err)?;
+        for (ext, body) in [("stablehlo.mlir", &text), ("optimized.hlo.txt", &hlo)] {
+            let path = out.join(format!("{name}.{ext}"));
+            std::fs::write(&path, body).map_err(|source| fp8nsa::Error::Io {
+                path: path.clone(),
+                source,
+            })?;
+            println!("wrote {}", path.display());
+        }
+    }
+    println!("platform: {}", rt.platform());
+    Ok(())
 }
 
 fn quantize(input: PathBuf, output: PathBuf, opts: QuantizeOptions) -> fp8nsa::Result<()> {

@@ -188,3 +188,45 @@ fn pjrt_errors_are_errors() {
         .forward(&Tensor::ones((2, 16), DType::F32, &Device::Cpu).unwrap())
         .is_ok());
 }
+
+/// The inspector on what the plugin really compiled from our fp8 program.
+#[test]
+fn inspector_reads_our_compiled_fp8_program() {
+    let Some(rt) = runtime() else { return };
+    use fp8nsa::inspect::{inspect, ProgramFormat, Variant};
+    use fp8nsa_pjrt::programs::{fp8_linear, ActScheme, LinearShape};
+    let shape = LinearShape {
+        m: 8,
+        n: 96,
+        k: 300,
+        bn: 64,
+        bk: 128,
+    };
+    let text = fp8_linear(shape, ActScheme::Group, false);
+    rt.executable("inspect-test", || text.clone()).unwrap();
+    let hlo = rt.optimized_hlo("inspect-test").unwrap();
+    for (src, format) in [
+        (&text, ProgramFormat::StableHlo),
+        (&hlo, ProgramFormat::HloText),
+    ] {
+        let r = inspect(src);
+        assert_eq!(r.format, format);
+        let fp8 = r
+            .checks
+            .iter()
+            .find(|c| c.name.contains("fp8 operands"))
+            .unwrap();
+        assert!(fp8.ok && !fp8.evidence.is_empty(), "{fp8}");
+        // XLA CPU upcasts to f32 before its dot; the report must say so, with evidence
+        let dot = r
+            .checks
+            .iter()
+            .find(|c| c.name.contains("native fp8 dot"))
+            .unwrap();
+        assert!(
+            !dot.ok && dot.detail.contains("upcast") && dot.evidence.len() >= 2,
+            "{dot}"
+        );
+        assert!(r.satisfies(Variant::V1) && !r.satisfies(Variant::V2));
+    }
+}

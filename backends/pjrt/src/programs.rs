@@ -176,7 +176,8 @@ impl Body {
 /// The fp8 block linear (TPU kernel v1: plain XLA, which schedules the pipelining itself).
 ///
 /// Arguments: `x f32[m, k]`, `wq ui8[n, k]` (e4m3fn bytes), `sw f32[ceil(n/bn), ceil(k/bk)]`,
-/// and `bias f32[n]` when `bias`. Result `f32[m, n]`.
+/// `bias f32[n]` when `bias`, and `fp8_max f32[]` (= 448) when activations are quantized.
+/// Result `f32[m, n]`.
 pub fn fp8_linear(s: LinearShape, act: ActScheme, bias: bool) -> String {
     let LinearShape { m, n, k, bn, bk } = s;
     let (kb, nb) = (k.div_ceil(bk), n.div_ceil(bn));
@@ -245,13 +246,15 @@ pub fn fp8_linear(s: LinearShape, act: ActScheme, bias: bool) -> String {
         let bb = b.broadcast("%bias", &[n], &[1], &[m, n]);
         y = b.binary("add", &y, &bb, &[m, n]);
     }
-    let bias_arg = if bias {
-        format!(", %bias: {}", f32t(&[n]))
-    } else {
-        String::new()
-    };
+    let mut extra = String::new();
+    if bias {
+        let _ = write!(extra, ", %bias: {}", f32t(&[n]));
+    }
+    if act != ActScheme::None {
+        extra += ", %fp8_max: tensor<f32>";
+    }
     format!(
-        "module @fp8_linear {{\n  func.func public @main(%x: {}, %wq: {}, %sw: {}{bias_arg}) -> {} {{\n{}    return {y} : {}\n  }}\n}}\n",
+        "module @fp8_linear {{\n  func.func public @main(%x: {}, %wq: {}, %sw: {}{extra}) -> {} {{\n{}    return {y} : {}\n  }}\n}}\n",
         f32t(&[m, k]),
         ty(&[n, k], "ui8"),
         f32t(&[nb, kb]),
@@ -275,7 +278,9 @@ fn quantize(
     let amax = b.reduce(&ax, dims, red, "maximum", 0.0);
     let floor = b.splat(1e-12, scale_dims);
     let am = b.binary("maximum", &amax, &floor, scale_dims);
-    let c448 = b.splat(448.0, scale_dims);
+    // 448 comes in as an argument: XLA rewrites a division by a constant into a multiplication
+    // by its reciprocal, and 1/448 is inexact, which would move scales by an ulp
+    let c448 = b.broadcast("%fp8_max", &[], &[], scale_dims);
     let sc = b.binary("divide", &am, &c448, scale_dims);
     let sb = b.broadcast(&sc, scale_dims, keep, dims);
     let q = b.binary("divide", x, &sb, dims);

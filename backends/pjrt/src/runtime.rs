@@ -95,6 +95,7 @@ pub struct PjrtRuntime {
     platform: String,
     path: String,
     cache: Mutex<HashMap<String, Arc<Executable>>>,
+    fp8_max: std::sync::OnceLock<Buffer>,
 }
 
 impl std::fmt::Debug for PjrtRuntime {
@@ -118,6 +119,7 @@ impl PjrtRuntime {
             platform,
             path: path.to_string(),
             cache: Mutex::new(HashMap::new()),
+            fp8_max: std::sync::OnceLock::new(),
         })
     }
 
@@ -253,6 +255,12 @@ impl PjrtRuntime {
         let mut args = vec![&xb, &w.wq, &w.sw];
         if let Some(b) = &w.bias {
             args.push(b);
+        }
+        if act != ActScheme::None {
+            if self.fp8_max.get().is_none() {
+                let _ = self.fp8_max.set(self.upload_f32(&[448.0], &[])?);
+            }
+            args.push(self.fp8_max.get().expect("set above"));
         }
         let out = exe.execute(&args)?;
         out[0].to_f32()
