@@ -30,7 +30,7 @@ pub struct Fp8Linear {
     bias: Option<Tensor>,
     op: Fp8LinearOp,
     backend: Backend,
-    kernel: TpuKernel,
+    kernel: Option<TpuKernel>,
     /// The weight as uploaded to a PJRT device, shared by clones.
     #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
     device_weight: super::pjrt::WeightCache,
@@ -73,7 +73,7 @@ impl Fp8Linear {
             bias,
             op,
             backend: Backend::Auto,
-            kernel: TpuKernel::V1,
+            kernel: None,
             device_weight: Default::default(),
         })
     }
@@ -84,9 +84,10 @@ impl Fp8Linear {
         self
     }
 
-    /// The PJRT fp8 kernel variant (default v1, the XLA-native program).
+    /// The PJRT fp8 kernel variant (default: `FP8NSA_TPU_KERNEL`, else v1, the XLA-native
+    /// program).
     pub fn with_tpu_kernel(mut self, kernel: TpuKernel) -> Self {
-        self.kernel = kernel;
+        self.kernel = Some(kernel);
         self
     }
 
@@ -108,8 +109,8 @@ impl Fp8Linear {
     }
 
     #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
-    pub(crate) fn tpu_kernel(&self) -> TpuKernel {
-        self.kernel
+    pub(crate) fn tpu_kernel(&self) -> Result<TpuKernel> {
+        self.kernel.map_or_else(TpuKernel::from_env, Ok)
     }
 
     #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]

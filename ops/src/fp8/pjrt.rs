@@ -71,8 +71,9 @@ mod imp {
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        let y = rt.fp8_linear(&xs, m, &dw, scheme(layer.act()), kernel(layer.tpu_kernel()))?;
-        tracing::debug!(op = "fp8_linear", backend = "pjrt", platform = rt.platform(), kernel = ?layer.tpu_kernel(), m, n, k, act = ?layer.act());
+        let variant = layer.tpu_kernel()?;
+        let y = rt.fp8_linear(&xs, m, &dw, scheme(layer.act()), kernel(variant))?;
+        tracing::debug!(op = "fp8_linear", backend = "pjrt", platform = rt.platform(), kernel = ?variant, m, n, k, act = ?layer.act());
         Ok(Tensor::from_vec(y, (m, n), x.device())?.to_dtype(x.dtype())?)
     }
 }
