@@ -26,6 +26,9 @@ use safetensors::SafeTensors;
 
 use crate::{Error, Fp8BlockWeight, Result};
 
+/// The Hugging Face index of a sharded checkpoint.
+const INDEX_FILE: &str = "model.safetensors.index.json";
+
 /// What to convert and how.
 #[derive(Clone, Debug)]
 pub struct QuantizeOptions {
@@ -167,6 +170,7 @@ pub fn quantize_checkpoint(
         std::fs::create_dir_all(&out_dir).map_err(io_err(&out_dir))?;
     }
     let mut report = QuantizeReport::default();
+    let mut weight_map = serde_json::Map::new();
     for file in &files {
         let dest = if dir_mode {
             output.join(file.file_name().expect("a listed file has a name"))
@@ -179,7 +183,7 @@ pub fn quantize_checkpoint(
                 format!("{} would overwrite the input", dest.display()),
             ));
         }
-        convert_file(
+        let names = convert_file(
             file,
             &dest,
             opts,
@@ -188,6 +192,24 @@ pub fn quantize_checkpoint(
             &mut report,
             on_tensor,
         )?;
+        let shard = dest
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        for n in names {
+            weight_map.insert(n, serde_json::Value::String(shard.clone()));
+        }
+    }
+    if dir_mode && (files.len() > 1 || input.join(INDEX_FILE).is_file()) {
+        // loaders find the tensors of a sharded checkpoint (scales included) through this map
+        let index = serde_json::json!({
+            "metadata": { "total_size": report.bytes_out },
+            "weight_map": weight_map,
+        });
+        let path = output.join(INDEX_FILE);
+        let text = serde_json::to_string_pretty(&index).expect("a JSON value serializes");
+        std::fs::write(&path, text + "\n").map_err(io_err(&path))?;
+        report.written.push(path);
     }
     report.not_converted.sort();
     report.not_converted.dedup();
@@ -220,7 +242,7 @@ fn convert_file(
     exclude: &Regex,
     report: &mut QuantizeReport,
     on_tensor: &mut dyn FnMut(&str, u64),
-) -> Result<()> {
+) -> Result<Vec<String>> {
     let bytes = std::fs::read(file).map_err(io_err(file))?;
     report.bytes_in += bytes.len() as u64;
     let st_err = |source| Error::Safetensors {
@@ -298,7 +320,7 @@ fn convert_file(
     })?;
     report.bytes_out += std::fs::metadata(dest).map_err(io_err(dest))?.len();
     report.written.push(dest.to_path_buf());
-    Ok(())
+    Ok(out.into_iter().map(|t| t.0).collect())
 }
 
 fn write_config(
@@ -316,7 +338,8 @@ fn write_config(
         )
     };
     let qc = report.quantization_config.clone();
-    let (dest, json) = if src.is_file() {
+    // beside an input config in the same folder, never overwrite it: write the new section alone
+    let (dest, json) = if src.is_file() && !same_file(&src, &out_dir.join("config.json")) {
         let text = std::fs::read_to_string(&src).map_err(io_err(&src))?;
         let mut cfg: serde_json::Value =
             serde_json::from_str(&text).map_err(|source| Error::Json {
@@ -331,12 +354,6 @@ fn write_config(
     } else {
         (out_dir.join("quantization_config.json"), qc)
     };
-    if same_file(&src, &dest) {
-        return Err(invalid(
-            "output",
-            format!("{} would overwrite the input config", dest.display()),
-        ));
-    }
     let text = serde_json::to_string_pretty(&json).expect("a JSON value serializes");
     std::fs::write(&dest, text + "\n").map_err(io_err(&dest))?;
     report.written.push(dest);

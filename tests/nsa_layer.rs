@@ -608,3 +608,43 @@ fn bad_shapes_are_errors() {
         .is_err());
     let _ = SelectionAttention::new();
 }
+
+#[test]
+fn a_failed_step_leaves_the_cache_as_it_was() {
+    let mut rng = rng("cache_rollback");
+    let dims = NsaDims {
+        hq: 4,
+        hkv: 2,
+        d: 16,
+        dv: 16,
+    };
+    let nsa = NativeSparseAttention::new(
+        small_cfg(),
+        dims,
+        Compressor::MeanPool,
+        Gates::Fixed([1.0; 3]),
+    )
+    .unwrap();
+    let (q, k, v) = qkv(&mut rng, 40, 40, dims);
+    let x = Tensor::zeros((1, 40, 4), DType::F32, &Device::Cpu).unwrap();
+    let mut cache = NsaCache::new();
+    nsa.forward_step(&x, &q, &k, &v, &mut cache).unwrap();
+    let (len, n_c) = (cache.len(), cache.compressed_len());
+    let one = |t: &Tensor| t.narrow(1, 0, 1).unwrap();
+    // q of the wrong head count: rejected after k/v were appended, so they must be rolled back
+    let bad_q = Tensor::zeros((1, 1, 3, 16), DType::F32, &Device::Cpu).unwrap();
+    assert!(nsa
+        .forward_step(&one(&x), &bad_q, &one(&k), &one(&v), &mut cache)
+        .is_err());
+    assert_eq!((cache.len(), cache.compressed_len()), (len, n_c));
+    // v of another dtype than the cache: rejected before anything is appended
+    let v16 = one(&v).to_dtype(DType::F16).unwrap();
+    assert!(nsa
+        .forward_step(&one(&x), &one(&q), &one(&k), &v16, &mut cache)
+        .is_err());
+    assert_eq!(cache.len(), len);
+    // and the cache still works
+    nsa.forward_step(&one(&x), &one(&q), &one(&k), &one(&v), &mut cache)
+        .unwrap();
+    assert_eq!(cache.len(), len + 1);
+}

@@ -518,3 +518,59 @@ fn shape_and_argument_errors() {
         .forward_varlen(&q, &k, &v, &cu(vec![0, 4]), &cu(vec![0, 16]), &sel)
         .is_ok());
 }
+
+#[test]
+fn no_keys_or_no_selected_entries_give_empty_rows_on_every_path() {
+    let dev = Device::Cpu;
+    let mut rng = rng("degenerate");
+    // a varlen batch whose second sequence has no keys at all
+    let (hq, hkv, d) = (4, 2, 16);
+    let q = tensor(gaussian(&mut rng, 3 * hq * d), &[3, hq, d]);
+    let k = tensor(gaussian(&mut rng, 5 * hkv * d), &[5, hkv, d]);
+    let v = tensor(gaussian(&mut rng, 5 * hkv * d), &[5, hkv, d]);
+    let cu = |v: Vec<u32>| Tensor::new(v, &dev).unwrap();
+    // block 0 for the tokens of the first sequence; padding for the keyless one
+    let idx = Tensor::from_vec(vec![0i32, 0, 0, 0, -1, -1], (1, 3, hkv, 1), &dev).unwrap();
+    let sel = BlockSelection::new(idx, 4).unwrap();
+    for min_len in [0, usize::MAX] {
+        let att = SelectionAttention::new()
+            .min_len(min_len)
+            .with_lse(true)
+            .q_offset(0);
+        let (o, lse) = att
+            .forward_varlen(&q, &k, &v, &cu(vec![0, 2, 3]), &cu(vec![0, 5, 5]), &sel)
+            .unwrap();
+        let o: Vec<Vec<Vec<f32>>> = o.to_vec3().unwrap();
+        let lse: Vec<Vec<f32>> = lse.unwrap().to_vec2().unwrap();
+        assert!(
+            o[2].iter().flatten().all(|&x| x == 0.0),
+            "min_len {min_len}"
+        );
+        assert!(lse[2].iter().all(|&x| x == f32::NEG_INFINITY));
+        assert!(lse[0].iter().all(|x| x.is_finite()));
+    }
+    // a selection with zero entries per row
+    let x = qkv(&mut rng, 1, 4, 8, 4, 2, 16, 16, DType::F32);
+    let none =
+        BlockSelection::new(Tensor::zeros((1, 4, 2, 0), DType::I32, &dev).unwrap(), 4).unwrap();
+    for min_len in [0, usize::MAX] {
+        let (o, _) = SelectionAttention::new()
+            .min_len(min_len)
+            .forward(&x.q, &x.k, &x.v, &none)
+            .unwrap();
+        assert_eq!(
+            o.abs()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap(),
+            0.0
+        );
+    }
+    assert!(BlockSelection::new(
+        Tensor::zeros((1, 1, 1, 1), DType::I32, &dev).unwrap(),
+        1 << 40
+    )
+    .is_err());
+}

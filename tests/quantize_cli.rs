@@ -219,3 +219,70 @@ fn cli_errors_are_messages_not_panics() {
     let (ok, err) = run(&["quantize", p.to_str().unwrap(), "-o", p.to_str().unwrap()]);
     assert!(!ok && err.contains("overwrite"), "{err}");
 }
+
+#[test]
+fn shards_get_an_index_and_same_folder_output_keeps_the_input_config() {
+    let mut rng = rng("shards");
+    let src = tempfile::tempdir().unwrap();
+    let orig = write_checkpoint(src.path(), &mut rng);
+    // split into two shards
+    let (a, b): (Vec<_>, Vec<_>) = orig.iter().partition(|(n, _)| n.contains("mlp"));
+    let to_map = |v: Vec<(&String, &Tensor)>| {
+        v.into_iter()
+            .map(|(n, t)| (n.clone(), t.clone()))
+            .collect::<HashMap<_, _>>()
+    };
+    std::fs::remove_file(src.path().join("model.safetensors")).unwrap();
+    candle_core::safetensors::save(
+        &to_map(a),
+        src.path().join("model-00001-of-00002.safetensors"),
+    )
+    .unwrap();
+    candle_core::safetensors::save(
+        &to_map(b),
+        src.path().join("model-00002-of-00002.safetensors"),
+    )
+    .unwrap();
+    let dst = tempfile::tempdir().unwrap();
+    quantize_checkpoint(
+        src.path(),
+        dst.path(),
+        &QuantizeOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dst.path().join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let map = index["weight_map"].as_object().unwrap();
+    assert_eq!(
+        map["model.layers.0.mlp.up_proj.weight_scale_inv"],
+        "model-00001-of-00002.safetensors"
+    );
+    assert_eq!(
+        map["model.layers.0.self_attn.q_proj.weight"],
+        "model-00002-of-00002.safetensors"
+    );
+    assert_eq!(map.len(), orig.len() + 3);
+
+    // file mode with the output beside the input: config.json is left alone
+    let before = std::fs::read_to_string(src.path().join("config.json")).unwrap();
+    let f = src.path().join("model-00001-of-00002.safetensors");
+    quantize_checkpoint(
+        &f,
+        &src.path().join("fp8.safetensors"),
+        &QuantizeOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert_eq!(
+        std::fs::read_to_string(src.path().join("config.json")).unwrap(),
+        before
+    );
+    let qc: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(src.path().join("quantization_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(qc["quant_method"], "fp8");
+}

@@ -169,12 +169,13 @@ impl Attention {
         let (q, k) = (rope.apply(&q, pos)?, rope.apply(&k, pos)?);
         let o = match (&self.imp, cache) {
             (Impl::Dense, AttnCache::Dense { k: kc, v: vc }) => {
-                let k = match kc.take() {
-                    Some(old) => Tensor::cat(&[&old, &k], 1)?,
+                // the cache is only replaced once attention succeeded
+                let k = match kc.as_ref() {
+                    Some(old) => Tensor::cat(&[old, &k], 1)?,
                     None => k,
                 };
-                let v = match vc.take() {
-                    Some(old) => Tensor::cat(&[&old, &v], 1)?,
+                let v = match vc.as_ref() {
+                    Some(old) => Tensor::cat(&[old, &v], 1)?,
                     None => v,
                 };
                 let o = self.dense(&q, &k, &v, pos)?;

@@ -104,6 +104,9 @@ pub fn compare(
     decode: usize,
     on_event: &mut dyn FnMut(&str),
 ) -> Result<Vec<Report>> {
+    if prompt.is_empty() {
+        return Err(crate::error::invalid("prompt", "needs at least one token"));
+    }
     let mut reference: Option<Tensor> = None;
     let mut out = Vec::with_capacity(variants.len());
     for v in variants {

@@ -26,6 +26,21 @@ pub fn from_gguf(content: &gguf_file::Content) -> Result<Tokenizer> {
             "only byte-level BPE (gpt2) is supported, got {model}"
         )));
     }
+    // digits one by one then byte-level BPE is SmolLM's (cosmo2) scheme; plain gpt2 has no
+    // digit split; other schemes (llama-bpe, qwen2, ...) use regexes we do not build
+    let pre = md
+        .get("tokenizer.ggml.pre")
+        .and_then(|v| v.to_string().ok().cloned())
+        .unwrap_or_else(|| "default".into());
+    let split_digits = match pre.as_str() {
+        "smollm" => true,
+        "gpt2" | "default" => false,
+        other => {
+            return Err(tok_err(format!(
+                "unsupported pre-tokenizer {other:?} (supported: smollm, gpt2)"
+            )))
+        }
+    };
     let tokens: Vec<String> = get("tokenizer.ggml.tokens")?
         .to_vec()
         .map_err(tok_err)?
@@ -67,10 +82,12 @@ pub fn from_gguf(content: &gguf_file::Content) -> Result<Tokenizer> {
         .build()
         .map_err(tok_err)?;
     let mut tok = Tokenizer::new(bpe);
-    tok.with_pre_tokenizer(Some(Sequence::new(vec![
-        Digits::new(true).into(),
-        ByteLevel::new(false, true, true).into(),
-    ])));
+    let mut pre_tokenizers = Vec::new();
+    if split_digits {
+        pre_tokenizers.push(Digits::new(true).into());
+    }
+    pre_tokenizers.push(ByteLevel::new(false, true, true).into());
+    tok.with_pre_tokenizer(Some(Sequence::new(pre_tokenizers)));
     tok.with_decoder(Some(ByteLevelDecoder::default()));
     let special: Vec<AddedToken> = tokens
         .iter()

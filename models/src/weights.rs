@@ -242,6 +242,9 @@ fn config_from_gguf(c: &gguf_file::Content) -> Result<LlamaConfig> {
     };
     let heads = u("llama.attention.head_count")?;
     let hidden = u("llama.embedding_length")?;
+    if heads == 0 {
+        return Err(invalid("llama.attention.head_count", "must be at least 1"));
+    }
     let vocab = match md
         .get("tokenizer.ggml.tokens")
         .and_then(|v| v.to_vec().ok())

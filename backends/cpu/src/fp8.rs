@@ -71,7 +71,7 @@ pub fn quantize(x: f32, s: f32) -> u8 {
 pub(crate) fn fake_quant(x: f32, s: f32, mul: f32) -> f32 {
     let q = x / s;
     let bits = q.to_bits();
-    let normal = f32::from_bits((bits + 0x7ffff + ((bits >> 20) & 1)) & !0xfffff);
+    let normal = f32::from_bits(bits.wrapping_add(0x7ffff + ((bits >> 20) & 1)) & !0xfffff);
     let sub = (q * 512.0).round_ties_even() * (1.0 / 512.0);
     let r = if q.abs() < 1.0 / 64.0 { sub } else { normal };
     let r = r.clamp(-E4M3_MAX, E4M3_MAX);

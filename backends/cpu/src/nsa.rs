@@ -57,9 +57,18 @@ impl Spans<'_> {
         }
     }
 
+    fn per_row(&self) -> usize {
+        match *self {
+            Spans::Blocks { per_row, .. } | Spans::Ranges { per_row, .. } => per_row,
+        }
+    }
+
     /// Row `row`'s spans clamped to `[0, limit)`, sorted and merged, into `out`.
     pub fn row_spans(&self, row: usize, limit: usize, out: &mut Vec<(usize, usize)>) {
         out.clear();
+        if self.per_row() == 0 {
+            return;
+        }
         let clamp = |x: i64| x.clamp(0, limit as i64) as usize;
         match *self {
             Spans::Blocks {
@@ -183,7 +192,9 @@ fn check<T>(
     check_len("v", v.len(), tk * dims.hkv * dims.dv)?;
     check_len("out", out.len(), tq * dims.hq * dims.dv)?;
     check_len("lse", lse.len(), tq * dims.hq)?;
-    check_len("selection rows", spans.rows(), tq * dims.hkv)?;
+    if spans.per_row() > 0 {
+        check_len("selection rows", spans.rows(), tq * dims.hkv)?;
+    }
     if let Spans::Blocks { block_size: 0, .. } = spans {
         check_positive("block_size", 0)?;
     }
@@ -225,6 +236,9 @@ where
     T: Copy + Into<f32> + Send + Sync,
 {
     let (tq, _) = check(q, k, v, dims, seqs, &spans, out, lse)?;
+    if tq == 0 {
+        return Ok(());
+    }
     let AttnDims { hq, dv, .. } = dims;
     // Split a token's heads across threads only when there are too few tokens to go around.
     let threads = rayon::current_num_threads();

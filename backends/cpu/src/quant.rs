@@ -35,6 +35,8 @@ pub fn quantize_weight(
         check_positive(arg, v)?;
     }
     check_len("weight", w.len(), n * k)?;
+    // a block larger than the matrix is the matrix (and keeps bn * k from overflowing)
+    let (bn, bk) = (bn.min(n), bk.min(k));
     let kbs = k.div_ceil(bk);
     let mut codes = vec![0u8; n * k];
     let mut scales = vec![0f32; n.div_ceil(bn) * kbs];
@@ -105,7 +107,7 @@ pub fn quantize_act(
         ActMode::Group => 1,
         ActMode::Block2d { bm } => {
             check_positive("bm", bm)?;
-            bm
+            bm.min(m)
         }
     };
     let mut values = vec![0f32; m * k];

@@ -207,6 +207,12 @@ impl PjrtRuntime {
         k: usize,
         block: [usize; 2],
     ) -> Result<DeviceWeight> {
+        if n == 0 || k == 0 || block.contains(&0) {
+            return Err(invalid(
+                "weight",
+                format!("needs n, k and block sides >= 1, got n = {n}, k = {k}, block = {block:?}"),
+            ));
+        }
         let (nb, kb) = (n.div_ceil(block[0]), k.div_ceil(block[1]));
         if scales.len() != nb * kb {
             return Err(invalid(
@@ -249,6 +255,9 @@ impl PjrtRuntime {
             bn: w.block[0],
             bk: w.block[1],
         };
+        if act == (ActScheme::Block2d { bm: 0 }) {
+            return Err(invalid("act", "Block2d needs bm >= 1"));
+        }
         let key = format!("fp8_linear {shape:?} {act:?} bias={}", w.bias.is_some());
         let exe = self.executable(&key, || programs::fp8_linear(shape, act, w.bias.is_some()))?;
         let xb = self.upload_f32(x, &[m, w.k])?;
@@ -276,6 +285,12 @@ impl PjrtRuntime {
         mask: &[f32],
         scale: f32,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
+        if s.hkv == 0 || s.hq % s.hkv != 0 || [s.tq, s.tk, s.d, s.dv].contains(&0) {
+            return Err(invalid(
+                "shape",
+                format!("{s:?}: needs Hq a multiple of Hkv and no empty dim"),
+            ));
+        }
         let key = format!("nsa_selection {s:?} scale={scale}");
         let exe = self.executable(&key, || programs::nsa_selection(s, scale))?;
         let bufs = [

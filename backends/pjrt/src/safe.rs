@@ -324,12 +324,22 @@ impl Client {
         dims: &[i64],
         device: &Device,
     ) -> Result<Buffer> {
-        let elems: i64 = dims.iter().product();
-        let width = match ty {
+        let width: i64 = match ty {
             ElementType::U8 => 1,
             ElementType::F32 => 4,
         };
-        if data.len() as i64 != elems * width {
+        // the plugin reads exactly prod(dims) * width bytes: that must be `data`, no more
+        let bytes = dims.iter().try_fold(
+            width,
+            |acc, &d| {
+                if d < 0 {
+                    None
+                } else {
+                    acc.checked_mul(d)
+                }
+            },
+        );
+        if bytes != Some(data.len() as i64) {
             return Err(crate::error::invalid(
                 "upload",
                 format!("{} bytes for dims {dims:?} of {ty:?}", data.len()),

@@ -4,6 +4,9 @@
 use fp8nsa_pjrt::programs::{ActScheme, AttnShape};
 use fp8nsa_pjrt::{locate_cpu_plugin, safe, Error, PjrtRuntime, TpuKernel};
 
+/// The leak check counts live objects process-wide: tests of this binary take turns.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn runtime() -> Option<PjrtRuntime> {
     let Some(p) = locate_cpu_plugin() else {
         eprintln!("SKIPPED: XLA CPU PJRT plugin not found (pip install xla-cpu-pjrt)");
@@ -28,6 +31,7 @@ fn e4m3(c: u8) -> f32 {
 
 #[test]
 fn w8a16_matches_a_direct_computation() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let Some(rt) = runtime() else { return };
     assert_eq!(rt.platform(), "cpu");
     assert!(rt.api_version() >= (0, 81));
@@ -73,6 +77,7 @@ fn w8a16_matches_a_direct_computation() {
 
 #[test]
 fn masked_attention_runs_and_empty_rows_are_zero() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let Some(rt) = runtime() else { return };
     let s = AttnShape {
         tq: 2,
@@ -96,6 +101,7 @@ fn masked_attention_runs_and_empty_rows_are_zero() {
 
 #[test]
 fn errors_come_back_as_errors() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let Some(rt) = runtime() else { return };
     let bad = rt.executable("bad", || {
         "module @bad { func.func @main( this is not MLIR }".into()
@@ -131,6 +137,7 @@ fn errors_come_back_as_errors() {
 
 #[test]
 fn repeated_execution_frees_everything() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let Some(rt) = runtime() else { return };
     let w = rt
         .upload_weight(&[0x38; 12], &[1.0], None, 3, 4, [128, 128])

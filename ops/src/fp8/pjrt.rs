@@ -18,8 +18,8 @@ mod imp {
     use crate::backend::TpuKernel;
     use crate::fp8::ActQuant;
 
-    /// `(runtime address, weight on that runtime's device)`.
-    pub(crate) type WeightCache = Arc<Mutex<Option<(usize, Arc<DeviceWeight>)>>>;
+    /// `(runtime, weight on that runtime's device)`.
+    pub(crate) type WeightCache = Arc<Mutex<Option<(Arc<PjrtRuntime>, Arc<DeviceWeight>)>>>;
 
     fn scheme(a: ActQuant) -> ActScheme {
         match a {
@@ -38,10 +38,9 @@ mod imp {
     }
 
     fn weight(layer: &Fp8Linear, rt: &Arc<PjrtRuntime>) -> Result<Arc<DeviceWeight>> {
-        let id = Arc::as_ptr(rt) as usize;
         let mut slot = layer.device_weight().lock().expect("weight cache");
         if let Some((owner, w)) = slot.as_ref() {
-            if *owner == id {
+            if Arc::ptr_eq(owner, rt) {
                 return Ok(w.clone());
             }
         }
@@ -54,7 +53,7 @@ mod imp {
             .flatten_all()?
             .to_vec1::<f32>()?;
         let dw = Arc::new(rt.upload_weight(&codes, &scales, layer.bias_host(), n, k, w.block())?);
-        *slot = Some((id, dw.clone()));
+        *slot = Some((rt.clone(), dw.clone()));
         Ok(dw)
     }
 

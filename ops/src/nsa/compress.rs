@@ -16,10 +16,15 @@ pub struct MlpCompressor {
 impl MlpCompressor {
     /// Loads `pos [l, D]`, `fc1 [hidden, l * D]` (+ bias), `fc2 [D, hidden]` (+ bias).
     pub fn load(vb: VarBuilder, l: usize, d: usize, hidden: usize) -> Result<Self> {
+        // the compressor runs in f32 whatever the checkpoint's dtype
+        let f32_linear = |l: Linear| -> Result<Linear> {
+            let b = l.bias().map(|b| b.to_dtype(DType::F32)).transpose()?;
+            Ok(Linear::new(l.weight().to_dtype(DType::F32)?, b))
+        };
         Ok(Self {
-            pos: vb.get((l, d), "pos")?,
-            fc1: candle_nn::linear(l * d, hidden, vb.pp("fc1"))?,
-            fc2: candle_nn::linear(hidden, d, vb.pp("fc2"))?,
+            pos: vb.get((l, d), "pos")?.to_dtype(DType::F32)?,
+            fc1: f32_linear(candle_nn::linear(l * d, hidden, vb.pp("fc1"))?)?,
+            fc2: f32_linear(candle_nn::linear(hidden, d, vb.pp("fc2"))?)?,
         })
     }
 

@@ -126,19 +126,20 @@ impl NsaCache {
         self.ck.len
     }
 
-    /// `[B, T, Hkv, D]` keys held, if any.
+    /// A copy of the `[B, T, Hkv, D]` keys held, if any (copies: the buffers are written in
+    /// place as the cache grows).
     pub fn keys(&self) -> Option<Tensor> {
-        self.k.view()
+        self.k.view().and_then(|t| t.copy().ok())
     }
 
-    /// `[B, T, Hkv, Dv]` values held, if any.
+    /// A copy of the `[B, T, Hkv, Dv]` values held, if any.
     pub fn values(&self) -> Option<Tensor> {
-        self.v.view()
+        self.v.view().and_then(|t| t.copy().ok())
     }
 
-    /// `[B, n_c, Hkv, D]` compressed keys (f32), if any.
+    /// A copy of the `[B, n_c, Hkv, D]` compressed keys (f32), if any.
     pub fn compressed_keys(&self) -> Option<Tensor> {
-        self.ck.view()
+        self.ck.view().and_then(|t| t.copy().ok())
     }
 
     /// Forgets everything after the first `len` tokens (and the compressed blocks that need
@@ -329,7 +330,22 @@ impl NativeSparseAttention {
         v_new: &Tensor,
         cache: &mut NsaCache,
     ) -> Result<NsaOutput> {
+        let before = cache.len();
         self.append_kv(k_new, v_new, cache)?;
+        let out = self.attend_cached(gate_input, q, cache);
+        if out.is_err() {
+            // leave the cache as it was, so a corrected retry does not append twice
+            cache.truncate(before, &self.cfg);
+        }
+        out
+    }
+
+    fn attend_cached(
+        &self,
+        gate_input: &Tensor,
+        q: &Tensor,
+        cache: &NsaCache,
+    ) -> Result<NsaOutput> {
         let view = |b: &GrowBuf| b.view().expect("appended above");
         let (k, v) = (view(&cache.k), view(&cache.v));
         let (ck, cv) = match (cache.ck.view(), cache.cv.view()) {
@@ -350,7 +366,8 @@ impl NativeSparseAttention {
         if let Some(k) = cache.k.view() {
             let (b, _, h, d) = k.dims4()?;
             let (b2, _, h2, d2) = k_new.dims4()?;
-            if (b, h, d) != (b2, h2, d2) || k.dtype() != k_new.dtype() {
+            if (b, h, d) != (b2, h2, d2) || k.dtype() != k_new.dtype() || v_new.dtype() != k.dtype()
+            {
                 return Err(shape_err(
                     "k_new",
                     format!("[{b}, Tn, {h}, {d}] of {:?}, like the cache", k.dtype()),
@@ -358,8 +375,12 @@ impl NativeSparseAttention {
                 ));
             }
         }
+        let before = cache.len();
         cache.k.append(k_new)?;
-        cache.v.append(v_new)?;
+        if let Err(e) = cache.v.append(v_new) {
+            cache.k.truncate(before);
+            return Err(e);
+        }
         let (k, v) = (cache.k.view(), cache.v.view());
         let (k, v) = (k.expect("appended"), v.expect("appended"));
         let (old, new) = (cache.compressed_len(), self.cfg.compressed_len(cache.len()));

@@ -27,6 +27,12 @@ pub(crate) fn masked_sdpa(
             continue;
         }
         let (tq, tk) = (s.q_len, s.k_len);
+        if tk == 0 {
+            // no keys at all: every query sees nothing
+            os.push(Tensor::zeros((tq, hq, dv), DType::F32, q.device())?);
+            lses.push(Tensor::full(f32::NEG_INFINITY, (tq, hq), q.device())?);
+            continue;
+        }
         let mask = selection_mask(sel, s, hkv);
         let mask = Tensor::from_vec(mask, (hkv, 1, tq, tk), &Device::Cpu)?.to_device(q.device())?;
         let qs = q.narrow(0, s.q_start, tq)?.to_dtype(DType::F32)?;

@@ -55,8 +55,11 @@ impl BlockSelection {
         if indices.rank() != 4 {
             return Err(shape_err("indices", "[B, Tq, Hkv, S]", indices.dims()));
         }
-        if block_size == 0 {
-            return Err(invalid("block_size", "must be at least 1, got 0"));
+        if block_size == 0 || block_size > i32::MAX as usize {
+            return Err(invalid(
+                "block_size",
+                format!("must be in 1..={}, got {block_size}", i32::MAX),
+            ));
         }
         Ok(Self {
             indices,

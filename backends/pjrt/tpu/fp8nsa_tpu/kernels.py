@@ -1,6 +1,6 @@
 """TPU fp8 block-linear kernels (JAX Pallas), variants v1, v2, v3.
 
-All three compute the contract of ../../../shared/DESIGN.md:
+All three compute the contract of the project's DESIGN.md (shared/DESIGN.md):
     y[m, n] = sum_kb sx[m, kb] * Sw[n/bn, kb] * sum_{k in kb} xq[m, k] * W[n, k]
 with f32 accumulation and both scales applied to each K-block's partial sum before it is added.
 
@@ -62,9 +62,20 @@ def quantize_activations(x, bk: int, act: str, bm: int | None = None):
         a = jnp.pad(amax, ((0, mb * bm - m), (0, 0)))  # zero rows change no amax
         a = jnp.max(a.reshape(mb, bm, kb), axis=1)
         amax = jnp.repeat(a, bm, axis=0)[:m]
-    sx = jnp.maximum(amax, jnp.float32(AMAX_FLOOR)) / jnp.float32(E4M3_MAX)
-    q = jnp.clip(x32 / sx[..., None], -E4M3_MAX, E4M3_MAX)
+    # XLA's algebraic simplifier rewrites A / broadcast(B) as A * broadcast(1 / B), which is
+    # not the IEEE f32 quotient (1 ulp off in about half the cases, so some x/s land on the
+    # other side of an fp8 rounding midpoint). Materializing the divisor behind an
+    # optimization barrier keeps a true elementwise division.
+    floor = jnp.maximum(amax, jnp.float32(AMAX_FLOOR))
+    sx = floor / _opaque(jnp.full(floor.shape, E4M3_MAX, jnp.float32))
+    den = _opaque(jnp.broadcast_to(sx[..., None], x32.shape))
+    q = jnp.clip(x32 / den, -E4M3_MAX, E4M3_MAX)
     return q.astype(E4M3).reshape(m, k), sx
+
+
+def _opaque(a):
+    """a, hidden from XLA's simplifier (see quantize_activations)."""
+    return jax.lax.optimization_barrier(a)
 
 
 def _check_args(x, wq_u8, sw, block, act, bm, variant):
@@ -122,10 +133,12 @@ def _scalars_to_row(scalars, tn: int, bn: int):
     """[1, tn] row whose bn-wide column block q holds scalars[q] (one weight scale per block)."""
     if len(scalars) == 1:
         return jnp.full((1, tn), scalars[0], jnp.float32)
-    blk = jax.lax.broadcasted_iota(jnp.int32, (1, tn), 1) // bn
-    row = jnp.zeros((1, tn), jnp.float32)
-    for q, s in enumerate(scalars):
-        row = jnp.where(blk == q, s, row)
+    # Compares, not `iota // bn`: integer floor division lowers through `sign`, whose Mosaic
+    # rule asks for the TPU generation and so cannot be exported on a machine without one.
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, tn), 1)
+    row = jnp.full((1, tn), scalars[0], jnp.float32)
+    for q in range(1, len(scalars)):
+        row = jnp.where(col >= q * bn, scalars[q], row)
     return row
 
 

@@ -40,12 +40,21 @@ def make_inputs(rng, m, n, k, block, dtype="f32"):
     """x [M, K], e4m3 weight bytes [N, K], Sw [Nb, Kb], all with per-block magnitudes spread
     over 1e-3..1e3 so that the K-blocks' scales differ by up to six orders of magnitude."""
     nb, kb = -(-n // block), -(-k // block)
-    wmag = np.repeat(np.repeat(10.0 ** rng.uniform(-3, 3, (nb, kb)), block, 0), block, 1)
+    wmag = np.repeat(np.repeat(magnitudes(rng, (nb, kb)), block, 0), block, 1)
     wq, sw = ref.quantize_weight(rng.standard_normal((n, k)) * wmag[:n, :k], block)
-    xmag = np.repeat(10.0 ** rng.uniform(-3, 3, (m, kb)), block, 1)[:, :k]
+    xmag = np.repeat(magnitudes(rng, (m, kb)), block, 1)[:, :k]
     x = (rng.standard_normal((m, k)) * xmag).astype(DTYPES[dtype])
-    assert sw.max() / sw.min() > 1e2, "scales must be heterogeneous"
+    assert sw.max() / sw.min() > 1e4, "scales must be heterogeneous"
     return x, wq, sw
+
+
+def magnitudes(rng, shape):
+    """10**U(-3, 3) per entry, with both ends present (when there are two entries or more)."""
+    e = rng.uniform(-3, 3, shape).ravel()
+    if e.size >= 2:
+        lo, hi = rng.choice(e.size, 2, replace=False)
+        e[lo], e[hi] = -3.0, 3.0
+    return (10.0 ** e).reshape(shape)
 
 
 def run(x, wq, sw, **kw):
@@ -98,6 +107,17 @@ def test_interpret_matches_reference(seed, variant, case):
     want = ref.fp8_linear_ref(x, wq, sw, block=block, act=act, bm=bm)
     y = run(x, wq, sw, block=block, act=act, bm=bm, variant=variant, tiles=tiles)
     check(y, want, dtype, f"{variant} {_case_id(case)} seed={seed}")
+
+
+@pytest.mark.parametrize("act,bm", [("group", None), ("block2d", 4)])
+def test_xla_baseline_matches_reference(seed, act, bm):
+    """bench.py's plain-jnp baseline computes the same contract."""
+    case = (7, 576, 3884, 128)
+    x, wq, sw = make_inputs(rng_for(seed, "xla", act, case), *case, "bf16")
+    y = kernels.fp8_linear_xla(jnp.asarray(x), jnp.asarray(wq), jnp.asarray(sw), block=128,
+                               act=act, bm=bm)
+    want = ref.fp8_linear_ref(x, wq, sw, block=128, act=act, bm=bm)
+    check(np.asarray(y.astype(jnp.float32)), want, "bf16", f"xla {act}")
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "f32"])
@@ -185,6 +205,9 @@ def test_tile_table():
 # ------------------------------------------------------------------------------------------
 
 EXPORT_SHAPE = dict(m=16, n=576, k=3884, block=128, act="group", bm=None)
+# Exported too, not inspected: two weight blocks per output tile (r=2), Block2d, f32, 512 blocks.
+EXPORT_MORE = [(8, 2100, 260, 128, "block2d", 16, "f32"), (300, 1100, 1300, 512, "group", None,
+                                                           "bf16")]
 _MANIFEST = []
 
 
@@ -200,7 +223,6 @@ def test_export_for_tpu_and_mosaic_evidence(variant):
     entry = export.write_entry(ARTIFACTS, variant, s["m"], s["n"], s["k"], s["block"], s["act"],
                                s["bm"], "bf16")
     _MANIFEST.append(entry)
-    (ARTIFACTS / "manifest.json").write_text(json.dumps({"entries": _MANIFEST}, indent=2))
     mlir_path, bin_path = ARTIFACTS / entry["mlir"], ARTIFACTS / entry["file"]
     print(f"\n{variant}: {mlir_path}\n{variant}: {bin_path}")
 
@@ -217,6 +239,10 @@ def test_export_for_tpu_and_mosaic_evidence(variant):
     dma_starts = len(re.findall(r"tpu\.enqueue_dma", text))
     dma_waits = len(re.findall(r"tpu\.wait_dma", text))
     smem_f32 = re.findall(r"memref<([0-9x]+)xf32, #tpu\.memory_space<smem>>", sig)
+    for m, n, k, block, act, bm, dtype in EXPORT_MORE:
+        _MANIFEST.append(export.write_entry(ARTIFACTS, variant, m, n, k, block, act, bm, dtype))
+    (ARTIFACTS / "manifest.json").write_text(json.dumps({"entries": _MANIFEST}, indent=2))
+
     if variant == "v1":
         assert dma_starts == dma_waits == 0, "v1 leaves the copies to the pipeline"
         assert smem_f32, "v1 takes the flat weight scales as scalar prefetch (SMEM)"
