@@ -56,6 +56,31 @@ enum Command {
         #[arg(long)]
         expect: Option<String>,
     },
+    /// Export the Pallas TPU fp8 kernels (v1/v2/v3) for a model's linear shapes over token-count
+    /// buckets, with a manifest that `PjrtRuntime::with_tpu_programs` loads (runs the Python
+    /// exporter in backends/pjrt/tpu; needs jax, see its README; no TPU needed).
+    ExportTpu {
+        /// Output directory.
+        #[arg(short, long)]
+        out: PathBuf,
+        /// A Hugging Face config.json: exports the shapes of its projections.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Weight shapes `N,K[;N,K...]` (added to the config's).
+        #[arg(long)]
+        shapes: Option<String>,
+        /// Token-count buckets, one program each.
+        #[arg(long, default_value = "1,16,128,512")]
+        buckets: String,
+        /// Square weight block.
+        #[arg(long, default_value_t = 128)]
+        block: usize,
+        /// Activation quantization: group or block2d.
+        #[arg(long, default_value = "group")]
+        act: String,
+        #[arg(long, default_value = "v1,v2,v3")]
+        variants: String,
+    },
     /// Compile fp8nsa's PJRT programs on a plugin and write, for each, the StableHLO we emit
     /// and the optimized program the plugin reports (as HLO text), ready for `inspect`.
     #[cfg(feature = "pjrt")]
@@ -121,6 +146,23 @@ fn main() -> ExitCode {
             },
         ),
         Some(Command::Inspect { file, expect }) => return inspect(&file, expect.as_deref()),
+        Some(Command::ExportTpu {
+            out,
+            config,
+            shapes,
+            buckets,
+            block,
+            act,
+            variants,
+        }) => export_tpu(
+            &out,
+            config.as_deref(),
+            shapes.as_deref(),
+            &buckets,
+            block,
+            &act,
+            &variants,
+        ),
         #[cfg(feature = "pjrt")]
         Some(Command::DumpPrograms { out, plugin }) => dump_programs(&out, plugin.as_deref()),
         None => demo(cli.demo),
@@ -215,6 +257,101 @@ fn dump_programs(out: &std::path::Path, plugin: Option<&str>) -> fp8nsa::Result<
         }
     }
     println!("platform: {}", rt.platform());
+    Ok(())
+}
+
+/// The `(N, K)` weight shapes of a Llama-family config's projections.
+fn config_shapes(path: &std::path::Path) -> fp8nsa::Result<Vec<(usize, usize)>> {
+    let text = std::fs::read_to_string(path).map_err(|source| fp8nsa::Error::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let cfg: fp8nsa::models::LlamaConfig =
+        serde_json::from_str(&text).map_err(|source| fp8nsa::Error::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
+    let (q, kv) = (cfg.num_attention_heads * hd, cfg.kv_heads() * hd);
+    let mut v = vec![(q, h), (kv, h), (h, q), (i, h), (h, i)];
+    v.sort_unstable();
+    v.dedup();
+    Ok(v)
+}
+
+fn export_tpu(
+    out: &std::path::Path,
+    config: Option<&std::path::Path>,
+    shapes: Option<&str>,
+    buckets: &str,
+    block: usize,
+    act: &str,
+    variants: &str,
+) -> fp8nsa::Result<()> {
+    let mut all = match config {
+        Some(c) => config_shapes(c)?,
+        None => Vec::new(),
+    };
+    for part in shapes
+        .unwrap_or("")
+        .split(';')
+        .filter(|p| !p.trim().is_empty())
+    {
+        let nk: Vec<usize> = part
+            .split(',')
+            .filter_map(|x| x.trim().parse().ok())
+            .collect();
+        match nk[..] {
+            [n, k] if n > 0 && k > 0 => all.push((n, k)),
+            _ => {
+                return Err(fp8nsa::Error::Invalid {
+                    arg: "--shapes",
+                    msg: format!("each entry is N,K with positive integers, got {part:?}"),
+                })
+            }
+        }
+    }
+    if all.is_empty() {
+        return Err(fp8nsa::Error::Invalid {
+            arg: "--shapes",
+            msg: "give --config or --shapes".into(),
+        });
+    }
+    let shapes = all
+        .iter()
+        .map(|(n, k)| format!("{n},{k}"))
+        .collect::<Vec<_>>()
+        .join(";");
+    let py = std::env::var("FP8NSA_TPU_PY")
+        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/backends/pjrt/tpu").to_string());
+    println!(
+        "exporting {} shape(s) x buckets {buckets} x {variants} with {py}/fp8nsa_tpu",
+        all.len()
+    );
+    let status = std::process::Command::new("python3")
+        .args(["-m", "fp8nsa_tpu.export", "--out"])
+        .arg(out)
+        .args([
+            "--shapes",
+            &shapes,
+            "--buckets",
+            buckets,
+            "--block",
+            &block.to_string(),
+        ])
+        .args(["--act", act, "--variants", variants, "--dtype", "f32"])
+        .env("PYTHONPATH", &py)
+        .status()
+        .map_err(|source| fp8nsa::Error::Io {
+            path: "python3".into(),
+            source,
+        })?;
+    if !status.success() {
+        return Err(fp8nsa::Error::Invalid {
+            arg: "export-tpu",
+            msg: format!("the exporter failed ({status}); is jax installed? see {py}/README.md"),
+        });
+    }
     Ok(())
 }
 

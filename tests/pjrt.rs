@@ -230,3 +230,118 @@ fn inspector_reads_our_compiled_fp8_program() {
         assert!(r.satisfies(Variant::V1) && !r.satisfies(Variant::V2));
     }
 }
+
+/// `fp8nsa export-tpu` writes programs and a manifest the runtime loads; on a non-TPU plugin
+/// the Pallas variants are refused with the platform's name. Skipped without jax.
+#[test]
+fn exported_tpu_programs_load_and_are_refused_off_tpu() {
+    let Some(rt) = runtime() else { return };
+    let has_jax = std::process::Command::new("python3")
+        .args(["-c", "import jax"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_jax {
+        eprintln!("SKIPPED: jax is not installed (backends/pjrt/tpu/run_tests.sh installs it)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fp8nsa"))
+        .args(["export-tpu", "--out"])
+        .arg(dir.path())
+        .args([
+            "--shapes",
+            "256,384",
+            "--buckets",
+            "8,32",
+            "--variants",
+            "v2,v3",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m = fp8nsa_pjrt::tpu::TpuManifest::load(dir.path()).unwrap();
+    assert_eq!(m.entries.len(), 4);
+    let e = m
+        .select(
+            fp8nsa_pjrt::TpuKernel::V3,
+            9,
+            256,
+            384,
+            [128, 128],
+            fp8nsa_pjrt::programs::ActScheme::Group,
+        )
+        .unwrap();
+    assert_eq!(e.m_bucket, 32);
+    let report =
+        fp8nsa::inspect::inspect(&std::fs::read_to_string(dir.path().join(&e.mlir)).unwrap());
+    assert!(report.satisfies(fp8nsa::inspect::Variant::V3));
+    // the CPU plugin runs v1 only
+    let rt2 = PjrtRuntime::load(&fp8nsa_pjrt_plugin().unwrap())
+        .unwrap()
+        .with_tpu_programs(dir.path())
+        .unwrap();
+    let w = Fp8BlockWeight::quantize(
+        &Tensor::ones((256, 384), DType::F32, &Device::Cpu).unwrap(),
+        [128, 128],
+    )
+    .unwrap();
+    let layer = Fp8Linear::new(w, None, ActQuant::Group)
+        .unwrap()
+        .with_backend(Backend::Pjrt(Arc::new(rt2)));
+    let x = Tensor::ones((9, 384), DType::F32, &Device::Cpu).unwrap();
+    let err = layer
+        .clone()
+        .with_tpu_kernel(TpuKernel::V3)
+        .forward(&x)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("\"cpu\""), "{err}");
+    assert!(layer.with_tpu_kernel(TpuKernel::V1).forward(&x).is_ok());
+    drop(rt);
+}
+
+/// What runs on a TPU: every variant against the reference. Needs FP8NSA_PJRT_PLUGIN naming
+/// libtpu and FP8NSA_TPU_EXPORTS an `export-tpu` folder with shape 576,3884 and bucket >= 7.
+#[test]
+fn tpu_kernels_match_the_reference_on_a_tpu() {
+    let (Ok(plugin), Ok(exports)) = (
+        std::env::var("FP8NSA_PJRT_PLUGIN"),
+        std::env::var("FP8NSA_TPU_EXPORTS"),
+    ) else {
+        eprintln!("SKIPPED: no TPU here (set FP8NSA_PJRT_PLUGIN to libtpu and FP8NSA_TPU_EXPORTS to an export-tpu folder)");
+        return;
+    };
+    let rt = PjrtRuntime::load(&plugin)
+        .unwrap()
+        .with_tpu_programs(std::path::Path::new(&exports))
+        .unwrap();
+    if rt.platform() != "tpu" {
+        eprintln!(
+            "SKIPPED: the plugin's platform is {:?}, not tpu",
+            rt.platform()
+        );
+        return;
+    }
+    let rt = Arc::new(rt);
+    let mut rng = rng("tpu_kernels");
+    let (m, n, k) = (7, 576, 3884);
+    let wq = Fp8BlockWeight::quantize(
+        &tensor(hetero(&mut rng, n, k, 128, 128), &[n, k]),
+        [128, 128],
+    )
+    .unwrap();
+    let x = tensor(hetero(&mut rng, m, k, 1, 128), &[m, k]);
+    let want = reference::fp8_linear(&x, &wq, None, ActQuant::Group).unwrap();
+    for v in [TpuKernel::V1, TpuKernel::V2, TpuKernel::V3] {
+        let layer = Fp8Linear::new(wq.clone(), None, ActQuant::Group)
+            .unwrap()
+            .with_backend(Backend::Pjrt(rt.clone()))
+            .with_tpu_kernel(v);
+        let err = rel_frobenius(&layer.forward(&x).unwrap(), &want);
+        assert!(err < 1e-3, "{v:?}: {err:e}");
+    }
+}

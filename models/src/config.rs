@@ -37,6 +37,9 @@ pub struct LlamaConfig {
     pub bos_token_id: Option<u32>,
     #[serde(default)]
     pub eos_token_id: Option<u32>,
+    /// Only plain RoPE is implemented; a config asking for scaling is refused, not misread.
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
     #[serde(skip)]
     pub rope_style: RopeStyle,
 }
@@ -68,6 +71,7 @@ impl LlamaConfig {
             tie_word_embeddings: true,
             bos_token_id: Some(1),
             eos_token_id: Some(2),
+            rope_scaling: None,
             rope_style: RopeStyle::Half,
         }
     }
@@ -103,6 +107,12 @@ impl LlamaConfig {
                     self.num_attention_heads,
                     self.kv_heads()
                 ),
+            ));
+        }
+        if self.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(invalid(
+                "rope_scaling",
+                "RoPE scaling (Llama 3.1 / YaRN / linear) is not implemented",
             ));
         }
         if self.head_dim() % 2 != 0 {

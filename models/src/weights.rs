@@ -270,6 +270,7 @@ fn config_from_gguf(c: &gguf_file::Content) -> Result<LlamaConfig> {
         eos_token_id: md
             .get("tokenizer.ggml.eos_token_id")
             .and_then(|v| v.to_u32().ok()),
+        rope_scaling: None,
         rope_style: RopeStyle::Interleaved,
     };
     cfg.validate()?;

@@ -185,3 +185,17 @@ fn bad_configs_and_weights_are_errors() {
     assert!(m.forward(&too_long, &mut c).is_err());
     let _ = DType::F32;
 }
+
+#[test]
+fn rope_scaling_is_refused_not_misread() {
+    let cfg: LlamaConfig = serde_json::from_str(
+        r#"{"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}"#,
+    )
+    .unwrap();
+    assert!(cfg
+        .validate()
+        .unwrap_err()
+        .to_string()
+        .contains("rope_scaling"));
+}

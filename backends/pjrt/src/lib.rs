@@ -18,6 +18,7 @@ pub mod proto;
 mod runtime;
 pub mod safe;
 pub mod sys;
+pub mod tpu;
 
 pub use error::{code_name, Error, Result};
 pub use runtime::{

@@ -96,6 +96,7 @@ pub struct PjrtRuntime {
     path: String,
     cache: Mutex<HashMap<String, Arc<Executable>>>,
     fp8_max: std::sync::OnceLock<Buffer>,
+    tpu_programs: Option<crate::tpu::TpuManifest>,
 }
 
 impl std::fmt::Debug for PjrtRuntime {
@@ -120,6 +121,7 @@ impl PjrtRuntime {
             path: path.to_string(),
             cache: Mutex::new(HashMap::new()),
             fp8_max: std::sync::OnceLock::new(),
+            tpu_programs: None,
         })
     }
 
@@ -135,6 +137,13 @@ impl PjrtRuntime {
             })?,
         };
         Self::load(&path.to_string_lossy())
+    }
+
+    /// Uses the Pallas kernels exported to `dir` (by `fp8nsa export-tpu`) for `TpuKernel::V2`
+    /// and `V3` calls on a TPU.
+    pub fn with_tpu_programs(mut self, dir: &std::path::Path) -> Result<Self> {
+        self.tpu_programs = Some(crate::tpu::TpuManifest::load(dir)?);
+        Ok(self)
     }
 
     /// The platform the plugin reports (`cpu`, `cuda`, `tpu`, ...).
@@ -155,9 +164,10 @@ impl PjrtRuntime {
     pub fn check_kernel(&self, kernel: TpuKernel) -> Result<()> {
         match kernel {
             TpuKernel::V1 => Ok(()),
+            _ if self.platform == "tpu" && self.tpu_programs.is_some() => Ok(()),
             _ if self.platform == "tpu" => Err(invalid(
                 "kernel",
-                format!("{kernel:?} needs its exported Mosaic program (fp8nsa export-tpu), which this build does not load"),
+                format!("{kernel:?} needs exported programs: run fp8nsa export-tpu and pass the folder to with_tpu_programs"),
             )),
             _ => Err(Error::NotOnPlatform {
                 what: format!("TpuKernel::{kernel:?}"),
@@ -258,6 +268,9 @@ impl PjrtRuntime {
         if act == (ActScheme::Block2d { bm: 0 }) {
             return Err(invalid("act", "Block2d needs bm >= 1"));
         }
+        if kernel != TpuKernel::V1 {
+            return self.fp8_linear_exported(x, m, w, act, kernel);
+        }
         let key = format!("fp8_linear {shape:?} {act:?} bias={}", w.bias.is_some());
         let exe = self.executable(&key, || programs::fp8_linear(shape, act, w.bias.is_some()))?;
         let xb = self.upload_f32(x, &[m, w.k])?;
@@ -273,6 +286,44 @@ impl PjrtRuntime {
         }
         let out = exe.execute(&args)?;
         out[0].to_f32()
+    }
+
+    /// A Pallas kernel from the export folder: rows padded to the program's bucket, the bias
+    /// added on the host (the kernels take none).
+    fn fp8_linear_exported(
+        &self,
+        x: &[f32],
+        m: usize,
+        w: &DeviceWeight,
+        act: ActScheme,
+        kernel: TpuKernel,
+    ) -> Result<Vec<f32>> {
+        let manifest = self
+            .tpu_programs
+            .as_ref()
+            .ok_or_else(|| invalid("kernel", "no TPU programs loaded"))?;
+        let entry = manifest.select(kernel, m, w.n, w.k, w.block, act)?;
+        let path = manifest.stablehlo_path(entry);
+        let key = path.to_string_lossy().into_owned();
+        let text = match self.cache.lock().expect("program cache").contains_key(&key) {
+            true => String::new(),
+            false => std::fs::read_to_string(&path)
+                .map_err(|e| invalid("tpu program", format!("{}: {e}", path.display())))?,
+        };
+        let exe = self.executable(&key, || text)?;
+        let xb = self.upload_f32(
+            &crate::tpu::pad_rows(x, m, w.k, entry.m_bucket),
+            &[entry.m_bucket, w.k],
+        )?;
+        let mut y = exe.execute(&[&xb, &w.wq, &w.sw])?[0].to_f32()?;
+        y.truncate(m * w.n);
+        if let Some(b) = &w.bias {
+            let b = b.to_f32()?;
+            for row in y.chunks_mut(w.n) {
+                row.iter_mut().zip(&b).for_each(|(v, b)| *v += b);
+            }
+        }
+        Ok(y)
     }
 
     /// Masked selection attention of one sequence (see [`programs::nsa_selection`]).
