@@ -647,4 +647,10 @@ fn a_failed_step_leaves_the_cache_as_it_was() {
     nsa.forward_step(&one(&x), &one(&q), &one(&k), &one(&v), &mut cache)
         .unwrap();
     assert_eq!(cache.len(), len + 1);
+    // zero new tokens on an empty cache: an error, not a panic
+    let none = |t: &Tensor| t.narrow(1, 0, 0).unwrap();
+    let mut empty = NsaCache::new();
+    assert!(nsa
+        .forward_step(&none(&x), &none(&q), &none(&k), &none(&v), &mut empty)
+        .is_err());
 }

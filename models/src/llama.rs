@@ -144,6 +144,21 @@ impl Llama {
     /// Logits `[T, vocab]` (f32) of `tokens`, appended to what `cache` has seen.
     pub fn forward(&self, tokens: &[u32], cache: &mut Cache) -> Result<Tensor> {
         let t = tokens.len();
+        if t == 0 {
+            return Err(crate::error::invalid("tokens", "needs at least one token"));
+        }
+        if let Some(&bad) = tokens
+            .iter()
+            .find(|&&id| id as usize >= self.cfg.vocab_size)
+        {
+            return Err(crate::error::invalid(
+                "tokens",
+                format!(
+                    "token id {bad} is outside the vocabulary of {}",
+                    self.cfg.vocab_size
+                ),
+            ));
+        }
         let ids = Tensor::from_vec(tokens.to_vec(), (1, t), &Device::Cpu)?;
         let mut x = self.embed.forward(&ids)?;
         let _span = tracing::debug_span!("fp8nsa::llama_forward", t, pos = cache.pos).entered();

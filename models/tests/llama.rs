@@ -183,6 +183,8 @@ fn bad_configs_and_weights_are_errors() {
     let mut c = m.new_cache();
     let too_long: Vec<u32> = vec![1; 4097];
     assert!(m.forward(&too_long, &mut c).is_err());
+    assert!(m.forward(&[], &mut c).is_err());
+    assert!(m.forward(&[512], &mut c).is_err());
     let _ = DType::F32;
 }
 

@@ -346,8 +346,12 @@ impl NativeSparseAttention {
         q: &Tensor,
         cache: &NsaCache,
     ) -> Result<NsaOutput> {
-        let view = |b: &GrowBuf| b.view().expect("appended above");
-        let (k, v) = (view(&cache.k), view(&cache.v));
+        let (Some(k), Some(v)) = (cache.k.view(), cache.v.view()) else {
+            return Err(invalid(
+                "k_new",
+                "the cache is empty: append at least one token",
+            ));
+        };
         let (ck, cv) = match (cache.ck.view(), cache.cv.view()) {
             (Some(ck), Some(cv)) => (ck, cv),
             _ => {
@@ -381,8 +385,9 @@ impl NativeSparseAttention {
             cache.k.truncate(before);
             return Err(e);
         }
-        let (k, v) = (cache.k.view(), cache.v.view());
-        let (k, v) = (k.expect("appended"), v.expect("appended"));
+        let (Some(k), Some(v)) = (cache.k.view(), cache.v.view()) else {
+            return Ok(()); // nothing appended to an empty cache
+        };
         let (old, new) = (cache.compressed_len(), self.cfg.compressed_len(cache.len()));
         if new > old {
             cache.ck.append(
