@@ -27,6 +27,9 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! The same layers run on CUDA tensors with the `cuda` feature (kernels compiled by nvcc at
+//! build time, cuBLASLt block scaling on sm_90); on the CPU otherwise.
+//!
 //! Set `RUST_LOG=fp8nsa=debug` (with a `tracing` subscriber) to see which kernel each call ran.
 
 pub mod convert;
@@ -35,7 +38,16 @@ pub mod inspect;
 
 pub use error::{Error, Result};
 pub use fp8nsa_ops::Error as OpsError;
-pub use fp8nsa_ops::{ActQuant, Backend, Fp8BlockWeight, Fp8Linear, PjrtRuntime, TpuKernel};
+pub use fp8nsa_ops::{
+    ActQuant, Backend, CudaFp8Kernel, Fp8BlockWeight, Fp8Linear, PjrtRuntime, TpuKernel,
+};
+
+/// The CUDA backend's kernel-level API (`cuda` feature): cudarc views in, cudarc views out,
+/// for callers that manage their own buffers (and for the GPU tests, which poison outputs).
+#[cfg(feature = "cuda")]
+pub mod cuda {
+    pub use fp8nsa_cuda::*;
+}
 
 /// The Llama-family decoder on these layers, its loaders and generation.
 pub mod models {

@@ -35,6 +35,9 @@ pub enum Error {
     Kernel(#[from] fp8nsa_cpu::Error),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Cuda(#[from] fp8nsa_cuda::Error),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -14,12 +14,14 @@
 //! ```
 
 pub mod backend;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod error;
 pub mod fp8;
 pub mod nsa;
 pub mod reference;
 mod storage;
 
-pub use backend::{Backend, PjrtRuntime, TpuKernel};
+pub use backend::{Backend, CudaFp8Kernel, PjrtRuntime, TpuKernel};
 pub use error::{Error, Result};
 pub use fp8::{ActQuant, Fp8BlockWeight, Fp8Linear};

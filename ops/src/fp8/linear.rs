@@ -5,7 +5,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Shape, Tensor};
 use fp8nsa_cpu::linear::{fp8_linear, Fp8LinearShape};
 
 use super::{ActQuant, Fp8BlockWeight};
-use crate::backend::{Backend, TpuKernel};
+use crate::backend::{use_cuda, Backend, CudaFp8Kernel, TpuKernel};
 use crate::error::{invalid, shape_err, Error, Result};
 use crate::storage::{f32_slice, fp8_bytes, from_f32};
 
@@ -31,9 +31,13 @@ pub struct Fp8Linear {
     op: Fp8LinearOp,
     backend: Backend,
     kernel: Option<TpuKernel>,
+    cuda_kernel: Option<CudaFp8Kernel>,
     /// The weight as uploaded to a PJRT device, shared by clones.
     #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
     device_weight: super::pjrt::WeightCache,
+    /// The weight as prepared for a CUDA device, shared by clones.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    cuda_weight: super::cuda::CudaWeightCache,
 }
 
 impl Fp8Linear {
@@ -74,7 +78,9 @@ impl Fp8Linear {
             op,
             backend: Backend::Auto,
             kernel: None,
+            cuda_kernel: None,
             device_weight: Default::default(),
+            cuda_weight: Default::default(),
         })
     }
 
@@ -91,6 +97,12 @@ impl Fp8Linear {
         self
     }
 
+    /// The CUDA fp8 GEMM path (default: `FP8NSA_CUDA_FP8_KERNEL`, else `Auto`, chosen per call).
+    pub fn with_cuda_kernel(mut self, kernel: CudaFp8Kernel) -> Self {
+        self.cuda_kernel = Some(kernel);
+        self
+    }
+
     pub fn weight(&self) -> &Fp8BlockWeight {
         &self.weight
     }
@@ -103,7 +115,7 @@ impl Fp8Linear {
         self.op.act
     }
 
-    #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "pjrt", feature = "cuda")), allow(dead_code))]
     pub(crate) fn bias_host(&self) -> Option<&[f32]> {
         self.op.bias.as_deref()
     }
@@ -116,6 +128,16 @@ impl Fp8Linear {
     #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
     pub(crate) fn device_weight(&self) -> &super::pjrt::WeightCache {
         &self.device_weight
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn cuda_kernel(&self) -> Result<CudaFp8Kernel> {
+        self.cuda_kernel.map_or_else(CudaFp8Kernel::from_env, Ok)
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn cuda_weight(&self) -> &super::cuda::CudaWeightCache {
+        &self.cuda_weight
     }
 
     /// Like [`Module::forward`], with this crate's error type.
@@ -140,24 +162,27 @@ impl Fp8Linear {
             });
         }
         let m = x.elem_count() / k;
-        if let Backend::Pjrt(rt) = self.backend.resolve()? {
-            let y = super::pjrt::fp8_linear(self, &rt, x, m)?;
-            let mut out_dims = dims.to_vec();
-            *out_dims.last_mut().expect("x has a last dim") = n;
+        let mut out_dims = dims.to_vec();
+        *out_dims.last_mut().expect("x has a last dim") = n;
+        let backend = self.backend.resolve()?;
+        if let Backend::Pjrt(rt) = &backend {
+            let y = super::pjrt::fp8_linear(self, rt, x, m)?;
+            return Ok(y.reshape(out_dims)?);
+        }
+        let _span = tracing::debug_span!("fp8nsa::fp8_linear", m, n, k).entered();
+        let x2 = x.reshape((m, k))?.contiguous()?;
+        if use_cuda(&backend, x.device(), "Fp8Linear")? {
+            let y = super::cuda::fp8_linear(self, &x2, m)?;
             return Ok(y.reshape(out_dims)?);
         }
         if !x.device().is_cpu() || !self.weight.device().is_cpu() {
             return Err(Error::Unsupported {
                 op: "Fp8Linear",
                 device: format!("{:?}", x.device()),
-                hint: "only the CPU backend is built; x and the weight must be on the CPU",
+                hint: "the CPU kernels need x and the weight on the CPU (CUDA tensors run on CUDA with the `cuda` feature)",
             });
         }
-        let _span = tracing::debug_span!("fp8nsa::fp8_linear", m, n, k).entered();
-        let x2 = x.reshape((m, k))?.contiguous()?;
         let y = x2.apply_op3_no_bwd(self.weight.data(), self.weight.scales(), &self.op)?;
-        let mut out_dims = dims.to_vec();
-        *out_dims.last_mut().expect("x has a last dim") = n;
         Ok(y.reshape(out_dims)?)
     }
 }

@@ -6,7 +6,7 @@ use fp8nsa_cpu::nsa::{selection_attention, AttnDims, SeqInfo};
 
 use super::sdpa::masked_sdpa;
 use super::selection::{HostSelection, Selection};
-use crate::backend::Backend;
+use crate::backend::{use_cuda, Backend};
 use crate::error::{invalid, shape_err, Error, Result};
 
 /// Default `min_len`: below this many keys the dense fallback is used.
@@ -241,6 +241,12 @@ impl SelectionAttention {
                 &sd,
             ));
         }
+        let scale = self.scale.unwrap_or(1.0 / (d as f32).sqrt());
+        let max_tk = seqs.iter().map(|s| s.k_len).max().unwrap_or(0);
+        let backend = self.backend.resolve()?;
+        if use_cuda(&backend, q.device(), "SelectionAttention")? {
+            return self.run_cuda(q, k, v, seqs, sel, scale, max_tk);
+        }
         let host = HostSelection::from_selection(sel)?;
         let mut seq_of = vec![0usize; tq];
         for (i, s) in seqs.iter().enumerate() {
@@ -254,12 +260,10 @@ impl SelectionAttention {
             },
             hkv,
         )?;
-        let scale = self.scale.unwrap_or(1.0 / (d as f32).sqrt());
-        if let Backend::Pjrt(rt) = self.backend.resolve()? {
-            let (o, lse) = super::pjrt::selection(&rt, q, k, v, seqs, &host, scale)?;
+        if let Backend::Pjrt(rt) = &backend {
+            let (o, lse) = super::pjrt::selection(rt, q, k, v, seqs, &host, scale)?;
             return Ok((o.to_dtype(q.dtype())?, self.with_lse.then_some(lse)));
         }
-        let max_tk = seqs.iter().map(|s| s.k_len).max().unwrap_or(0);
         let reason = if max_tk < self.min_len {
             Some(format!("tk = {max_tk} < min_len = {}", self.min_len))
         } else if !q.device().is_cpu() {
@@ -300,6 +304,42 @@ impl SelectionAttention {
             None
         };
         Ok((o, lse))
+    }
+}
+
+impl SelectionAttention {
+    /// CUDA tensors: the selection kernel, or the dense masked SDPA on the GPU below `min_len`
+    /// and for what the kernel does not take (logged with the reason). The selection is not
+    /// validated here: kernel and fallback both clamp, sort and merge each row, as the
+    /// reference does, so an invalid selection computes the attention of its valid part.
+    #[allow(clippy::too_many_arguments)]
+    fn run_cuda(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        seqs: &[SeqInfo],
+        sel: Selection<'_>,
+        scale: f32,
+        max_tk: usize,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (tq, hq, d) = q.dims3()?;
+        let (_, hkv, _) = k.dims3()?;
+        let dv = v.dims()[2];
+        let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+        let _span = tracing::debug_span!("fp8nsa::nsa_selection", tq, hq, hkv, d, dv).entered();
+        let reason = if max_tk < self.min_len {
+            Some(format!("tk = {max_tk} < min_len = {}", self.min_len))
+        } else {
+            super::cuda::unsupported(&q, &k, &v, sel.dims()[3])
+        };
+        if let Some(reason) = reason {
+            tracing::debug!(op = "nsa_selection", backend = "cuda-sdpa-fallback", %reason, tq, hq, hkv, d, dv);
+            let host = HostSelection::from_selection(sel)?;
+            let (o, lse) = masked_sdpa(&q, &k, &v, seqs, &host, scale)?;
+            return Ok((o.to_dtype(q.dtype())?, self.with_lse.then_some(lse)));
+        }
+        super::cuda::selection(&q, &k, &v, seqs, sel, scale, self.with_lse)
     }
 }
 

@@ -23,6 +23,7 @@
 mod attention;
 mod compress;
 mod config;
+mod cuda;
 mod layer;
 mod pjrt;
 mod sdpa;

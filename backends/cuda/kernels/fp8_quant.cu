@@ -1,0 +1,152 @@
+// Activation quantization, weight dequantization and the split-K / bias epilogue.
+// Every family (sm_80 included): the fp8 codec of cuda_fp8.h is exact on all of them.
+
+#include "common.cuh"
+
+// Dynamic activation quantization, one warp per scale tile of `bm` rows x `bk` columns
+// (Group is bm = 1). Pass 1 takes the tile's amax, pass 2 writes
+//   xq[m * ldq + k] = sat(rne(x / s)),   s = max(amax, 1e-12) / 448
+// and the scale to sx[mb * sx_rs + kb * sx_cs] (row-major for our kernels, token-contiguous
+// for cuBLASLt). The warp of the last k-block also zeroes the row tail [K, ldq), so consumers
+// may read whole 16-byte chunks. With `deq` set, it writes xq * s as f32 to xd[m * ldq + k]
+// instead (the small-M kernel's operand, or in T the last-resort path's), tail zeroed the same
+// way. act_none: no quantization, xd = x (W8A16).
+template <typename T, typename OT>
+__device__ void act_quant(const T* __restrict__ x, uint8_t* __restrict__ xq, OT* __restrict__ xd,
+                          float* __restrict__ sx, int M, int K, int ldq, int bm, int bk, long sx_rs,
+                          long sx_cs, int act_none) {
+    const int warps = blockDim.x / 32;
+    const long tile = (long)blockIdx.x * warps + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int KB = (K + bk - 1) / bk;
+    const int MB = (M + bm - 1) / bm;
+    if (tile >= (long)MB * KB) return;
+    const int mb = (int)(tile / KB), kb = (int)(tile % KB);
+    const int m0 = mb * bm, m1 = min(M, m0 + bm);
+    const int k0 = kb * bk, k1 = min(K, k0 + bk);
+    const int tail = (kb == KB - 1) ? ldq : k1;  // the last k-block also covers [K, ldq)
+
+    float s = 1.0f;
+    if (!act_none) {
+        float amax = 0.0f;
+        for (int m = m0; m < m1; ++m)
+            for (int k = k0 + lane; k < k1; k += 32) amax = fmaxf(amax, fabsf(to_f32(x[(long)m * K + k])));
+        s = fp8_scale(warp_max(amax));
+        if (lane == 0 && sx != nullptr) sx[mb * sx_rs + kb * sx_cs] = s;
+    }
+    for (int m = m0; m < m1; ++m) {
+        for (int k = k0 + lane; k < tail; k += 32) {
+            const float v = k < k1 ? to_f32(x[(long)m * K + k]) : 0.0f;
+            if (act_none) {
+                xd[(long)m * ldq + k] = from_f32<OT>(v);
+            } else {
+                const uint8_t q = f32_to_e4m3(__fdiv_rn(v, s));
+                if (xd != nullptr)
+                    xd[(long)m * ldq + k] = from_f32<OT>(e4m3_to_f32(q) * s);
+                else
+                    xq[(long)m * ldq + k] = q;
+            }
+        }
+    }
+}
+
+#define ACT_QUANT(NAME, T, OT)                                                                   \
+    extern "C" __global__ void NAME(const T* x, uint8_t* xq, OT* xd, float* sx, int M, int K,      \
+                                    int ldq, int bm, int bk, long sx_rs, long sx_cs,               \
+                                    int act_none) {                                                \
+        act_quant<T, OT>(x, xq, xd, sx, M, K, ldq, bm, bk, sx_rs, sx_cs, act_none);                \
+    }                                                                                           \
+    FP8NSA_REGISTER(NAME)
+// xd in f32 (small-M kernel), and in the input type (dequantize + cuBLAS)
+ACT_QUANT(fp8nsa_act_quant_f32, float, float)
+ACT_QUANT(fp8nsa_act_quant_bf16, __nv_bfloat16, float)
+ACT_QUANT(fp8nsa_act_quant_f16, __half, float)
+ACT_QUANT(fp8nsa_act_quant_bf16_to_bf16, __nv_bfloat16, __nv_bfloat16)
+ACT_QUANT(fp8nsa_act_quant_f16_to_f16, __half, __half)
+
+// W_real[n, k] = W[n * ldw + k] * sw[(n / bn) * sw_rs + k / bk], written densely [N, K] in T:
+// the last-resort path hands it to cuBLAS.
+template <typename T>
+__device__ void dequant_weight(const uint8_t* __restrict__ w, const float* __restrict__ sw,
+                               T* __restrict__ out, int N, int K, int ldw, int bn, int bk,
+                               long sw_rs) {
+    const long total = (long)N * K;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long)gridDim.x * blockDim.x) {
+        const int n = (int)(i / K), k = (int)(i % K);
+        const float s = sw[(n / bn) * sw_rs + k / bk];
+        out[i] = from_f32<T>(e4m3_to_f32(w[(long)n * ldw + k]) * s);
+    }
+}
+
+#define DEQUANT(NAME, T)                                                                       \
+    extern "C" __global__ void NAME(const uint8_t* w, const float* sw, T* out, int N, int K,    \
+                                    int ldw, int bn, int bk, long sw_rs) {                       \
+        dequant_weight<T>(w, sw, out, N, K, ldw, bn, bk, sw_rs);                                 \
+    }                                                                                           \
+    FP8NSA_REGISTER(NAME)
+DEQUANT(fp8nsa_dequant_f32, float)
+DEQUANT(fp8nsa_dequant_bf16, __nv_bfloat16)
+DEQUANT(fp8nsa_dequant_f16, __half)
+
+// out[m, n] = sum_s ws[s, m, n] + bias[n] (bias may be null), in T. Split-K epilogue.
+template <typename T>
+__device__ void splitk_reduce(const float* __restrict__ ws, const float* __restrict__ bias,
+                              T* __restrict__ out, int M, int N, int splits) {
+    const long total = (long)M * N;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long)gridDim.x * blockDim.x) {
+        float acc = bias != nullptr ? bias[i % N] : 0.0f;
+        for (int s = 0; s < splits; ++s) acc += ws[(long)s * total + i];
+        out[i] = from_f32<T>(acc);
+    }
+}
+
+#define SPLITK(NAME, T)                                                                          \
+    extern "C" __global__ void NAME(const float* ws, const float* bias, T* out, int M, int N,     \
+                                    int splits) {                                                 \
+        splitk_reduce<T>(ws, bias, out, M, N, splits);                                            \
+    }                                                                                           \
+    FP8NSA_REGISTER(NAME)
+SPLITK(fp8nsa_splitk_reduce_f32, float)
+SPLITK(fp8nsa_splitk_reduce_bf16, __nv_bfloat16)
+SPLITK(fp8nsa_splitk_reduce_f16, __half)
+
+// y[m, n] += bias[n] in place (after cuBLAS / cuBLASLt, which run without an epilogue).
+template <typename T>
+__device__ void add_bias(T* __restrict__ y, const float* __restrict__ bias, int M, int N) {
+    const long total = (long)M * N;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long)gridDim.x * blockDim.x)
+        y[i] = from_f32<T>(to_f32(y[i]) + bias[i % N]);
+}
+
+#define ADD_BIAS(NAME, T)                                                                        \
+    extern "C" __global__ void NAME(T* y, const float* bias, int M, int N) {                      \
+        add_bias<T>(y, bias, M, N);                                                               \
+    }                                                                                           \
+    FP8NSA_REGISTER(NAME)
+ADD_BIAS(fp8nsa_add_bias_f32, float)
+ADD_BIAS(fp8nsa_add_bias_bf16, __nv_bfloat16)
+ADD_BIAS(fp8nsa_add_bias_f16, __half)
+
+// dst[r * ld + c] = src[r * cols + c] for c < cols, 0 for cols <= c < ld: the prepared weight
+// (rows padded to 16 bytes, scale rows to a multiple of 4 as cuBLASLt wants).
+template <typename T>
+__device__ void pad2d(const T* __restrict__ src, T* __restrict__ dst, int rows, int cols, long ld) {
+    const long total = (long)rows * ld;
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (long)gridDim.x * blockDim.x) {
+        const long r = i / ld, c = i % ld;
+        dst[i] = c < cols ? src[r * cols + c] : T(0);
+    }
+}
+
+extern "C" __global__ void fp8nsa_pad2d_u8(const uint8_t* src, uint8_t* dst, int rows, int cols, long ld) {
+    pad2d<uint8_t>(src, dst, rows, cols, ld);
+}
+FP8NSA_REGISTER(fp8nsa_pad2d_u8)
+extern "C" __global__ void fp8nsa_pad2d_f32(const float* src, float* dst, int rows, int cols, long ld) {
+    pad2d<float>(src, dst, rows, cols, ld);
+}
+FP8NSA_REGISTER(fp8nsa_pad2d_f32)

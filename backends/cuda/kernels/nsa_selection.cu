@@ -1,0 +1,390 @@
+// NSA selection attention (flash-attention style, mma.sync m16n8k16 bf16/f16, f32 softmax).
+//
+// One CTA per (query token, kv head, split). Its warps own 16 query heads each: the G heads of
+// the kv head, padded to 16, form the MMA rows, so every key loaded is shared by all G heads.
+// The CTA first turns its selection row into spans: block ids or [start, end) ranges, clamped
+// to the keys the query may see ([0, min(k_len, pos + 1))), sorted and merged, so whatever the
+// indices say nothing is read out of bounds and every key counts once. The spans are walked in
+// order in tiles of KT keys (any alignment: tile rows past the span end are zero-filled and
+// masked), K/V tiles double-buffered with cp.async, online softmax in f32 (base 2).
+// With splits > 1 (decode) each split takes a share of the tiles and writes f32 partials
+// (normalized o and lse) that fp8nsa_nsa_merge_* combines with the log-sum-exp.
+
+#include "common.cuh"
+
+#include <math_constants.h>
+
+struct NsaParams {
+    const void* q;      // [total_q, hq, d]
+    const void* k;      // [total_k, hkv, d]
+    const void* v;      // [total_k, hkv, dv]
+    const int* sel;     // blocks [total_q * hkv, per_row] or ranges [total_q * hkv, per_row, 2]
+    const int* cu_q;    // [batch + 1] token offsets of the queries
+    const int* cu_k;    // [batch + 1] token offsets of the keys
+    const int* q_off;   // [batch] absolute position of each sequence's first query
+    void* o;            // [total_q, hq, dv] (splits == 1)
+    float* lse;         // [total_q, hq] natural log (splits == 1)
+    float* ws_o;        // [splits, total_q, hq, dv] f32 (splits > 1)
+    float* ws_lse;      // [splits, total_q, hq] (splits > 1)
+    float scale_log2;   // softmax scale * log2(e)
+    int total_q, batch, hq, hkv, per_row, block_size /* 0: ranges */, splits;
+};
+
+constexpr int KT = 32;           // keys per tile
+constexpr int MAX_PER_ROW = 512; // selection entries per row the CTA can normalize
+
+template <typename T> struct Mma;
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+        mma_bf16_16816(d, a, b);
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return pack_bf16x2(lo, hi); }
+};
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ void run(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+        mma_f16_16816(d, a, b);
+    }
+    static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return pack_f16x2(lo, hi); }
+};
+
+// Byte offset of 16-byte chunk c of row r in a tile with `chunks` chunks per row; XOR swizzle
+// on the low three chunk bits (ldmatrix reads 8 rows of one chunk column conflict-free).
+__device__ __forceinline__ int tswz(int r, int c, int chunks) { return (r * chunks + (c ^ (r & 7))) << 4; }
+
+template <typename T, int D, int DV, int NW> __device__ void nsa_selection(const NsaParams& p) {
+    constexpr int THREADS = NW * 32;
+    constexpr int DC = D / 8, VC = DV / 8;  // 16-byte chunks per K / V row
+    constexpr int K_TILE = KT * D * 2, V_TILE = KT * DV * 2;
+    static_assert(D % 16 == 0 && DV % 16 == 0, "head dims must be multiples of 16");
+
+    FP8NSA_DYNAMIC_SMEM(uint4, smem_raw);
+    uint8_t* smem = reinterpret_cast<uint8_t*>(smem_raw);
+    uint8_t* kv = smem;                                          // 2 x (K tile, V tile)
+    int2* spans = reinterpret_cast<int2*>(smem + 2 * (K_TILE + V_TILE));  // [MAX_PER_ROW]
+    int* tile_end = reinterpret_cast<int*>(spans + MAX_PER_ROW);          // inclusive prefix
+    FP8NSA_SHARED(int, n_spans);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int G = p.hq / p.hkv;
+    const int item = blockIdx.x;  // token * hkv + head
+    const int tok = item / p.hkv, h = item % p.hkv;
+    const int split = blockIdx.y;
+
+    // the token's sequence: last b with cu_q[b] <= tok
+    int lo = 0, hi = p.batch - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (p.cu_q[mid] <= tok) lo = mid; else hi = mid - 1;
+    }
+    const int seq = lo;
+    const long k_start = p.cu_k[seq];
+    const int k_len = p.cu_k[seq + 1] - p.cu_k[seq];
+    const long pos = (long)p.q_off[seq] + (tok - p.cu_q[seq]);
+    const int limit = (int)min((long)k_len, pos + 1);  // keys [0, limit) are visible
+
+    // ---- selection row -> sorted, merged spans (warp 0)
+    if (warp == 0) {
+        const int* row = p.sel + (long)item * p.per_row * (p.block_size > 0 ? 1 : 2);
+        const int n = min(p.per_row, MAX_PER_ROW);
+        // clamped spans, empty ones pushed to the end
+        for (int e = lane; e < n; e += 32) {
+            long a, b;
+            if (p.block_size > 0) {
+                const int idx = row[e];
+                a = (long)idx * p.block_size;
+                b = a + p.block_size;
+                if (idx < 0) a = b = 0;
+            } else {
+                a = row[2 * e];
+                b = row[2 * e + 1];
+            }
+            a = max(a, 0L);
+            b = min(b, (long)limit);
+            spans[e] = a < b ? make_int2((int)a, (int)b) : make_int2(INT_MAX, INT_MAX);
+        }
+        __syncwarp();
+        // rank sort by (start, entry) into tile_end as scratch, then copy back
+        int2 mine[MAX_PER_ROW / 32];
+        int rank[MAX_PER_ROW / 32];
+#pragma unroll
+        for (int s = 0; s < MAX_PER_ROW / 32; ++s) {
+            const int e = lane + 32 * s;
+            if (e >= n) break;
+            mine[s] = spans[e];
+            int r = 0;
+            for (int j = 0; j < n; ++j) {
+                const int sj = spans[j].x;
+                r += (sj < mine[s].x) || (sj == mine[s].x && j < e);
+            }
+            rank[s] = r;
+        }
+        __syncwarp();
+#pragma unroll
+        for (int s = 0; s < MAX_PER_ROW / 32; ++s) {
+            const int e = lane + 32 * s;
+            if (e >= n) break;
+            spans[rank[s]] = mine[s];
+        }
+        __syncwarp();
+        if (lane == 0) {
+            // merge overlapping or touching spans; count KT-key tiles
+            int out = 0, tiles = 0;
+            for (int e = 0; e < n && spans[e].x != INT_MAX; ++e) {
+                const int2 s = spans[e];
+                if (out > 0 && s.x <= spans[out - 1].y) {
+                    if (s.y > spans[out - 1].y) {
+                        tiles -= (spans[out - 1].y - spans[out - 1].x + KT - 1) / KT;
+                        spans[out - 1].y = s.y;
+                        tiles += (spans[out - 1].y - spans[out - 1].x + KT - 1) / KT;
+                        tile_end[out - 1] = tiles;
+                    }
+                } else {
+                    spans[out] = s;
+                    tiles += (s.y - s.x + KT - 1) / KT;
+                    tile_end[out] = tiles;
+                    ++out;
+                }
+            }
+            n_spans = out;
+        }
+    }
+    __syncthreads();
+    const int ns = n_spans;
+    const int total_tiles = ns > 0 ? tile_end[ns - 1] : 0;
+    const int t_begin = (int)((long)total_tiles * split / p.splits);
+    const int t_end = (int)((long)total_tiles * (split + 1) / p.splits);
+
+    // tile -> (first key, keys in tile); spans are walked in order
+    auto tile_keys = [&](int t, int& start, int& len) {
+        int s = 0;
+        while (tile_end[s] <= t) ++s;
+        const int first_tile = s > 0 ? tile_end[s - 1] : 0;
+        start = spans[s].x + (t - first_tile) * KT;
+        len = min(KT, spans[s].y - start);
+    };
+
+    const T* kg = reinterpret_cast<const T*>(p.k);
+    const T* vg = reinterpret_cast<const T*>(p.v);
+    auto load_tile = [&](int t, int stage) {
+        int start, len;
+        tile_keys(t, start, len);
+        uint8_t* ks = kv + stage * (K_TILE + V_TILE);
+        uint8_t* vs = ks + K_TILE;
+        for (int i = tid; i < KT * DC; i += THREADS) {
+            const int r = i / DC, c = i % DC;
+            const bool ok = r < len;
+            const T* src = kg + ((k_start + (ok ? start + r : 0)) * p.hkv + h) * D + c * 8;
+            cp_async_16(ks + tswz(r, c, DC), src, ok);
+        }
+        for (int i = tid; i < KT * VC; i += THREADS) {
+            const int r = i / VC, c = i % VC;
+            const bool ok = r < len;
+            const T* src = vg + ((k_start + (ok ? start + r : 0)) * p.hkv + h) * DV + c * 8;
+            cp_async_16(vs + tswz(r, c, VC), src, ok);
+        }
+    };
+
+    // ---- Q fragments of this warp's 16 heads, straight from global memory
+    const T* qg = reinterpret_cast<const T*>(p.q);
+    const int head0 = warp * 16;  // within the group
+    uint32_t qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int row = head0 + g + (r & 1) * 8;         // a0/a2: row g, a1/a3: row g + 8
+            const int col = kk * 16 + t4 * 2 + (r >> 1) * 8;  // a0/a1: k lo, a2/a3: k hi
+            qf[kk][r] = row < G ? *reinterpret_cast<const uint32_t*>(
+                                      qg + ((long)tok * p.hq + h * G + row) * D + col)
+                                : 0u;
+        }
+
+    float o[DV / 8][4];
+#pragma unroll
+    for (int j = 0; j < DV / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[j][e] = 0.0f;
+    float m_run[2] = {-CUDART_INF_F, -CUDART_INF_F}, l_run[2] = {0.0f, 0.0f};
+
+    if (t_begin < t_end) load_tile(t_begin, 0);
+    cp_async_commit();
+    for (int t = t_begin; t < t_end; ++t) {
+        const int stage = (t - t_begin) & 1;
+        if (t + 1 < t_end) load_tile(t + 1, stage ^ 1);
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+
+        int start, len;
+        tile_keys(t, start, len);
+        const uint8_t* ks = kv + stage * (K_TILE + V_TILE);
+        const uint8_t* vs = ks + K_TILE;
+
+        // S = Q K^T: 16 heads x KT keys
+        float s[KT / 8][4];
+#pragma unroll
+        for (int j = 0; j < KT / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+            for (int j = 0; j < KT / 8; j += 2) {
+                // matrices: (keys 0-7, dims lo), (keys 0-7, dims hi), (keys 8-15, lo), (8-15, hi)
+                const int r = j * 8 + (lane & 7) + (lane >> 4) * 8;
+                const int c = kk * 2 + ((lane >> 3) & 1);
+                uint32_t b[4];
+                ldmatrix_x4(b, ks + tswz(r, c, DC));
+                Mma<T>::run(s[j], qf[kk], b);
+                Mma<T>::run(s[j + 1], qf[kk], b + 2);
+            }
+
+        // online softmax over this tile (rows g and g + 8 of the warp's heads)
+        float mx[2] = {-CUDART_INF_F, -CUDART_INF_F};
+#pragma unroll
+        for (int j = 0; j < KT / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = j * 8 + t4 * 2 + (e & 1);
+                const float x = key < len ? s[j][e] * p.scale_log2 : -CUDART_INF_F;
+                s[j][e] = x;
+                mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            }
+        float corr[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            const float m_new = fmaxf(m_run[r], mx[r]);
+            const float base = m_new == -CUDART_INF_F ? 0.0f : m_new;  // no inf - inf
+            corr[r] = exp2f(m_run[r] - base);
+            m_run[r] = m_new;
+            mx[r] = base;
+        }
+        float rs[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int j = 0; j < KT / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[j][e] = exp2f(s[j][e] - mx[e >> 1]);
+                rs[e >> 1] += s[j][e];
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 1);
+            rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 2);
+            l_run[r] = l_run[r] * corr[r] + rs[r];
+        }
+#pragma unroll
+        for (int j = 0; j < DV / 8; ++j) {
+            o[j][0] *= corr[0];
+            o[j][1] *= corr[0];
+            o[j][2] *= corr[1];
+            o[j][3] *= corr[1];
+        }
+
+        // O += P V: P's accumulator layout is the A layout of the next MMA (keys as k)
+#pragma unroll
+        for (int kk = 0; kk < KT / 16; ++kk) {
+            uint32_t a[4];
+            a[0] = Mma<T>::pack(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = Mma<T>::pack(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = Mma<T>::pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = Mma<T>::pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+            for (int j = 0; j < DV / 8; j += 2) {
+                // transposed matrices: (keys 0-7, dv lo), (keys 8-15, dv lo), (0-7, hi), (8-15, hi)
+                const int r = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+                const int c = j + (lane >> 4);
+                uint32_t b[4];
+                ldmatrix_x4_trans(b, vs + tswz(r, c, VC));
+                Mma<T>::run(o[j], a, b);
+                Mma<T>::run(o[j + 1], a, b + 2);
+            }
+        }
+        __syncthreads();  // the next iteration refills this stage
+    }
+    cp_async_wait<0>();
+
+    // ---- epilogue: normalize, natural-log lse; a row that saw nothing gets o = 0, lse = -inf
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = head0 + g + r * 8;
+        if (row >= G) continue;
+        const long qh = (long)tok * p.hq + h * G + row;
+        const float inv = l_run[r] > 0.0f ? 1.0f / l_run[r] : 0.0f;
+        const float lse = l_run[r] > 0.0f ? (m_run[r] + log2f(l_run[r])) * CUDART_LN2_F : -CUDART_INF_F;
+        if (p.splits > 1) {
+            float* dst = p.ws_o + ((long)split * p.total_q * p.hq + qh) * DV;
+#pragma unroll
+            for (int j = 0; j < DV / 8; ++j) {
+                dst[j * 8 + t4 * 2] = o[j][2 * r] * inv;
+                dst[j * 8 + t4 * 2 + 1] = o[j][2 * r + 1] * inv;
+            }
+            if (t4 == 0) p.ws_lse[(long)split * p.total_q * p.hq + qh] = lse;
+        } else {
+            T* dst = reinterpret_cast<T*>(p.o) + qh * DV;
+#pragma unroll
+            for (int j = 0; j < DV / 8; ++j) {
+                dst[j * 8 + t4 * 2] = from_f32<T>(o[j][2 * r] * inv);
+                dst[j * 8 + t4 * 2 + 1] = from_f32<T>(o[j][2 * r + 1] * inv);
+            }
+            if (t4 == 0) p.lse[qh] = lse;
+        }
+    }
+}
+
+#define NSA(NAME, T, D, DV, NW)                                                                  \
+    extern "C" __global__ void __launch_bounds__(NW * 32) NAME(const NsaParams p) {              \
+        nsa_selection<T, D, DV, NW>(p);                                                          \
+    }                                                                                           \
+    FP8NSA_REGISTER(NAME)
+#define NSA_WARPS(SUFFIX, T, D, DV)                                                              \
+    NSA(fp8nsa_nsa_selection_##SUFFIX##_d##D##_dv##DV##_w1, T, D, DV, 1)                         \
+    NSA(fp8nsa_nsa_selection_##SUFFIX##_d##D##_dv##DV##_w2, T, D, DV, 2)                         \
+    NSA(fp8nsa_nsa_selection_##SUFFIX##_d##D##_dv##DV##_w4, T, D, DV, 4)
+#define NSA_DIMS(SUFFIX, T)                                                                      \
+    NSA_WARPS(SUFFIX, T, 64, 64)                                                                 \
+    NSA_WARPS(SUFFIX, T, 64, 128)                                                                \
+    NSA_WARPS(SUFFIX, T, 128, 64)                                                                \
+    NSA_WARPS(SUFFIX, T, 128, 128)                                                               \
+    NSA_WARPS(SUFFIX, T, 192, 64)                                                                \
+    NSA_WARPS(SUFFIX, T, 192, 128)
+NSA_DIMS(bf16, __nv_bfloat16)
+NSA_DIMS(f16, __half)
+
+// Combines the splits of every (token, head) row: lse = log sum_s exp(lse_s),
+// o = sum_s exp(lse_s - lse) o_s. Splits that saw nothing have lse_s = -inf and weigh 0.
+template <typename T>
+__device__ void nsa_merge(const float* __restrict__ ws_o, const float* __restrict__ ws_lse,
+                          T* __restrict__ o, float* __restrict__ lse, int rows, int dv, int splits) {
+    const int row = blockIdx.x;
+    if (row >= rows) return;
+    float m = -CUDART_INF_F;
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, ws_lse[(long)s * rows + row]);
+    float sum = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        const float l = ws_lse[(long)s * rows + row];
+        sum += l == -CUDART_INF_F ? 0.0f : expf(l - m);
+    }
+    const float total = sum > 0.0f ? m + logf(sum) : -CUDART_INF_F;
+    for (int c = threadIdx.x; c < dv; c += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const float l = ws_lse[(long)s * rows + row];
+            if (l != -CUDART_INF_F) acc += expf(l - total) * ws_o[((long)s * rows + row) * dv + c];
+        }
+        o[(long)row * dv + c] = from_f32<T>(acc);
+    }
+    if (threadIdx.x == 0) lse[row] = total;
+}
+
+#define MERGE(NAME, T)                                                                           \
+    extern "C" __global__ void NAME(const float* ws_o, const float* ws_lse, T* o, float* lse,    \
+                                    int rows, int dv, int splits) {                              \
+        nsa_merge<T>(ws_o, ws_lse, o, lse, rows, dv, splits);                                    \
+    }                                                                                           \
+    FP8NSA_REGISTER(NAME)
+MERGE(fp8nsa_nsa_merge_bf16, __nv_bfloat16)
+MERGE(fp8nsa_nsa_merge_f16, __half)

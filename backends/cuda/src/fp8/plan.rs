@@ -1,0 +1,445 @@
+//! Which fp8 GEMM path runs, decided from the device, the shape and the activation scheme
+//! alone (pure: tested without a GPU).
+
+use std::fmt;
+
+use super::{ActScheme, Fp8Kernel, Fp8Shape};
+use crate::context::DeviceInfo;
+use crate::error::{unsupported, Result};
+
+/// Rows per block of the tensor-core kernel's tiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MmaTile {
+    /// 128 x 128 tiles, 8 warps (large M).
+    M128,
+    /// 64 x 128 tiles, 4 warps.
+    M64,
+    /// 16 x 128 tiles, 4 warps (decode batches; usually split over K).
+    M16,
+}
+
+impl MmaTile {
+    pub fn rows(self) -> usize {
+        match self {
+            MmaTile::M128 => 128,
+            MmaTile::M64 => 64,
+            MmaTile::M16 => 16,
+        }
+    }
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            MmaTile::M128 => "128x128",
+            MmaTile::M64 => "64x128",
+            MmaTile::M16 => "16x128",
+        }
+    }
+
+    pub(crate) fn warps(self) -> u32 {
+        match self {
+            MmaTile::M128 => 8,
+            MmaTile::M64 | MmaTile::M16 => 4,
+        }
+    }
+
+    /// Pipeline stages x (A + B tile) bytes.
+    pub(crate) fn smem_bytes(self) -> u32 {
+        let stages = match self {
+            MmaTile::M128 => 3,
+            MmaTile::M64 | MmaTile::M16 => 4,
+        };
+        stages * (self.rows() as u32 + 128) * 128
+    }
+}
+
+/// The path a call takes (what ran, for logs and tests).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fp8Path {
+    /// cuBLASLt with `VEC128_32F` activation and `BLK128x128_32F` weight scales (sm_90).
+    CublasLt,
+    /// Our fp8 tensor-core kernel; `splits > 1` splits K across blocks.
+    Mma { tile: MmaTile, splits: usize },
+    /// Our small-M CUDA-core kernel, the weight streamed once.
+    SmallM { tokens: usize },
+    /// Dequantize the weight, then cuBLAS in the input dtype.
+    Dequant,
+}
+
+impl fmt::Display for Fp8Path {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Fp8Path::CublasLt => write!(f, "cublaslt-blockscale"),
+            Fp8Path::Mma { tile, splits } => write!(f, "mma-{}-splitk{splits}", tile.name()),
+            Fp8Path::SmallM { tokens } => write!(f, "small-m{tokens}"),
+            Fp8Path::Dequant => write!(f, "dequant-cublas"),
+        }
+    }
+}
+
+/// Largest M the small-M kernel takes.
+pub const SMALL_M_MAX: usize = 16;
+/// Up to this M the small-M kernel is preferred even where the tensor-core kernel runs.
+pub const SMALL_M_PREFERRED: usize = 4;
+/// From this M on, cuBLASLt is preferred where it applies.
+pub const CUBLASLT_MIN_M: usize = 64;
+/// Most K splits of the tensor-core kernel.
+pub const MAX_SPLITS: usize = 16;
+
+/// Why each path does or does not apply.
+pub(crate) struct Applicability {
+    pub(crate) small_m: std::result::Result<(), String>,
+    pub(crate) mma: std::result::Result<(), String>,
+    pub(crate) cublaslt: std::result::Result<(), String>,
+}
+
+pub(crate) fn applicability(info: &DeviceInfo, s: &Fp8Shape, act: ActScheme) -> Applicability {
+    let small_m = if s.m > SMALL_M_MAX {
+        Err(format!("M = {} > {SMALL_M_MAX}", s.m))
+    } else if s.bk % 16 != 0 {
+        Err(format!("block K = {} is not a multiple of 16", s.bk))
+    } else {
+        Ok(())
+    };
+    let mma = if info.cc < (8, 9) {
+        Err(format!(
+            "compute capability {}.{} has no fp8 tensor cores (needs 8.9+)",
+            info.cc.0, info.cc.1
+        ))
+    } else if act == ActScheme::None {
+        Err("activations are not quantized (ActQuant::None)".to_string())
+    } else if s.bk % 128 != 0 {
+        Err(format!("block K = {} is not a multiple of 128", s.bk))
+    } else {
+        Ok(())
+    };
+    let cublaslt = if info.cc != (9, 0) {
+        Err(format!(
+            "block-scaled fp8 in cuBLASLt is sm_90 only, device is {}.{}",
+            info.cc.0, info.cc.1
+        ))
+    } else if (s.bn, s.bk) != (128, 128) {
+        Err(format!(
+            "weight blocks {}x{} (cuBLASLt takes 128x128)",
+            s.bn, s.bk
+        ))
+    } else if act != ActScheme::Group {
+        Err(format!(
+            "activation scheme {act:?} (cuBLASLt takes 1x128 groups)"
+        ))
+    } else if s.n % 16 != 0 {
+        Err(format!("N = {} is not a multiple of 16", s.n))
+    } else {
+        Ok(())
+    };
+    Applicability {
+        small_m,
+        mma,
+        cublaslt,
+    }
+}
+
+/// The K split of the tensor-core kernel: enough blocks for two waves, whole K-blocks per split.
+pub(crate) fn mma_splits(info: &DeviceInfo, s: &Fp8Shape, tile: MmaTile) -> (usize, usize) {
+    let kb = s.k.div_ceil(s.bk);
+    let tiles = s.n.div_ceil(128) * s.m.div_ceil(tile.rows());
+    let target = 2 * info.sms as usize;
+    let want = if tiles >= target {
+        1
+    } else {
+        target.div_ceil(tiles).min(MAX_SPLITS).min(kb)
+    };
+    let per = kb.div_ceil(want.max(1));
+    (kb.div_ceil(per), per)
+}
+
+fn mma_tile(m: usize) -> MmaTile {
+    if m <= 16 {
+        MmaTile::M16
+    } else if m <= 64 {
+        MmaTile::M64
+    } else {
+        MmaTile::M128
+    }
+}
+
+/// The path for one call. `Fp8Kernel::Auto` picks the best that applies; a named kernel that
+/// does not apply is an error saying why.
+pub fn plan(info: &DeviceInfo, s: &Fp8Shape, act: ActScheme, kernel: Fp8Kernel) -> Result<Fp8Path> {
+    let a = applicability(info, s, act);
+    let mma = || {
+        let tile = mma_tile(s.m);
+        Fp8Path::Mma {
+            tile,
+            splits: mma_splits(info, s, tile).0,
+        }
+    };
+    let small = || Fp8Path::SmallM {
+        tokens: s.m.next_power_of_two(),
+    };
+    let refuse = |what: &'static str, why: &String| -> Result<Fp8Path> {
+        Err(unsupported(
+            "fp8 linear",
+            format!("{what} does not apply: {why}"),
+        ))
+    };
+    match kernel {
+        Fp8Kernel::Auto => Ok(
+            if a.small_m.is_ok() && (s.m <= SMALL_M_PREFERRED || a.mma.is_err()) {
+                small()
+            } else if a.cublaslt.is_ok() && s.m >= CUBLASLT_MIN_M {
+                Fp8Path::CublasLt
+            } else if a.mma.is_ok() {
+                mma()
+            } else {
+                Fp8Path::Dequant
+            },
+        ),
+        Fp8Kernel::CublasLt => match &a.cublaslt {
+            Ok(()) => Ok(Fp8Path::CublasLt),
+            Err(why) => refuse("the cuBLASLt block-scaled GEMM", why),
+        },
+        Fp8Kernel::Mma => match &a.mma {
+            Ok(()) => Ok(mma()),
+            Err(why) => refuse("the fp8 tensor-core kernel", why),
+        },
+        Fp8Kernel::SmallM => match &a.small_m {
+            Ok(()) => Ok(small()),
+            Err(why) => refuse("the small-M kernel", why),
+        },
+        Fp8Kernel::Dequant => Ok(Fp8Path::Dequant),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ptx::Family;
+
+    fn dev(cc: (i32, i32)) -> DeviceInfo {
+        DeviceInfo {
+            cc,
+            sms: 132,
+            smem_optin: 227 * 1024,
+            family: Family::for_capability(cc).unwrap(),
+        }
+    }
+
+    fn shape(m: usize, n: usize, k: usize, b: [usize; 2]) -> Fp8Shape {
+        Fp8Shape {
+            m,
+            n,
+            k,
+            bn: b[0],
+            bk: b[1],
+        }
+    }
+
+    const H100: (i32, i32) = (9, 0);
+
+    #[test]
+    fn auto_on_h100() {
+        let d = dev(H100);
+        let b128 = [128, 128];
+        // decode: the small-M kernel
+        assert_eq!(
+            plan(
+                &d,
+                &shape(1, 7168, 2048, b128),
+                ActScheme::Group,
+                Fp8Kernel::Auto
+            )
+            .unwrap(),
+            Fp8Path::SmallM { tokens: 1 }
+        );
+        // a decode batch: tensor cores, split over K to fill the GPU
+        let p = plan(
+            &d,
+            &shape(16, 2112, 7168, b128),
+            ActScheme::Group,
+            Fp8Kernel::Auto,
+        )
+        .unwrap();
+        match p {
+            Fp8Path::Mma {
+                tile: MmaTile::M16,
+                splits,
+            } => assert!(splits > 1, "{p}"),
+            other => panic!("{other}"),
+        }
+        // prefill: cuBLASLt for 128x128 blocks and 1x128 groups
+        assert_eq!(
+            plan(
+                &d,
+                &shape(4096, 2112, 7168, b128),
+                ActScheme::Group,
+                Fp8Kernel::Auto
+            )
+            .unwrap(),
+            Fp8Path::CublasLt
+        );
+        // other block shapes and Block2d: our kernel
+        for (b, act) in [
+            ([256, 256], ActScheme::Group),
+            ([64, 128], ActScheme::Group),
+            ([128, 128], ActScheme::Block2d { bm: 128 }),
+        ] {
+            assert_eq!(
+                plan(&d, &shape(4096, 7168, 2048, b), act, Fp8Kernel::Auto).unwrap(),
+                Fp8Path::Mma {
+                    tile: MmaTile::M128,
+                    splits: 1
+                }
+            );
+        }
+        // W8A16 beyond the small-M range: dequantize
+        assert_eq!(
+            plan(
+                &d,
+                &shape(512, 576, 3884, b128),
+                ActScheme::None,
+                Fp8Kernel::Auto
+            )
+            .unwrap(),
+            Fp8Path::Dequant
+        );
+        assert_eq!(
+            plan(
+                &d,
+                &shape(7, 576, 3884, b128),
+                ActScheme::None,
+                Fp8Kernel::Auto
+            )
+            .unwrap(),
+            Fp8Path::SmallM { tokens: 8 }
+        );
+    }
+
+    #[test]
+    fn ampere_and_ada() {
+        let a100 = dev((8, 0));
+        let s = shape(512, 576, 3884, [128, 128]);
+        assert_eq!(
+            plan(&a100, &s, ActScheme::Group, Fp8Kernel::Auto).unwrap(),
+            Fp8Path::Dequant
+        );
+        assert_eq!(
+            plan(
+                &a100,
+                &shape(16, 576, 3884, [128, 128]),
+                ActScheme::Group,
+                Fp8Kernel::Auto
+            )
+            .unwrap(),
+            Fp8Path::SmallM { tokens: 16 }
+        );
+        let err = plan(&a100, &s, ActScheme::Group, Fp8Kernel::Mma).unwrap_err();
+        assert!(err.to_string().contains("8.0"), "{err}");
+        let l40 = dev((8, 9));
+        assert!(matches!(
+            plan(&l40, &s, ActScheme::Group, Fp8Kernel::Auto).unwrap(),
+            Fp8Path::Mma { .. }
+        ));
+        let err = plan(&l40, &s, ActScheme::Group, Fp8Kernel::CublasLt).unwrap_err();
+        assert!(err.to_string().contains("sm_90"), "{err}");
+    }
+
+    #[test]
+    fn forced_kernels_say_why_they_do_not_apply() {
+        let d = dev(H100);
+        let cases = [
+            (
+                shape(64, 576, 3884, [256, 256]),
+                ActScheme::Group,
+                Fp8Kernel::CublasLt,
+                "256x256",
+            ),
+            (
+                shape(64, 576, 3884, [128, 128]),
+                ActScheme::Block2d { bm: 64 },
+                Fp8Kernel::CublasLt,
+                "Block2d",
+            ),
+            (
+                shape(64, 584, 3884, [128, 128]),
+                ActScheme::Group,
+                Fp8Kernel::CublasLt,
+                "multiple of 16",
+            ),
+            (
+                shape(64, 576, 3884, [128, 96]),
+                ActScheme::Group,
+                Fp8Kernel::Mma,
+                "multiple of 128",
+            ),
+            (
+                shape(64, 576, 3884, [128, 128]),
+                ActScheme::None,
+                Fp8Kernel::Mma,
+                "None",
+            ),
+            (
+                shape(17, 576, 3884, [128, 128]),
+                ActScheme::Group,
+                Fp8Kernel::SmallM,
+                "M = 17",
+            ),
+            (
+                shape(8, 576, 3884, [128, 100]),
+                ActScheme::Group,
+                Fp8Kernel::SmallM,
+                "multiple of 16",
+            ),
+        ];
+        for (s, act, k, want) in cases {
+            let err = plan(&d, &s, act, k).unwrap_err().to_string();
+            assert!(err.contains(want), "{s:?} {act:?} {k:?}: {err}");
+        }
+        // the last resort always applies
+        assert_eq!(
+            plan(
+                &d,
+                &shape(3, 5, 7, [1, 1]),
+                ActScheme::Group,
+                Fp8Kernel::Dequant
+            )
+            .unwrap(),
+            Fp8Path::Dequant
+        );
+    }
+
+    #[test]
+    fn splits_cover_k_in_whole_blocks() {
+        let d = dev(H100);
+        for (m, n, k, bk) in [
+            (16, 2112, 7168, 128),
+            (16, 24576, 1536, 128),
+            (64, 576, 3884, 512),
+            (1, 128, 128, 128),
+            (4096, 7168, 16384, 128),
+        ] {
+            let s = shape(m, n, k, [128, bk]);
+            for tile in [MmaTile::M16, MmaTile::M64, MmaTile::M128] {
+                let (splits, per) = mma_splits(&d, &s, tile);
+                let kb = k.div_ceil(bk);
+                assert!((1..=MAX_SPLITS).contains(&splits), "{s:?}");
+                assert!(
+                    splits * per >= kb && (splits - 1) * per < kb,
+                    "{s:?}: {splits} x {per} vs {kb}"
+                );
+            }
+        }
+        // large problems are not split
+        assert_eq!(
+            mma_splits(&d, &shape(4096, 7168, 16384, [128, 128]), MmaTile::M128).0,
+            1
+        );
+    }
+
+    #[test]
+    fn tiles_fit_shared_memory() {
+        // sm_89 allows 99 KB per block
+        for t in [MmaTile::M128, MmaTile::M64, MmaTile::M16] {
+            assert!(t.smem_bytes() <= 99 * 1024, "{t:?}: {}", t.smem_bytes());
+        }
+    }
+}

@@ -1,0 +1,274 @@
+//! The fp8 linear plans, kernels included, run on the CPU emulator against the f64 reference:
+//! every path on non-aligned shapes, M = 1 and odd M, heterogeneous block scales, outputs
+//! poisoned first. (`cargo test -p fp8nsa-cuda --features emu`; no GPU involved.)
+
+use candle_core::{DType, Device, Tensor};
+use fp8nsa_cuda::emu::{execute, HostBuf};
+use fp8nsa_cuda::fp8::{
+    plan_fp8_linear, plan_prepare_weight, ActScheme, Fp8Path, MmaTile, WeightLayout,
+};
+use fp8nsa_cuda::launch::Dtype;
+use fp8nsa_ops::{reference, ActQuant, Fp8BlockWeight};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, Normal};
+
+fn rng(test: &str) -> StdRng {
+    let seed = std::env::var("FP8NSA_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| rand::rng().random());
+    eprintln!("{test}: FP8NSA_TEST_SEED={seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+/// `[rows, cols]` Gaussian data whose `br x bc` blocks get magnitudes 10^U(-3, 3).
+fn hetero(rng: &mut StdRng, rows: usize, cols: usize, br: usize, bc: usize) -> Vec<f32> {
+    let nbc = cols.div_ceil(bc);
+    let mags: Vec<f32> = (0..rows.div_ceil(br) * nbc)
+        .map(|_| 10f32.powf(rng.random_range(-3.0..3.0)))
+        .collect();
+    let d = Normal::new(0f32, 1.0).unwrap();
+    (0..rows * cols)
+        .map(|i| d.sample(rng) * mags[(i / cols / br) * nbc + (i % cols) / bc])
+        .collect()
+}
+
+fn rel_frobenius(y: &[f64], want: &[f64]) -> f64 {
+    let num: f64 = y.iter().zip(want).map(|(a, b)| (a - b) * (a - b)).sum();
+    let den: f64 = want.iter().map(|b| b * b).sum();
+    (num / den).sqrt()
+}
+
+fn dtype_of(d: Dtype) -> DType {
+    match d {
+        Dtype::F32 => DType::F32,
+        Dtype::Bf16 => DType::BF16,
+        Dtype::F16 => DType::F16,
+    }
+}
+
+/// Host bytes of a candle tensor in its own dtype.
+fn bytes_of(t: &Tensor) -> HostBuf {
+    let t = t.flatten_all().unwrap();
+    match t.dtype() {
+        DType::F32 => HostBuf::from_slice(&t.to_vec1::<f32>().unwrap()),
+        DType::BF16 => HostBuf::from_slice(&t.to_vec1::<half::bf16>().unwrap()),
+        DType::F16 => HostBuf::from_slice(&t.to_vec1::<half::f16>().unwrap()),
+        DType::U8 => HostBuf::from_slice(&t.to_vec1::<u8>().unwrap()),
+        other => panic!("{other:?}"),
+    }
+}
+
+fn to_f64(b: &HostBuf, d: Dtype) -> Vec<f64> {
+    match d {
+        Dtype::F32 => b.to_vec::<f32>().into_iter().map(f64::from).collect(),
+        Dtype::Bf16 => b
+            .to_vec::<half::bf16>()
+            .into_iter()
+            .map(|x| x.to_f64())
+            .collect(),
+        Dtype::F16 => b
+            .to_vec::<half::f16>()
+            .into_iter()
+            .map(|x| x.to_f64())
+            .collect(),
+    }
+}
+
+struct Case {
+    m: usize,
+    n: usize,
+    k: usize,
+    block: [usize; 2],
+    act: ActQuant,
+    dtype: Dtype,
+    bias: bool,
+}
+
+fn scheme(a: ActQuant) -> ActScheme {
+    match a {
+        ActQuant::None => ActScheme::None,
+        ActQuant::Group => ActScheme::Group,
+        ActQuant::Block2d { bm } => ActScheme::Block2d { bm },
+    }
+}
+
+/// The paths that apply to a case (as the planner's rules say), with K splits to exercise.
+fn paths(c: &Case) -> Vec<Fp8Path> {
+    let mut p = vec![Fp8Path::Dequant];
+    if c.m <= 16 && c.block[1] % 16 == 0 {
+        p.push(Fp8Path::SmallM {
+            tokens: c.m.next_power_of_two(),
+        });
+    }
+    if c.act != ActQuant::None && c.block[1] % 128 == 0 {
+        for tile in [MmaTile::M16, MmaTile::M64, MmaTile::M128] {
+            for splits in [1, 3] {
+                p.push(Fp8Path::Mma { tile, splits });
+            }
+        }
+    }
+    if c.block == [128, 128] && c.act == ActQuant::Group && c.n % 16 == 0 {
+        p.push(Fp8Path::CublasLt);
+    }
+    p
+}
+
+fn run(rng: &mut StdRng, c: &Case) {
+    let Case {
+        m,
+        n,
+        k,
+        block,
+        act,
+        dtype,
+        bias,
+    } = *c;
+    let w = Tensor::from_vec(hetero(rng, n, k, block[0], block[1]), (n, k), &Device::Cpu).unwrap();
+    let wq = Fp8BlockWeight::quantize(&w, block).unwrap();
+    let x_mag = if dtype == Dtype::F16 { 1e-4 } else { 1.0 };
+    let x = (Tensor::from_vec(hetero(rng, m, k, 1, block[1]), (m, k), &Device::Cpu).unwrap()
+        * x_mag)
+        .unwrap()
+        .to_dtype(dtype_of(dtype))
+        .unwrap();
+    let b = bias.then(|| {
+        Tensor::from_vec(
+            (0..n).map(|i| (i as f32 * 0.37).sin()).collect::<Vec<_>>(),
+            n,
+            &Device::Cpu,
+        )
+        .unwrap()
+    });
+    let want: Vec<f64> = reference::fp8_linear(&x, &wq, b.as_ref(), act)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+
+    // the prepared weight, made by its own plan
+    let layout = WeightLayout::new([n, k], block).unwrap();
+    let mut codes = bytes_of(wq.data());
+    let mut scales = bytes_of(wq.scales());
+    let mut wd = HostBuf::new(n * layout.ld);
+    let mut ws = HostBuf::new(4 * layout.scale_dims()[0] * layout.scale_ld);
+    execute(
+        &plan_prepare_weight(&layout),
+        &mut [&mut codes, &mut scales, &mut wd, &mut ws],
+    )
+    .unwrap();
+
+    let mut xb = bytes_of(&x);
+    let mut bb = match &b {
+        Some(b) => bytes_of(b),
+        None => HostBuf::new(4),
+    };
+    let tol = if dtype == Dtype::F32 { 1e-3 } else { 8e-3 };
+    for path in paths(c) {
+        let what = format!("m={m} n={n} k={k} {block:?} {act:?} {dtype:?} bias={bias} {path}");
+        let mut out = HostBuf::new(m * n * dtype.size());
+        let plan = plan_fp8_linear(&layout, m, scheme(act), path, dtype, bias, true);
+        execute(&plan, &mut [&mut xb, &mut wd, &mut ws, &mut bb, &mut out])
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let y = to_f64(&out, dtype);
+        assert!(
+            y.iter().all(|v| v.is_finite()),
+            "{what}: unwritten or non-finite output"
+        );
+        let err = rel_frobenius(&y, &want);
+        assert!(err < tol, "{what}: rel err {err:e}");
+    }
+}
+
+#[test]
+fn contract_shapes_every_path() {
+    let mut rng = rng("emu_contract_shapes");
+    // N = 576 (not a multiple of 128), K = 3884 (not a multiple of 16), M = 1 and odd M
+    for (m, block, act, dtype) in [
+        (1, [128, 128], ActQuant::Group, Dtype::Bf16),
+        (7, [128, 128], ActQuant::Group, Dtype::F32),
+        (7, [256, 256], ActQuant::Block2d { bm: 4 }, Dtype::F16),
+        (1, [64, 128], ActQuant::None, Dtype::Bf16),
+        (17, [512, 512], ActQuant::Group, Dtype::Bf16),
+    ] {
+        run(
+            &mut rng,
+            &Case {
+                m,
+                n: 576,
+                k: 3884,
+                block,
+                act,
+                dtype,
+                bias: m % 2 == 1,
+            },
+        );
+    }
+}
+
+#[test]
+fn tiles_rows_and_splits() {
+    let mut rng = rng("emu_tiles");
+    // M past one 128-row tile, partial tiles in M and N, K not a multiple of 128
+    for (m, n, k, block, act, dtype) in [
+        (130, 136, 300, [128, 128], ActQuant::Group, Dtype::Bf16),
+        (
+            83,
+            130,
+            520,
+            [64, 128],
+            ActQuant::Block2d { bm: 5 },
+            Dtype::F32,
+        ),
+        (16, 24, 1000, [8, 256], ActQuant::Group, Dtype::F16),
+        (2, 5, 7, [2, 3], ActQuant::Group, Dtype::F32),
+        (3, 40, 300, [16, 16], ActQuant::None, Dtype::F32),
+    ] {
+        run(
+            &mut rng,
+            &Case {
+                m,
+                n,
+                k,
+                block,
+                act,
+                dtype,
+                bias: true,
+            },
+        );
+    }
+}
+
+/// A forgotten wait, a missing barrier or a divergent collective must fail loudly in the
+/// emulator rather than compute garbage quietly: a deliberately broken launch (block size
+/// not a multiple of 32 for a kernel with warp collectives) is reported as an error.
+#[test]
+fn emulator_reports_bad_launches() {
+    use fp8nsa_cuda::launch::{Kernel, Step};
+    let layout = WeightLayout::new([16, 128], [128, 128]).unwrap();
+    let mut plan = plan_fp8_linear(
+        &layout,
+        1,
+        ActScheme::Group,
+        Fp8Path::SmallM { tokens: 1 },
+        Dtype::F32,
+        false,
+        true,
+    );
+    for s in &mut plan.steps {
+        if let Step::Kernel(Kernel { block, .. }) = s {
+            *block = 48;
+        }
+    }
+    let mut x = HostBuf::from_slice(&[1f32; 128]);
+    let mut w = HostBuf::from_slice(&[0x38u8; 16 * 128]);
+    let mut s = HostBuf::from_slice(&[1f32; 4]);
+    let mut b = HostBuf::new(4);
+    let mut o = HostBuf::new(4 * 16);
+    let e = execute(&plan, &mut [&mut x, &mut w, &mut s, &mut b, &mut o]).unwrap_err();
+    assert!(e.to_string().contains("full warp"), "{e}");
+}

@@ -1,0 +1,416 @@
+//! The NSA selection plan, kernels included, run on the CPU emulator against the f64
+//! reference: block and range selections for each group size and head dim, decode splits
+//! merged by lse, varlen with chunked prefill, and adversarial selections. Outputs are
+//! poisoned first. (`cargo test -p fp8nsa-cuda --features emu`; no GPU involved.)
+
+use candle_core::{DType, Device, Tensor};
+use fp8nsa_cuda::emu::{execute, HostBuf};
+use fp8nsa_cuda::fp8::device_info_for;
+use fp8nsa_cuda::launch::Dtype;
+use fp8nsa_cuda::nsa::{plan_selection, Dims, SelKind, Seq, SeqArrays};
+use fp8nsa_ops::nsa::{BlockSelection, SelectionRanges};
+use fp8nsa_ops::reference;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, Normal};
+
+fn rng(test: &str) -> StdRng {
+    let seed = std::env::var("FP8NSA_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| rand::rng().random());
+    eprintln!("{test}: FP8NSA_TEST_SEED={seed}");
+    StdRng::seed_from_u64(seed)
+}
+
+fn gaussian(rng: &mut StdRng, dims: &[usize], dtype: DType) -> Tensor {
+    let n: usize = dims.iter().product();
+    let d = Normal::new(0f32, 1.0).unwrap();
+    let v: Vec<f32> = (0..n).map(|_| d.sample(rng)).collect();
+    Tensor::from_vec(v, dims, &Device::Cpu)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+fn bytes_of(t: &Tensor) -> HostBuf {
+    let t = t.flatten_all().unwrap();
+    match t.dtype() {
+        DType::BF16 => HostBuf::from_slice(&t.to_vec1::<half::bf16>().unwrap()),
+        DType::F16 => HostBuf::from_slice(&t.to_vec1::<half::f16>().unwrap()),
+        DType::I64 => HostBuf::from_slice(
+            &t.to_dtype(DType::I64)
+                .unwrap()
+                .to_vec1::<i64>()
+                .unwrap()
+                .iter()
+                .map(|&x| x as i32)
+                .collect::<Vec<_>>(),
+        ),
+        other => panic!("{other:?}"),
+    }
+}
+
+fn f64s(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// The selection of one sequence `[1, tq, hkv, ..]`, or several concatenated along tokens.
+enum Sel {
+    Blocks(BlockSelection),
+    Ranges(SelectionRanges),
+}
+
+impl Sel {
+    fn host(&self) -> HostBuf {
+        let t = match self {
+            Sel::Blocks(s) => s.indices(),
+            Sel::Ranges(s) => s.ranges(),
+        };
+        HostBuf::from_slice(&t.flatten_all().unwrap().to_vec1::<i32>().unwrap())
+    }
+
+    fn kind(&self) -> SelKind {
+        match self {
+            Sel::Blocks(s) => SelKind::Blocks {
+                per_row: s.dims()[3],
+                block_size: s.block_size(),
+            },
+            Sel::Ranges(s) => SelKind::Ranges {
+                per_row: s.dims()[3],
+            },
+        }
+    }
+}
+
+struct SeqData {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sel: Sel,
+    q_offset: usize,
+}
+
+/// Runs the packed sequences through the plan on the emulator and each sequence through the
+/// reference; compares o (rms ratio) and lse. `sms` sets how eagerly the plan splits.
+fn check(seqs: &[SeqData], hq: usize, hkv: usize, sms: u32, expect_split: bool, what: &str) {
+    let (d, dv) = (seqs[0].q.dims()[3], seqs[0].v.dims()[3]);
+    let dtype = match seqs[0].q.dtype() {
+        DType::BF16 => Dtype::Bf16,
+        _ => Dtype::F16,
+    };
+    let mut ks = Vec::new();
+    let (mut qs, mut kk, mut vs, mut sels) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut tq, mut tk) = (0, 0);
+    for s in seqs {
+        let (q_len, k_len) = (s.q.dims()[1], s.k.dims()[1]);
+        ks.push(Seq {
+            q_start: tq,
+            q_len,
+            k_start: tk,
+            k_len,
+            q_offset: s.q_offset,
+        });
+        tq += q_len;
+        tk += k_len;
+        qs.push(s.q.squeeze(0).unwrap());
+        kk.push(s.k.squeeze(0).unwrap());
+        vs.push(s.v.squeeze(0).unwrap());
+        sels.push(s.sel.host().to_vec::<i32>());
+    }
+    let cat = |v: &[Tensor]| bytes_of(&Tensor::cat(v, 0).unwrap());
+    let arrays = SeqArrays::new(&ks).unwrap();
+    let info = device_info_for((9, 0), sms, 227 * 1024).unwrap();
+    let dims = Dims { hq, hkv, d, dv };
+    let scale = 1.0 / (d as f32).sqrt();
+    let (p, plan) = plan_selection(&info, dims, &arrays, seqs[0].sel.kind(), dtype, scale).unwrap();
+    assert_eq!(p.splits > 1, expect_split, "{what}: {p:?}");
+    let mut args = [
+        cat(&qs),
+        cat(&kk),
+        cat(&vs),
+        HostBuf::from_slice(&sels.concat()),
+        HostBuf::from_slice(&arrays.cu_q),
+        HostBuf::from_slice(&arrays.cu_k),
+        HostBuf::from_slice(&arrays.q_off),
+        HostBuf::new(tq * hq * dv * 2),
+        HostBuf::new(tq * hq * 4),
+    ];
+    let mut refs: Vec<&mut HostBuf> = args.iter_mut().collect();
+    execute(&plan, &mut refs).unwrap_or_else(|e| panic!("{what}: {e}"));
+    let o: Vec<f64> = match dtype {
+        Dtype::Bf16 => args[7]
+            .to_vec::<half::bf16>()
+            .into_iter()
+            .map(|x| x.to_f64())
+            .collect(),
+        _ => args[7]
+            .to_vec::<half::f16>()
+            .into_iter()
+            .map(|x| x.to_f64())
+            .collect(),
+    };
+    let lse = args[8].to_vec::<f32>();
+    assert!(o.iter().all(|x| x.is_finite()), "{what}: unwritten o");
+    assert!(lse.iter().all(|x| !x.is_nan()), "{what}: unwritten lse");
+    let mut row = 0;
+    for (i, s) in seqs.iter().enumerate() {
+        let q_len = s.q.dims()[1];
+        if q_len == 0 {
+            continue;
+        }
+        let (want, want_lse) = match &s.sel {
+            Sel::Blocks(b) => reference::nsa_selection(&s.q, &s.k, &s.v, b, None, Some(s.q_offset)),
+            Sel::Ranges(r) => reference::nsa_selection(&s.q, &s.k, &s.v, r, None, Some(s.q_offset)),
+        }
+        .unwrap();
+        let (want, want_lse) = (f64s(&want), f64s(&want_lse));
+        let got = &o[row * hq * dv..(row + q_len) * hq * dv];
+        let num: f64 = got.iter().zip(&want).map(|(a, b)| (a - b) * (a - b)).sum();
+        let den: f64 = want.iter().map(|b| b * b).sum();
+        let err = if den == 0.0 {
+            num.sqrt()
+        } else {
+            (num / den).sqrt()
+        };
+        assert!(err < 5e-3, "{what} seq {i}: rms ratio {err:e}");
+        for (j, (&a, &b)) in lse[row * hq..(row + q_len) * hq]
+            .iter()
+            .zip(&want_lse)
+            .enumerate()
+        {
+            if b.is_infinite() {
+                assert!(
+                    a == f32::NEG_INFINITY,
+                    "{what} seq {i}: lse[{j}] = {a}, want -inf"
+                );
+            } else {
+                assert!(
+                    (a as f64 - b).abs() < 2e-2 * (1.0 + b.abs()),
+                    "{what} seq {i}: lse[{j}] = {a}, want {b}"
+                );
+            }
+        }
+        row += q_len;
+    }
+}
+
+fn blocks(rng: &mut StdRng, tq: usize, hkv: usize, tk: usize, bs: usize, s: usize) -> Sel {
+    let nb = tk.div_ceil(bs);
+    let v: Vec<i32> = (0..tq * hkv)
+        .flat_map(|_| {
+            let mut ids: Vec<i32> = (0..nb as i32).collect();
+            ids.shuffle(rng);
+            let mut row = ids[..s.min(nb)].to_vec();
+            row.resize(s, -1);
+            row.shuffle(rng);
+            row
+        })
+        .collect();
+    Sel::Blocks(
+        BlockSelection::new(
+            Tensor::from_vec(v, (1, tq, hkv, s), &Device::Cpu).unwrap(),
+            bs,
+        )
+        .unwrap(),
+    )
+}
+
+fn ranges(rows: Vec<Vec<[i32; 2]>>, tq: usize, hkv: usize) -> Sel {
+    let r = rows.iter().map(|x| x.len()).max().unwrap();
+    let flat: Vec<i32> = rows
+        .into_iter()
+        .flat_map(|row| (0..r).flat_map(move |i| row.get(i).copied().unwrap_or([0, 0])))
+        .collect();
+    Sel::Ranges(
+        SelectionRanges::new(Tensor::from_vec(flat, (1, tq, hkv, r, 2), &Device::Cpu).unwrap())
+            .unwrap(),
+    )
+}
+
+fn random_ranges(rng: &mut StdRng, tk: usize, n: usize) -> Vec<[i32; 2]> {
+    let n = n.min(tk.div_ceil(2));
+    let mut pts: Vec<i32> = (0..=tk as i32).collect();
+    pts.shuffle(rng);
+    let mut pts = pts[..2 * n].to_vec();
+    pts.sort();
+    let mut rs: Vec<[i32; 2]> = pts.chunks(2).map(|p| [p[0], p[1]]).collect();
+    rs.push([7, 3]);
+    rs.shuffle(rng);
+    rs
+}
+
+fn prefill(
+    rng: &mut StdRng,
+    t: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    dv: usize,
+    dtype: DType,
+    sel: Sel,
+) -> SeqData {
+    SeqData {
+        q: gaussian(rng, &[1, t, hq, d], dtype),
+        k: gaussian(rng, &[1, t, hkv, d], dtype),
+        v: gaussian(rng, &[1, t, hkv, dv], dtype),
+        sel,
+        q_offset: 0,
+    }
+}
+
+#[test]
+fn blocks_for_each_group_size_and_head_dim() {
+    let mut rng = rng("emu_nsa_blocks");
+    for (hq, hkv) in [(1, 1), (8, 2), (16, 1), (40, 2), (64, 1)] {
+        for (d, dv) in [
+            (64, 64),
+            (128, 128),
+            (192, 128),
+            (64, 128),
+            (128, 64),
+            (192, 64),
+        ] {
+            let t = 70;
+            let bs = if d == 64 { 16 } else { 32 };
+            let sel = blocks(&mut rng, t, hkv, t, bs, 3);
+            let s = prefill(&mut rng, t, hq, hkv, d, dv, DType::BF16, sel);
+            check(
+                &[s],
+                hq,
+                hkv,
+                4,
+                false,
+                &format!("hq={hq} hkv={hkv} d={d} dv={dv}"),
+            );
+        }
+    }
+}
+
+#[test]
+fn several_ranges_per_query_at_any_alignment() {
+    let mut rng = rng("emu_nsa_ranges");
+    for (t, hq, hkv, n, dtype) in [
+        (90, 4, 1, 1, DType::BF16),
+        (111, 16, 2, 5, DType::F16),
+        (77, 8, 1, 12, DType::BF16),
+    ] {
+        let rows = (0..t * hkv)
+            .map(|_| random_ranges(&mut rng, t, n))
+            .collect();
+        let s = prefill(&mut rng, t, hq, hkv, 128, 128, dtype, ranges(rows, t, hkv));
+        check(
+            &[s],
+            hq,
+            hkv,
+            4,
+            false,
+            &format!("t={t} ranges={n} {dtype:?}"),
+        );
+    }
+}
+
+#[test]
+fn decode_splits_merge_by_lse() {
+    let mut rng = rng("emu_nsa_decode");
+    let (hq, hkv, tk) = (32, 2, 700);
+    // four decode sequences on a device with many SMs: few rows, so each row is split
+    let seqs: Vec<SeqData> = (0..4)
+        .map(|_| {
+            let sel = blocks(&mut rng, 1, hkv, tk, 32, 9);
+            SeqData {
+                q: gaussian(&mut rng, &[1, 1, hq, 128], DType::BF16),
+                k: gaussian(&mut rng, &[1, tk, hkv, 128], DType::BF16),
+                v: gaussian(&mut rng, &[1, tk, hkv, 128], DType::BF16),
+                sel,
+                q_offset: tk - 1,
+            }
+        })
+        .collect();
+    check(&seqs, hq, hkv, 132, true, "decode x4 split");
+}
+
+#[test]
+fn varlen_chunked_prefill_and_empty_sequences() {
+    let mut rng = rng("emu_nsa_varlen");
+    let (hq, hkv, d) = (8, 2, 64);
+    let mut seqs = Vec::new();
+    for (tq, tk, q_offset) in [
+        (20, 20, 0),
+        (0, 30, 30),
+        (1, 120, 119),
+        (9, 100, 60),
+        (3, 2, 0),
+    ] {
+        let sel = blocks(&mut rng, tq, hkv, tk.max(1), 16, 4);
+        seqs.push(SeqData {
+            q: gaussian(&mut rng, &[1, tq, hq, d], DType::BF16),
+            k: gaussian(&mut rng, &[1, tk, hkv, d], DType::BF16),
+            v: gaussian(&mut rng, &[1, tk, hkv, d], DType::BF16),
+            sel,
+            q_offset,
+        });
+    }
+    check(&seqs, hq, hkv, 4, false, "varlen");
+}
+
+/// Whatever the indices say: nothing read out of bounds (the emulator's buffers end at an
+/// inaccessible page), every key counted once, the reference's answer; empty rows 0 / -inf.
+#[test]
+fn adversarial_selections() {
+    let mut rng = rng("emu_nsa_adversarial");
+    let (t, hq, hkv, bs) = (100, 16, 1, 16);
+    let nb = (t / bs) as i32;
+    let rows: Vec<i32> = (0..t)
+        .flat_map(|i| {
+            let a = rng.random_range(0..nb);
+            match i % 5 {
+                0 => vec![a, a, a, -1],
+                1 => vec![nb + 3, 10_000, i32::MAX, a],
+                2 => vec![-5, -1, i32::MIN, a],
+                3 => vec![a, (a + 1) % nb, a, -7],
+                _ => vec![-1, -1, -1, -1],
+            }
+        })
+        .collect();
+    let sel = Sel::Blocks(
+        BlockSelection::new(
+            Tensor::from_vec(rows, (1, t, hkv, 4), &Device::Cpu).unwrap(),
+            bs,
+        )
+        .unwrap(),
+    );
+    let s = prefill(&mut rng, t, hq, hkv, 128, 128, DType::BF16, sel);
+    check(&[s], hq, hkv, 4, false, "adversarial blocks");
+    let rows = (0..t)
+        .map(|i| {
+            let i = i as i32;
+            vec![
+                [-50, 30],
+                [20, 40],
+                [i - 5, i + 1000],
+                [t as i32 + 5, t as i32 + 100],
+                [i32::MAX - 10, i32::MAX],
+                [i32::MIN, i32::MIN + 5],
+                [10, 10],
+            ]
+        })
+        .collect();
+    let s = prefill(
+        &mut rng,
+        t,
+        hq,
+        hkv,
+        128,
+        128,
+        DType::F16,
+        ranges(rows, t, hkv),
+    );
+    check(&[s], hq, hkv, 4, false, "adversarial ranges");
+}

@@ -1,0 +1,420 @@
+//! `Fp8Linear` on CUDA (`--features cuda`, needs a GPU; without one every test says so and
+//! returns): every path against the f64 reference on the contract's sweep with heterogeneous
+//! block scales, outputs poisoned first (every element must be written), errors for bad input.
+//!
+//! `cargo test --release --features cuda --test cuda_fp8`
+
+mod common;
+
+use candle_core::{DType, Device, Module, Tensor};
+use common::*;
+use cudarc::driver::CudaStream;
+use fp8nsa::cuda::fp8::{self as kernels, ActScheme, Fp8Kernel, Fp8Path, PreparedWeight};
+use fp8nsa::{reference, ActQuant, CudaFp8Kernel, Fp8BlockWeight, Fp8Linear};
+use rand::rngs::StdRng;
+use std::sync::Arc;
+
+fn gpu(test: &str) -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("{test}: skipped, no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+fn stream(dev: &Device) -> Arc<CudaStream> {
+    dev.as_cuda_device().unwrap().cuda_stream()
+}
+
+fn tol(dtype: DType) -> f64 {
+    if dtype == DType::F32 {
+        1e-3
+    } else {
+        8e-3
+    }
+}
+
+const KERNELS: [CudaFp8Kernel; 5] = [
+    CudaFp8Kernel::Auto,
+    CudaFp8Kernel::CublasLt,
+    CudaFp8Kernel::Mma,
+    CudaFp8Kernel::SmallM,
+    CudaFp8Kernel::Dequant,
+];
+
+fn scheme(a: ActQuant) -> ActScheme {
+    match a {
+        ActQuant::None => ActScheme::None,
+        ActQuant::Group => ActScheme::Group,
+        ActQuant::Block2d { bm } => ActScheme::Block2d { bm },
+    }
+}
+
+fn backend_kernel(k: CudaFp8Kernel) -> Fp8Kernel {
+    match k {
+        CudaFp8Kernel::Auto => Fp8Kernel::Auto,
+        CudaFp8Kernel::CublasLt => Fp8Kernel::CublasLt,
+        CudaFp8Kernel::Mma => Fp8Kernel::Mma,
+        CudaFp8Kernel::SmallM => Fp8Kernel::SmallM,
+        CudaFp8Kernel::Dequant => Fp8Kernel::Dequant,
+    }
+}
+
+/// Whether `kernel` applies on this device (the plan says so without running anything).
+fn applies(
+    dev: &Device,
+    m: usize,
+    n: usize,
+    k: usize,
+    block: [usize; 2],
+    act: ActQuant,
+    kernel: CudaFp8Kernel,
+) -> bool {
+    let info = fp8nsa::cuda::device_info(&stream(dev)).unwrap();
+    let shape = kernels::Fp8Shape {
+        m,
+        n,
+        k,
+        bn: block[0],
+        bk: block[1],
+    };
+    kernels::plan(&info, &shape, scheme(act), backend_kernel(kernel)).is_ok()
+}
+
+/// Every kernel on the GPU vs one reference on the CPU (the last 128 rows at most, whole
+/// Block2d row blocks). A forced kernel that does not apply must say so.
+#[allow(clippy::too_many_arguments)]
+fn check_case(
+    dev: &Device,
+    rng: &mut StdRng,
+    (m, n, k): (usize, usize, usize),
+    block: [usize; 2],
+    act: ActQuant,
+    dtype: DType,
+    with_bias: bool,
+) {
+    let w = tensor(hetero(rng, n, k, block[0], block[1]), &[n, k]);
+    let wq = Fp8BlockWeight::quantize(&w, block).unwrap();
+    let bias = with_bias.then(|| tensor(gaussian(rng, n), &[n]));
+    let x_mag = if dtype == DType::F16 { 1e-4 } else { 1.0 };
+    let x = (tensor(hetero(rng, m, k, 1, block[1]), &[m, k]) * x_mag)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap();
+    let bm = match act {
+        ActQuant::Block2d { bm } => bm,
+        _ => 1,
+    };
+    let first = if m > 128 { (m - 128) / bm * bm } else { 0 };
+    let xs = x.narrow(0, first, m - first).unwrap();
+    let want = reference::fp8_linear(&xs, &wq, bias.as_ref(), act).unwrap();
+    let xg = x.to_device(dev).unwrap();
+    for kernel in KERNELS {
+        let layer = Fp8Linear::new(wq.clone(), bias.clone(), act)
+            .unwrap()
+            .with_cuda_kernel(kernel);
+        let what = format!("m={m} n={n} k={k} block={block:?} act={act:?} {dtype:?} {kernel:?}");
+        let got = layer.forward(&xg);
+        if !applies(dev, m, n, k, block, act, kernel) {
+            let err = got.expect_err(&what).to_string();
+            assert!(err.contains("does not apply"), "{what}: {err}");
+            continue;
+        }
+        let y = got.unwrap_or_else(|e| panic!("{what}: {e}"));
+        assert_eq!((y.dims(), y.dtype()), (&[m, n][..], dtype), "{what}");
+        let got = y
+            .narrow(0, first, m - first)
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap();
+        let err = rel_frobenius(&got, &want);
+        assert!(err < tol(dtype), "{what}: rel err {err:e}");
+    }
+}
+
+#[test]
+fn sweep_576x3884_every_path_block_mode_dtype() {
+    let Some(dev) = gpu("sweep_576x3884") else {
+        return;
+    };
+    let mut rng = rng("cuda_sweep_576x3884");
+    for block in [[128, 128], [256, 256], [512, 512], [64, 128]] {
+        for act in [
+            ActQuant::None,
+            ActQuant::Group,
+            ActQuant::Block2d { bm: 64 },
+        ] {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                for m in [1, 7, 8, 83, 512] {
+                    check_case(
+                        &dev,
+                        &mut rng,
+                        (m, 576, 3884),
+                        block,
+                        act,
+                        dtype,
+                        m % 2 == 1,
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn model_shapes_every_path() {
+    let Some(dev) = gpu("model_shapes") else {
+        return;
+    };
+    let mut rng = rng("cuda_model_shapes");
+    for (n, k) in [(2112, 7168), (7168, 2048), (24576, 1536)] {
+        for m in [1, 16, 64, 129] {
+            check_case(
+                &dev,
+                &mut rng,
+                (m, n, k),
+                [128, 128],
+                ActQuant::Group,
+                DType::BF16,
+                false,
+            );
+        }
+    }
+}
+
+#[test]
+fn odd_shapes_and_tiny_blocks() {
+    let Some(dev) = gpu("odd_shapes") else { return };
+    let mut rng = rng("cuda_odd_shapes");
+    for ((m, n, k), block) in [
+        ((1, 1, 1), [128, 128]),
+        ((3, 5, 7), [128, 128]),
+        ((17, 3, 300), [2, 3]),
+        ((83, 40, 300), [16, 128]),
+        ((300, 24, 129), [8, 64]),
+        ((33, 130, 1000), [128, 256]),
+    ] {
+        for act in [ActQuant::None, ActQuant::Group, ActQuant::Block2d { bm: 5 }] {
+            check_case(&dev, &mut rng, (m, n, k), block, act, DType::F32, true);
+        }
+    }
+}
+
+/// The backend itself, output buffer filled with NaN first: every element must be written,
+/// and the result must match the reference, on every path that applies.
+#[test]
+fn every_path_writes_every_element() {
+    let Some(dev) = gpu("poisoned_output") else {
+        return;
+    };
+    let s = stream(&dev);
+    let mut rng = rng("cuda_poisoned_output");
+    for (m, n, k, block) in [
+        (7, 576, 3884, [128, 128]),
+        (83, 576, 3884, [256, 256]),
+        (1, 130, 384, [64, 128]),
+    ] {
+        let w = tensor(hetero(&mut rng, n, k, block[0], block[1]), &[n, k]);
+        let wq = Fp8BlockWeight::quantize(&w, block).unwrap();
+        let codes = s
+            .clone_htod(&wq.data().flatten_all().unwrap().to_vec1::<u8>().unwrap())
+            .unwrap();
+        let scales = s
+            .clone_htod(&wq.scales().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            .unwrap();
+        let pw =
+            PreparedWeight::new(&s, &codes.as_view(), &scales.as_view(), [n, k], block).unwrap();
+        let xh = hetero(&mut rng, m, k, 1, block[1]);
+        let x = s.clone_htod(&xh).unwrap();
+        let bias_h = gaussian(&mut rng, n);
+        let bias = s.clone_htod(&bias_h).unwrap();
+        for act in [
+            ActScheme::None,
+            ActScheme::Group,
+            ActScheme::Block2d { bm: 4 },
+        ] {
+            for kernel in [
+                Fp8Kernel::Auto,
+                Fp8Kernel::CublasLt,
+                Fp8Kernel::Mma,
+                Fp8Kernel::SmallM,
+                Fp8Kernel::Dequant,
+            ] {
+                let mut out = s.clone_htod(&vec![f32::NAN; m * n]).unwrap();
+                let r = kernels::fp8_linear(
+                    &s,
+                    &x.as_view(),
+                    &pw,
+                    Some(&bias.as_view()),
+                    m,
+                    act,
+                    kernel,
+                    &mut out.as_view_mut(),
+                );
+                let what = format!("m={m} n={n} k={k} {block:?} {act:?} {kernel:?}");
+                let path: Fp8Path = match r {
+                    Ok(p) => p,
+                    Err(e) => {
+                        assert!(e.to_string().contains("does not apply"), "{what}: {e}");
+                        continue;
+                    }
+                };
+                let y = s.clone_dtoh(&out).unwrap();
+                assert!(
+                    y.iter().all(|v| v.is_finite()),
+                    "{what} ({path}): unwritten or non-finite output"
+                );
+                let a = match act {
+                    ActScheme::None => ActQuant::None,
+                    ActScheme::Group => ActQuant::Group,
+                    ActScheme::Block2d { bm } => ActQuant::Block2d { bm },
+                };
+                let want = reference::fp8_linear(
+                    &tensor(xh.clone(), &[m, k]),
+                    &wq,
+                    Some(&tensor(bias_h.clone(), &[n])),
+                    a,
+                )
+                .unwrap();
+                let err = rel_frobenius(&tensor(y, &[m, n]), &want);
+                assert!(err < 1e-3, "{what} ({path}): rel err {err:e}");
+            }
+        }
+    }
+}
+
+#[test]
+fn quantized_matches_unquantized_math() {
+    let Some(dev) = gpu("calc_diff") else { return };
+    let mut rng = rng("cuda_calc_diff");
+    let (m, n, k) = (64, 576, 3884);
+    let w = tensor(gaussian(&mut rng, n * k), &[n, k]);
+    let x = tensor(gaussian(&mut rng, m * k), &[m, k]);
+    let exact = x.matmul(&w.t().unwrap()).unwrap();
+    for kernel in [
+        CudaFp8Kernel::Auto,
+        CudaFp8Kernel::Mma,
+        CudaFp8Kernel::Dequant,
+    ] {
+        let layer = Fp8Linear::new(
+            Fp8BlockWeight::quantize(&w, [128, 128]).unwrap(),
+            None,
+            ActQuant::Group,
+        )
+        .unwrap()
+        .with_cuda_kernel(kernel);
+        let y = layer
+            .forward(&x.to_device(&dev).unwrap())
+            .unwrap()
+            .to_device(&Device::Cpu)
+            .unwrap();
+        let d = calc_diff(&y, &exact);
+        assert!(d < 1e-3, "{kernel:?}: calc_diff {d:e}");
+    }
+}
+
+#[test]
+fn weights_on_the_gpu_and_repeated_calls() {
+    let Some(dev) = gpu("weights_on_gpu") else {
+        return;
+    };
+    let mut rng = rng("cuda_weights_on_gpu");
+    let (n, k) = (256, 512);
+    let w = tensor(hetero(&mut rng, n, k, 128, 128), &[n, k]);
+    let cpu_w = Fp8BlockWeight::quantize(&w, [128, 128]).unwrap();
+    let gpu_w = Fp8BlockWeight::quantize(&w.to_device(&dev).unwrap(), [128, 128]).unwrap();
+    assert!(gpu_w.device().is_cuda());
+    let layer = Fp8Linear::new(gpu_w, None, ActQuant::Group).unwrap();
+    let x = tensor(gaussian(&mut rng, 3 * 5 * k), &[3, 5, k]);
+    let want = reference::fp8_linear(&x, &cpu_w, None, ActQuant::Group).unwrap();
+    // the prepared weight is cached: the second call reuses it and agrees bit for bit
+    let xg = x.to_device(&dev).unwrap();
+    let y1 = layer.forward(&xg).unwrap();
+    let y2 = layer.clone().forward(&xg).unwrap();
+    assert_eq!(y1.dims(), &[3, 5, n]);
+    let diff = (&y1 - &y2)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert_eq!(diff, 0.0);
+    let err = rel_frobenius(&y1.to_device(&Device::Cpu).unwrap(), &want);
+    assert!(err < 1e-3, "rel err {err:e}");
+}
+
+#[test]
+fn bad_input_is_an_error_not_a_crash() {
+    let Some(dev) = gpu("bad_input") else { return };
+    let w = Tensor::ones((64, 128), DType::F32, &Device::Cpu).unwrap();
+    let layer = Fp8Linear::new(
+        Fp8BlockWeight::quantize(&w, [128, 128]).unwrap(),
+        None,
+        ActQuant::Group,
+    )
+    .unwrap();
+    let x = Tensor::ones((2, 100), DType::F32, &dev).unwrap();
+    assert!(layer
+        .forward(&x)
+        .unwrap_err()
+        .to_string()
+        .contains("K of the weight"));
+    let xi = Tensor::ones((2, 128), DType::U32, &dev).unwrap();
+    assert!(layer.forward(&xi).is_err());
+    let forced = layer.clone().with_cuda_kernel(CudaFp8Kernel::SmallM);
+    let big = Tensor::ones((17, 128), DType::F32, &dev).unwrap();
+    assert!(forced
+        .forward(&big)
+        .unwrap_err()
+        .to_string()
+        .contains("M = 17"));
+    // backend argument checks
+    let s = stream(&dev);
+    let codes = s.clone_htod(&vec![0x38u8; 64 * 128]).unwrap();
+    let scales = s.clone_htod(&[1f32]).unwrap();
+    assert!(PreparedWeight::new(
+        &s,
+        &codes.as_view(),
+        &scales.as_view(),
+        [64, 100],
+        [128, 128]
+    )
+    .is_err());
+    let pw = PreparedWeight::new(
+        &s,
+        &codes.as_view(),
+        &scales.as_view(),
+        [64, 128],
+        [128, 128],
+    )
+    .unwrap();
+    let x = s.clone_htod(&vec![1f32; 2 * 128]).unwrap();
+    let mut short = s.alloc_zeros::<f32>(64).unwrap();
+    let e = kernels::fp8_linear(
+        &s,
+        &x.as_view(),
+        &pw,
+        None,
+        2,
+        ActScheme::Group,
+        Fp8Kernel::Auto,
+        &mut short.as_view_mut(),
+    );
+    assert!(e.unwrap_err().to_string().contains("out"));
+    let mut out = s.alloc_zeros::<f32>(2 * 64).unwrap();
+    let e = kernels::fp8_linear(
+        &s,
+        &x.as_view(),
+        &pw,
+        None,
+        2,
+        ActScheme::Block2d { bm: 0 },
+        Fp8Kernel::Auto,
+        &mut out.as_view_mut(),
+    );
+    assert!(e.is_err());
+}

@@ -1,0 +1,561 @@
+//! NSA selection attention on CUDA (`--features cuda`, needs a GPU; without one every test
+//! says so and returns): the kernel and the GPU fallback against the f64 reference for the
+//! CPU test list, decode splits, varlen, and adversarial selections that must not crash and
+//! must compute what the reference computes (each row clamped to the visible keys, each key
+//! once) while `validate()` reports them.
+//!
+//! `cargo test --release --features cuda --test cuda_nsa`
+
+mod common;
+
+use candle_core::{DType, Device, Tensor};
+use common::*;
+use fp8nsa::nsa::{BlockSelection, Selection, SelectionAttention, SelectionRanges};
+use fp8nsa::reference;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::Rng;
+
+fn gpu(test: &str) -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("{test}: skipped, no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+struct Qkv {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn qkv(
+    rng: &mut StdRng,
+    b: usize,
+    tq: usize,
+    tk: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    dv: usize,
+    dtype: DType,
+) -> Qkv {
+    let mk = |rng: &mut StdRng, dims: &[usize]| {
+        let n = dims.iter().product();
+        tensor(gaussian(rng, n), dims).to_dtype(dtype).unwrap()
+    };
+    Qkv {
+        q: mk(rng, &[b, tq, hq, d]),
+        k: mk(rng, &[b, tk, hkv, d]),
+        v: mk(rng, &[b, tk, hkv, dv]),
+    }
+}
+
+fn to(x: &Qkv, dev: &Device) -> Qkv {
+    Qkv {
+        q: x.q.to_device(dev).unwrap(),
+        k: x.k.to_device(dev).unwrap(),
+        v: x.v.to_device(dev).unwrap(),
+    }
+}
+
+fn rms_ratio(o: &Tensor, want: &Tensor) -> f64 {
+    let f = |t: &Tensor| -> Vec<f64> {
+        t.to_device(&Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let (o, w) = (f(o), f(want));
+    let num: f64 = o.iter().zip(&w).map(|(a, b)| (a - b) * (a - b)).sum();
+    let den: f64 = w.iter().map(|b| b * b).sum();
+    if den == 0.0 {
+        return if num == 0.0 { 0.0 } else { f64::INFINITY };
+    }
+    (num / den).sqrt()
+}
+
+fn check_lse(lse: &Tensor, want: &Tensor, what: &str) {
+    let a: Vec<f32> = lse
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let b: Vec<f32> = want.flatten_all().unwrap().to_vec1().unwrap();
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        if y.is_infinite() {
+            assert!(
+                x.is_infinite() && *x < 0.0,
+                "{what}: lse[{i}] = {x}, want -inf"
+            );
+        } else {
+            assert!(
+                (x - y).abs() < 2e-2 * (1.0 + y.abs()),
+                "{what}: lse[{i}] = {x}, want {y}"
+            );
+        }
+    }
+}
+
+/// The CUDA kernel (min_len 0) and the GPU fallback (min_len max) against the reference, with
+/// the selection on the GPU.
+fn check<'s>(
+    dev: &Device,
+    x: &Qkv,
+    sel: impl Into<Selection<'s>> + Copy,
+    q_offset: Option<usize>,
+    what: &str,
+) {
+    let tol = if x.q.dtype() == DType::F32 {
+        1e-4
+    } else {
+        5e-3
+    };
+    let (want, want_lse) = reference::nsa_selection(&x.q, &x.k, &x.v, sel, None, q_offset).unwrap();
+    let g = to(x, dev);
+    for (path, min_len) in [("kernel", 0), ("fallback", usize::MAX)] {
+        let mut att = SelectionAttention::new().min_len(min_len).with_lse(true);
+        if let Some(o) = q_offset {
+            att = att.q_offset(o);
+        }
+        let (o, lse) = att
+            .forward(&g.q, &g.k, &g.v, sel)
+            .unwrap_or_else(|e| panic!("{what} {path}: {e}"));
+        assert!(o.device().is_cuda(), "{what} {path}");
+        assert_eq!(
+            (o.dims(), o.dtype()),
+            (want.dims(), x.q.dtype()),
+            "{what} {path}"
+        );
+        let err = rms_ratio(&o, &want);
+        assert!(err < tol, "{what} {path}: rms ratio {err:e}");
+        check_lse(&lse.unwrap(), &want_lse, &format!("{what} {path}"));
+    }
+}
+
+fn ranges_tensor(rows: Vec<Vec<[i32; 2]>>, b: usize, tq: usize, hkv: usize) -> SelectionRanges {
+    let r = rows.iter().map(|x| x.len()).max().unwrap();
+    let mut flat = Vec::new();
+    for row in rows {
+        for i in 0..r {
+            flat.extend(row.get(i).copied().unwrap_or([0, 0]));
+        }
+    }
+    SelectionRanges::new(Tensor::from_vec(flat, (b, tq, hkv, r, 2), &Device::Cpu).unwrap()).unwrap()
+}
+
+/// `n` disjoint random ranges inside `[0, tk)` in random order, plus a padding entry.
+fn random_ranges(rng: &mut StdRng, tk: usize, n: usize) -> Vec<[i32; 2]> {
+    let n = n.min(tk.div_ceil(2));
+    let mut pts: Vec<i32> = (0..=tk as i32).collect();
+    pts.shuffle(rng);
+    let mut pts = pts[..2 * n].to_vec();
+    pts.sort();
+    let mut rs: Vec<[i32; 2]> = pts.chunks(2).map(|p| [p[0], p[1]]).collect();
+    rs.push([7, 3]);
+    rs.shuffle(rng);
+    rs
+}
+
+fn block_selection(
+    rng: &mut StdRng,
+    b: usize,
+    tq: usize,
+    hkv: usize,
+    tk: usize,
+    bs: usize,
+    s: usize,
+) -> BlockSelection {
+    let nb = tk.div_ceil(bs);
+    let v: Vec<i32> = (0..b * tq * hkv)
+        .flat_map(|_| {
+            let mut ids: Vec<i32> = (0..nb as i32).collect();
+            ids.shuffle(rng);
+            let mut row: Vec<i32> = ids[..s.min(nb)].to_vec();
+            row.resize(s, -1);
+            row.shuffle(rng);
+            row
+        })
+        .collect();
+    BlockSelection::new(
+        Tensor::from_vec(v, (b, tq, hkv, s), &Device::Cpu).unwrap(),
+        bs,
+    )
+    .unwrap()
+}
+
+#[test]
+fn several_ranges_per_query_at_any_alignment() {
+    let Some(dev) = gpu("ranges") else { return };
+    let mut rng = rng("cuda_ranges");
+    for (b, t, hq, hkv, n) in [(1, 96, 4, 1, 1), (2, 200, 8, 2, 5), (1, 333, 16, 1, 12)] {
+        let x = qkv(&mut rng, b, t, t, hq, hkv, 128, 128, DType::BF16);
+        let rows = (0..b * t * hkv)
+            .map(|_| random_ranges(&mut rng, t, n))
+            .collect();
+        check(
+            &dev,
+            &x,
+            &ranges_tensor(rows, b, t, hkv),
+            None,
+            &format!("b={b} t={t} ranges={n}"),
+        );
+    }
+}
+
+#[test]
+fn random_blocks_for_each_group_size_and_head_dim() {
+    let Some(dev) = gpu("blocks") else { return };
+    let mut rng = rng("cuda_blocks");
+    for (hq, hkv) in [(1, 1), (4, 2), (16, 1), (34, 2), (32, 1), (64, 1), (64, 4)] {
+        for (d, dv) in [
+            (64, 64),
+            (64, 128),
+            (128, 64),
+            (128, 128),
+            (192, 64),
+            (192, 128),
+        ] {
+            for bs in [16, 64] {
+                let t = 300;
+                let x = qkv(&mut rng, 1, t, t, hq, hkv, d, dv, DType::BF16);
+                let sel = block_selection(&mut rng, 1, t, hkv, t, bs, 4);
+                check(
+                    &dev,
+                    &x,
+                    &sel,
+                    None,
+                    &format!("hq={hq} hkv={hkv} d={d} dv={dv} bs={bs}"),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn block_aligned_ranges_equal_the_blocks() {
+    let Some(dev) = gpu("block_ranges") else {
+        return;
+    };
+    let mut rng = rng("cuda_block_ranges");
+    let x = qkv(&mut rng, 2, 130, 130, 16, 2, 64, 64, DType::F16);
+    let sel = block_selection(&mut rng, 2, 130, 2, 130, 32, 3);
+    let g = to(&x, &dev);
+    let att = SelectionAttention::new().min_len(0);
+    let (a, _) = att.forward(&g.q, &g.k, &g.v, &sel).unwrap();
+    let (b, _) = att
+        .forward(&g.q, &g.k, &g.v, &sel.to_ranges().unwrap())
+        .unwrap();
+    assert_eq!(rms_ratio(&a, &b), 0.0);
+}
+
+#[test]
+fn decode_and_chunked_prefill_with_q_offset() {
+    let Some(dev) = gpu("decode_chunked") else {
+        return;
+    };
+    let mut rng = rng("cuda_decode_chunked");
+    for (b, tq, tk, q_offset) in [
+        (2, 1, 500, None),
+        (2, 7, 300, None),
+        (2, 5, 300, Some(100)),
+        (1, 3, 2, Some(0)),
+    ] {
+        let x = qkv(&mut rng, b, tq, tk, 16, 1, 128, 128, DType::BF16);
+        let sel = block_selection(&mut rng, b, tq, 1, tk, 64, 3);
+        check(
+            &dev,
+            &x,
+            &sel,
+            q_offset,
+            &format!("tq={tq} tk={tk} q_offset={q_offset:?}"),
+        );
+        let rows = (0..b * tq)
+            .map(|_| random_ranges(&mut rng, tk, 2))
+            .collect();
+        check(
+            &dev,
+            &x,
+            &ranges_tensor(rows, b, tq, 1),
+            q_offset,
+            &format!("ranges tq={tq} tk={tk}"),
+        );
+    }
+}
+
+/// Decode with few rows splits each row's spans over several blocks, merged by lse.
+#[test]
+fn decode_batch_splits_and_merges() {
+    let Some(dev) = gpu("decode_split") else {
+        return;
+    };
+    let mut rng = rng("cuda_decode_split");
+    let (b, tk, hq, hkv) = (16, 5000, 64, 4);
+    let x = qkv(&mut rng, b, 1, tk, hq, hkv, 128, 128, DType::BF16);
+    let sel = block_selection(&mut rng, b, 1, hkv, tk, 64, 16);
+    check(&dev, &x, &sel, None, "decode b=16 tk=5000 (split)");
+    // and the same through the backend, which reports the split
+    let stream = dev.as_cuda_device().unwrap().cuda_stream();
+    let info = fp8nsa::cuda::device_info(&stream).unwrap();
+    let plan = fp8nsa::cuda::nsa::plan(
+        &info,
+        128,
+        128,
+        16,
+        16,
+        b * hkv,
+        fp8nsa::cuda::nsa::max_tiles(16, Some(64), tk),
+    )
+    .unwrap();
+    assert!(plan.splits > 1, "{plan:?}");
+}
+
+#[test]
+fn empty_rows_and_all_padding() {
+    let Some(dev) = gpu("empty_rows") else { return };
+    let mut rng = rng("cuda_empty_rows");
+    let (b, t, hq, hkv, d) = (1, 40, 4, 1, 64);
+    let x = qkv(&mut rng, b, t, t, hq, hkv, d, d, DType::BF16);
+    let rows = (0..t)
+        .map(|i| {
+            if i % 2 == 0 {
+                vec![[30, 40]]
+            } else {
+                vec![[3, 3]]
+            }
+        })
+        .collect();
+    check(
+        &dev,
+        &x,
+        &ranges_tensor(rows, b, t, hkv),
+        None,
+        "empty rows",
+    );
+    let all_pad = BlockSelection::new(
+        Tensor::full(-1i32, (b, t, hkv, 3), &Device::Cpu).unwrap(),
+        16,
+    )
+    .unwrap();
+    check(&dev, &x, &all_pad, None, "all -1");
+}
+
+#[test]
+fn varlen_matches_each_sequence_alone() {
+    let Some(dev) = gpu("varlen") else { return };
+    let mut rng = rng("cuda_varlen");
+    let (hq, hkv, d) = (8, 2, 64);
+    let lens = [(40, 40), (1, 250), (17, 120), (0, 30)];
+    let parts: Vec<(Qkv, BlockSelection)> = lens
+        .iter()
+        .map(|&(tq, tk)| {
+            (
+                qkv(&mut rng, 1, tq, tk, hq, hkv, d, d, DType::BF16),
+                block_selection(&mut rng, 1, tq, hkv, tk, 16, 4),
+            )
+        })
+        .collect();
+    let cat = |f: &dyn Fn(&Qkv) -> Tensor| {
+        Tensor::cat(
+            &parts
+                .iter()
+                .map(|(x, _)| f(x).squeeze(0).unwrap())
+                .collect::<Vec<_>>(),
+            0,
+        )
+        .unwrap()
+        .to_device(&dev)
+        .unwrap()
+    };
+    let (q, k, v) = (
+        cat(&|x| x.q.clone()),
+        cat(&|x| x.k.clone()),
+        cat(&|x| x.v.clone()),
+    );
+    let idx = Tensor::cat(
+        &parts
+            .iter()
+            .map(|(_, s)| s.indices().clone())
+            .collect::<Vec<_>>(),
+        1,
+    )
+    .unwrap();
+    let sel = BlockSelection::new(idx, 16).unwrap();
+    let cu = |f: fn(&(usize, usize)) -> usize| {
+        let mut acc = 0u32;
+        let v: Vec<u32> = std::iter::once(0)
+            .chain(lens.iter().map(|l| {
+                acc += f(l) as u32;
+                acc
+            }))
+            .collect();
+        Tensor::new(v, &dev).unwrap()
+    };
+    let (cq, ck) = (cu(|l| l.0), cu(|l| l.1));
+    for min_len in [0, usize::MAX] {
+        let (o, lse) = SelectionAttention::new()
+            .min_len(min_len)
+            .with_lse(true)
+            .forward_varlen(&q, &k, &v, &cq, &ck, &sel)
+            .unwrap();
+        let mut start = 0;
+        for ((x, s), (tq, _)) in parts.iter().zip(lens) {
+            if tq == 0 {
+                continue;
+            }
+            let (want, want_lse) =
+                reference::nsa_selection(&x.q, &x.k, &x.v, s, None, None).unwrap();
+            let got = o.narrow(0, start, tq).unwrap().unsqueeze(0).unwrap();
+            assert!(
+                rms_ratio(&got, &want) < 5e-3,
+                "varlen min_len={min_len} seq at {start}"
+            );
+            check_lse(
+                &lse.as_ref().unwrap().narrow(0, start, tq).unwrap(),
+                &want_lse,
+                "varlen lse",
+            );
+            start += tq;
+        }
+    }
+}
+
+/// Out-of-range, negative, duplicated and overlapping entries: no crash, the reference's
+/// answer (each row clamped to the visible keys, each key once), and `validate()` says why.
+#[test]
+fn adversarial_selections() {
+    let Some(dev) = gpu("adversarial") else {
+        return;
+    };
+    let mut rng = rng("cuda_adversarial");
+    let (b, t, hq, hkv, bs) = (1, 200, 16, 1, 16);
+    let x = qkv(&mut rng, b, t, t, hq, hkv, 128, 128, DType::BF16);
+    let nb = (t / bs) as i32;
+    let rows: Vec<Vec<i32>> = (0..t)
+        .map(|_| {
+            let a = rng.random_range(0..nb);
+            match rng.random_range(0..5) {
+                0 => vec![a, a, a, -1],                 // duplicates
+                1 => vec![nb + 3, 10_000, i32::MAX, a], // past tk
+                2 => vec![-5, -1, i32::MIN, a],         // negative
+                3 => vec![a, (a + 1) % nb, a, -7],      // duplicate and negative
+                _ => vec![-1, -1, -1, -1],              // nothing
+            }
+        })
+        .collect();
+    let flat: Vec<i32> = rows.concat();
+    let sel = BlockSelection::new(
+        Tensor::from_vec(flat, (b, t, hkv, 4), &Device::Cpu).unwrap(),
+        bs,
+    )
+    .unwrap();
+    assert!(
+        sel.validate(t).is_err(),
+        "validate must report the bad entries"
+    );
+    check(&dev, &x, &sel, None, "adversarial blocks");
+    let rows: Vec<Vec<[i32; 2]>> = (0..t)
+        .map(|i| {
+            let i = i as i32;
+            vec![
+                [-50, 30],
+                [20, 40],
+                [i - 5, i + 1000],
+                [t as i32 + 5, t as i32 + 100],
+                [i32::MAX - 10, i32::MAX],
+                [i32::MIN, i32::MIN + 5],
+                [10, 10],
+            ]
+        })
+        .collect();
+    let sel = ranges_tensor(rows, b, t, hkv);
+    assert!(sel.validate(t).is_err());
+    check(&dev, &x, &sel, None, "adversarial ranges");
+}
+
+/// What the kernel does not take runs the GPU fallback: f32 inputs, an unsupported head dim.
+#[test]
+fn fallbacks_on_the_gpu() {
+    let Some(dev) = gpu("fallbacks") else { return };
+    let mut rng = rng("cuda_fallbacks");
+    let x = qkv(&mut rng, 1, 100, 100, 8, 2, 64, 64, DType::F32);
+    check(
+        &dev,
+        &x,
+        &block_selection(&mut rng, 1, 100, 2, 100, 16, 3),
+        None,
+        "f32",
+    );
+    let x = qkv(&mut rng, 1, 100, 100, 8, 2, 96, 80, DType::BF16);
+    check(
+        &dev,
+        &x,
+        &block_selection(&mut rng, 1, 100, 2, 100, 16, 3),
+        None,
+        "d=96 dv=80",
+    );
+}
+
+/// The backend with o and lse poisoned: every element written.
+#[test]
+fn backend_writes_every_element() {
+    let Some(dev) = gpu("poisoned") else { return };
+    use fp8nsa::cuda::nsa::{selection_attention, Dims, Selection as Sel, Seq};
+    let mut rng = rng("cuda_nsa_poisoned");
+    let stream = dev.as_cuda_device().unwrap().cuda_stream();
+    let (tq, tk, hq, hkv, d) = (33, 257, 20, 2, 64); // G = 10: padded MMA rows
+    let h = |n: usize, rng: &mut StdRng| {
+        gaussian(rng, n)
+            .into_iter()
+            .map(half::bf16::from_f32)
+            .collect::<Vec<_>>()
+    };
+    let q = stream.clone_htod(&h(tq * hq * d, &mut rng)).unwrap();
+    let k = stream.clone_htod(&h(tk * hkv * d, &mut rng)).unwrap();
+    let v = stream.clone_htod(&h(tk * hkv * d, &mut rng)).unwrap();
+    let idx: Vec<i32> = (0..tq * hkv * 3).map(|i| (i % 17) as i32 - 1).collect();
+    let idx = stream.clone_htod(&idx).unwrap();
+    let mut o = stream
+        .clone_htod(&vec![half::bf16::NAN; tq * hq * d])
+        .unwrap();
+    let mut lse = stream.clone_htod(&vec![f32::NAN; tq * hq]).unwrap();
+    let seqs = [Seq {
+        q_start: 0,
+        q_len: tq,
+        k_start: 0,
+        k_len: tk,
+        q_offset: tk - tq,
+    }];
+    let sel = Sel::Blocks {
+        indices: idx.as_view(),
+        per_row: 3,
+        block_size: 16,
+    };
+    selection_attention(
+        &stream,
+        &q.as_view(),
+        &k.as_view(),
+        &v.as_view(),
+        &sel,
+        &seqs,
+        Dims { hq, hkv, d, dv: d },
+        0.125,
+        &mut o.as_view_mut(),
+        &mut lse.as_view_mut(),
+    )
+    .unwrap();
+    let o = stream.clone_dtoh(&o).unwrap();
+    let lse = stream.clone_dtoh(&lse).unwrap();
+    assert!(o.iter().all(|x| !x.is_nan()), "unwritten o");
+    assert!(lse.iter().all(|x| !x.is_nan()), "unwritten lse");
+}
