@@ -1,0 +1,95 @@
+//! Shared by the GPU benches: CUDA-event timing on candle's stream and JSON-lines output.
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::sync::Arc;
+
+use candle_core::Device;
+use cudarc::driver::CudaStream;
+
+/// `--json PATH` (JSON lines appended there) and `--quick` (fewer shapes); cargo's own
+/// `--bench` is ignored.
+pub struct Args {
+    pub json: Option<std::path::PathBuf>,
+    pub quick: bool,
+}
+
+pub fn args() -> Args {
+    let mut it = std::env::args().skip(1);
+    let mut a = Args {
+        json: None,
+        quick: false,
+    };
+    while let Some(x) = it.next() {
+        match x.as_str() {
+            "--json" => a.json = it.next().map(Into::into),
+            "--quick" => a.quick = true,
+            _ => {}
+        }
+    }
+    a
+}
+
+/// The GPU, or a message and exit code 2 (benchmarks need one).
+pub fn gpu() -> (Device, Arc<CudaStream>, String) {
+    let dev = match Device::new_cuda(0) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("this benchmark needs a CUDA device: {e}");
+            std::process::exit(2);
+        }
+    };
+    let stream = dev.as_cuda_device().unwrap().cuda_stream();
+    let name = stream
+        .context()
+        .name()
+        .unwrap_or_else(|_| "unknown GPU".into());
+    (dev, stream, name)
+}
+
+/// Median milliseconds per call of `f` on `stream`: warm-up, then 15 samples of enough calls to
+/// last about 2 ms each, timed with CUDA events.
+pub fn time_ms(stream: &Arc<CudaStream>, mut f: impl FnMut()) -> f64 {
+    let ctx = stream.context();
+    for _ in 0..3 {
+        f();
+    }
+    stream.synchronize().unwrap();
+    let once = {
+        let a = ctx.new_event(None).unwrap();
+        let b = ctx.new_event(None).unwrap();
+        a.record(stream).unwrap();
+        f();
+        b.record(stream).unwrap();
+        b.synchronize().unwrap();
+        a.elapsed_ms(&b).unwrap() as f64
+    };
+    let reps = ((2.0 / once.max(1e-3)).ceil() as usize).clamp(1, 200);
+    let mut samples: Vec<f64> = (0..15)
+        .map(|_| {
+            let a = ctx.new_event(None).unwrap();
+            let b = ctx.new_event(None).unwrap();
+            a.record(stream).unwrap();
+            for _ in 0..reps {
+                f();
+            }
+            b.record(stream).unwrap();
+            b.synchronize().unwrap();
+            a.elapsed_ms(&b).unwrap() as f64 / reps as f64
+        })
+        .collect();
+    samples.sort_by(|a, b| a.total_cmp(b));
+    samples[samples.len() / 2]
+}
+
+/// Appends one JSON object per line.
+pub fn emit(path: &Option<std::path::PathBuf>, v: serde_json::Value) {
+    if let Some(p) = path {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p)
+            .unwrap();
+        writeln!(f, "{v}").unwrap();
+    }
+}

@@ -1,0 +1,62 @@
+"""Puts our GPU bench results and the peers' (JSON lines from one device run) side by side:
+
+    python3 benches/peers/report.py OUT_DIR > OUT_DIR/report.md
+
+reads OUT_DIR/{fp8_ours,fp8_peers,nsa_ours,nsa_peers}.jsonl and prints markdown tables with
+the ratios the issues' targets are stated in."""
+import json
+import os
+import sys
+
+
+def load(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(l) for l in f if l.strip()]
+
+
+def main(out):
+    fp8 = load(f"{out}/fp8_ours.jsonl") + load(f"{out}/fp8_peers.jsonl")
+    nsa = load(f"{out}/nsa_ours.jsonl") + load(f"{out}/nsa_peers.jsonl")
+    gpu = next((r.get("gpu") for r in fp8 + nsa if r.get("gpu")), "unknown GPU")
+    print(f"# GPU results: {gpu}\n")
+    copy = next((r["gbs"] for r in fp8 if r["op"] == "copy"), None)
+    if fp8:
+        print(f"## fp8 linear (copy bandwidth {copy:.0f} GB/s)\n" if copy else "## fp8 linear\n")
+        print("| M | N | K | path | fp8nsa ms | TFLOPS | vs candle bf16 | vs torch bf16 | vs torch scaled_mm | vs scaled_mm + quant | x weight-read floor |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        ours = [r for r in fp8 if r.get("impl") == "fp8nsa"]
+        for r in ours:
+            key = (r["m"], r["n"], r["k"])
+
+            def peer(impl):
+                p = next((x for x in fp8 if x.get("impl") == impl and (x["m"], x["n"], x["k"]) == key and "ms" in x), None)
+                return f"{p['ms'] / r['ms']:.2f}x" if p else "-"
+
+            floor = f"{r['ms'] / r['floor_ms']:.2f}" if r["m"] <= 16 else "-"
+            print(f"| {r['m']} | {r['n']} | {r['k']} | {r['path']} | {r['ms']:.4f} | {r['tflops']:.1f} | "
+                  f"{peer('candle_bf16')} | {peer('torch_bf16')} | {peer('torch_scaled_mm')} | "
+                  f"{peer('torch_scaled_mm_with_quant')} | {floor} |")
+        print("\nRatios are peer time / fp8nsa time (> 1: fp8nsa faster).\n")
+    if nsa:
+        print("## NSA selection (Hq 64, Hkv 4, D 128, 16 x 64 blocks, bf16)\n")
+        print("| case | fp8nsa ms | dense flash ms | vs dense | fla ms | vs fla |")
+        print("|---|---|---|---|---|---|")
+        for r in (x for x in nsa if x.get("impl") == "fp8nsa"):
+            match = (lambda x: x.get("t") == r.get("t")) if r["op"] == "nsa_prefill" else (lambda x: x.get("tk") == r.get("tk"))
+            def ms(impl):
+                p = next((x for x in nsa if x["op"] == r["op"] and x.get("impl") == impl and match(x) and "ms" in x), None)
+                return p["ms"] if p else None
+            dense, fla = ms("sdpa_flash_dense"), ms("fla_parallel_nsa")
+            case = f"prefill T={r['t']}" if r["op"] == "nsa_prefill" else f"decode B={r['b']} Tk={r['tk']}"
+            f = lambda v: f"{v:.3f}" if v else "-"
+            g = lambda v: f"{v / r['ms']:.2f}x" if v else "-"
+            print(f"| {case} | {r['ms']:.3f} | {f(dense)} | {g(dense)} | {f(fla)} | {g(fla)} |")
+        errs = [x for x in nsa + fp8 if "error" in x]
+        for e in errs:
+            print(f"\n- {e['impl']} {e.get('m', e.get('t', ''))}: {e['error']}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else ".")

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One device command for the GPU checks and benchmarks, on the GPU machine (device tool):
+#   .device/ staged by ../shared/gpu/stage.sh with the test and bench binaries,
+#   .whl/ holding fla-core and einops wheels (the machine has no network).
+# Usage there: bash benches/peers/run_gpu.sh TEST_FP8 TEST_NSA BENCH_FP8 BENCH_NSA
+# (the staged binary names). Logs and tables land in $OUT.
+set -uo pipefail
+out="${OUT:-/tmp/fp8nsa-out}"
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+.device/run.sh "$1" --test-threads=1 2>&1 | tee "$out/test_fp8.log" | tail -5
+.device/run.sh "$2" --test-threads=1 2>&1 | tee "$out/test_nsa.log" | tail -5
+.device/run.sh "$3" --json "$out/fp8_ours.jsonl" 2>&1 | tee "$out/bench_fp8.log"
+python3 benches/peers/fp8_gemm.py --json "$out/fp8_peers.jsonl" > "$out/peers_fp8.log" 2>&1
+.device/run.sh "$4" --json "$out/nsa_ours.jsonl" 2>&1 | tee "$out/bench_nsa.log"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+(cd benches/peers && python3 nsa.py --json "$out/nsa_peers.jsonl") > "$out/peers_nsa.log" 2>&1
+(cd benches/peers && python3 report.py "$out") > "$out/report.md"
+cat "$out/report.md"
