@@ -226,6 +226,8 @@ fn every_path_writes_every_element() {
             .unwrap();
         let pw =
             PreparedWeight::new(&s, &codes.as_view(), &scales.as_view(), [n, k], block).unwrap();
+        let (pd, ps) = (pw.data_view(), pw.scales_view());
+        let wref = pw.as_ref(&pd, &ps);
         let xh = hetero(&mut rng, m, k, 1, block[1]);
         let x = s.clone_htod(&xh).unwrap();
         let bias_h = gaussian(&mut rng, n);
@@ -246,7 +248,7 @@ fn every_path_writes_every_element() {
                 let r = kernels::fp8_linear(
                     &s,
                     &x.as_view(),
-                    &pw,
+                    &wref,
                     Some(&bias.as_view()),
                     m,
                     act,
@@ -392,12 +394,14 @@ fn bad_input_is_an_error_not_a_crash() {
         [128, 128],
     )
     .unwrap();
+    let (pd, ps) = (pw.data_view(), pw.scales_view());
+    let wref = pw.as_ref(&pd, &ps);
     let x = s.clone_htod(&vec![1f32; 2 * 128]).unwrap();
     let mut short = s.alloc_zeros::<f32>(64).unwrap();
     let e = kernels::fp8_linear(
         &s,
         &x.as_view(),
-        &pw,
+        &wref,
         None,
         2,
         ActScheme::Group,
@@ -409,7 +413,7 @@ fn bad_input_is_an_error_not_a_crash() {
     let e = kernels::fp8_linear(
         &s,
         &x.as_view(),
-        &pw,
+        &wref,
         None,
         2,
         ActScheme::Block2d { bm: 0 },

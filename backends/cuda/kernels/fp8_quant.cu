@@ -26,6 +26,47 @@ __device__ void act_quant(const T* __restrict__ x, uint8_t* __restrict__ xq, OT*
     const int k0 = kb * bk, k1 = min(K, k0 + bk);
     const int tail = (kb == KB - 1) ? ldq : k1;  // the last k-block also covers [K, ldq)
 
+    // Groups of one row and at most 128 columns (DeepSeek's 1x128, the common case): one pass,
+    // each lane keeping its 4 consecutive columns in registers, 4-byte stores of the codes.
+    if (bm == 1 && bk <= 128) {
+        const int c0 = k0 + 4 * lane;
+        const long row = (long)m0 * K;
+        float v[4];
+        float amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            v[j] = c0 + j < k1 ? to_f32(x[row + c0 + j]) : 0.0f;
+            amax = fmaxf(amax, fabsf(v[j]));
+        }
+        const float s = act_none ? 1.0f : fp8_scale(warp_max(amax));
+        if (!act_none && lane == 0 && sx != nullptr) sx[mb * sx_rs + kb * sx_cs] = s;
+        uint8_t q[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) q[j] = act_none ? 0 : f32_to_e4m3(__fdiv_rn(v[j], s));
+        const long out = (long)m0 * ldq + c0;
+        if (c0 < k1) {
+            if (xd != nullptr) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    if (c0 + j < k1) xd[out + j] = from_f32<OT>(act_none ? v[j] : e4m3_to_f32(q[j]) * s);
+            } else if (c0 + 4 <= k1 && out % 4 == 0) {
+                *reinterpret_cast<uint32_t*>(xq + out) =
+                    (uint32_t)q[0] | ((uint32_t)q[1] << 8) | ((uint32_t)q[2] << 16) | ((uint32_t)q[3] << 24);
+            } else {
+                for (int j = 0; j < 4 && c0 + j < k1; ++j) xq[out + j] = q[j];
+            }
+        }
+        // the last k-block also zeroes the row tail [K, ldq)
+        if (kb == KB - 1)
+            for (int k = k1 + lane; k < ldq; k += 32) {
+                if (xd != nullptr)
+                    xd[(long)m0 * ldq + k] = from_f32<OT>(0.0f);
+                else
+                    xq[(long)m0 * ldq + k] = 0;
+            }
+        return;
+    }
+
     float s = 1.0f;
     if (!act_none) {
         float amax = 0.0f;

@@ -59,9 +59,13 @@ template <typename T, int D, int DV, int NW> __device__ void nsa_selection(const
 
     FP8NSA_DYNAMIC_SMEM(uint4, smem_raw);
     uint8_t* smem = reinterpret_cast<uint8_t*>(smem_raw);
-    uint8_t* kv = smem;                                          // 2 x (K tile, V tile)
-    int2* spans = reinterpret_cast<int2*>(smem + 2 * (K_TILE + V_TILE));  // [MAX_PER_ROW]
-    int* tile_end = reinterpret_cast<int*>(spans + MAX_PER_ROW);          // inclusive prefix
+    // The row's spans and their inclusive tile-count prefix, sized for this call's entries per
+    // row (rounded up to 32), then 2 x (K tile, V tile) at a 16-byte-aligned offset. (Spans
+    // after the tiles made sm_90's ptxas spill.)
+    const int cap = (min(p.per_row, MAX_PER_ROW) + 31) / 32 * 32;
+    int2* spans = reinterpret_cast<int2*>(smem);                // [cap]
+    int* tile_end = reinterpret_cast<int*>(spans + cap);        // [cap]
+    uint8_t* kv = smem + cap * 12;                              // cap * 12 is a multiple of 16
     FP8NSA_SHARED(int, n_spans);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

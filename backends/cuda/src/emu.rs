@@ -4,17 +4,16 @@
 //! block-scaled GEMM as the documented formula over its scale layouts. For tests: what this
 //! checks is our kernels and launch plans, not the hardware or NVIDIA's libraries.
 //!
-//! ```no_run
+//! ```
 //! use fp8nsa_cuda::emu::{execute, HostBuf};
-//! use fp8nsa_cuda::fp8::{plan_prepare_weight, WeightLayout};
+//! use fp8nsa_cuda::fp8::plan_pad_rows;
 //!
-//! let layout = WeightLayout::new([3, 20], [128, 128])?;
+//! // [3, 20] codes into rows of 32 bytes, zeros past column 20
 //! let mut codes = HostBuf::from_slice(&[0x38u8; 60]);
-//! let mut scales = HostBuf::from_slice(&[1f32]);
-//! let mut out = HostBuf::new(3 * layout.ld);
-//! let mut sout = HostBuf::new(4 * layout.scale_ld);
-//! execute(&plan_prepare_weight(&layout), &mut [&mut codes, &mut scales, &mut out, &mut sout])?;
-//! assert_eq!(out.to_vec::<u8>()[..20], [0x38u8; 20]);
+//! let mut out = HostBuf::new(3 * 32);
+//! execute(&plan_pad_rows::<u8>(3, 20, 32), &mut [&mut codes, &mut out])?;
+//! let v = out.to_vec::<u8>();
+//! assert_eq!((v[19], v[20], v[32]), (0x38, 0, 0x38));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 

@@ -4,9 +4,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use fp8nsa_cuda::emu::{execute, HostBuf};
-use fp8nsa_cuda::fp8::{
-    plan_fp8_linear, plan_prepare_weight, ActScheme, Fp8Path, MmaTile, WeightLayout,
-};
+use fp8nsa_cuda::fp8::{plan_fp8_linear, plan_pad_rows, ActScheme, Fp8Path, MmaTile, WeightLayout};
 use fp8nsa_cuda::launch::Dtype;
 use fp8nsa_ops::{reference, ActQuant, Fp8BlockWeight};
 use rand::rngs::StdRng;
@@ -150,15 +148,21 @@ fn run(rng: &mut StdRng, c: &Case) {
         .to_vec1()
         .unwrap();
 
-    // the prepared weight, made by its own plan
+    // the weight in the kernels' layout, padded by its own plans
     let layout = WeightLayout::new([n, k], block).unwrap();
+    let [nb, kb] = layout.scale_dims();
     let mut codes = bytes_of(wq.data());
     let mut scales = bytes_of(wq.scales());
     let mut wd = HostBuf::new(n * layout.ld);
-    let mut ws = HostBuf::new(4 * layout.scale_dims()[0] * layout.scale_ld);
+    let mut ws = HostBuf::new(4 * nb * layout.scale_ld);
     execute(
-        &plan_prepare_weight(&layout),
-        &mut [&mut codes, &mut scales, &mut wd, &mut ws],
+        &plan_pad_rows::<u8>(n, k, layout.ld),
+        &mut [&mut codes, &mut wd],
+    )
+    .unwrap();
+    execute(
+        &plan_pad_rows::<f32>(nb, kb, layout.scale_ld),
+        &mut [&mut scales, &mut ws],
     )
     .unwrap();
 
@@ -226,6 +230,8 @@ fn tiles_rows_and_splits() {
         ),
         (16, 24, 1000, [8, 256], ActQuant::Group, Dtype::F16),
         (2, 5, 7, [2, 3], ActQuant::Group, Dtype::F32),
+        // a token count cuBLASLt takes as it is (no padding tokens, output written directly)
+        (32, 144, 384, [128, 128], ActQuant::Group, Dtype::Bf16),
         (3, 40, 300, [16, 16], ActQuant::None, Dtype::F32),
     ] {
         run(

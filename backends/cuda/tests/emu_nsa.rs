@@ -246,13 +246,12 @@ fn random_ranges(rng: &mut StdRng, tk: usize, n: usize) -> Vec<[i32; 2]> {
     rs
 }
 
+/// A prefill sequence of `t` tokens with `(hq, hkv)` heads of dims `(d, dv)`.
 fn prefill(
     rng: &mut StdRng,
     t: usize,
-    hq: usize,
-    hkv: usize,
-    d: usize,
-    dv: usize,
+    (hq, hkv): (usize, usize),
+    (d, dv): (usize, usize),
     dtype: DType,
     sel: Sel,
 ) -> SeqData {
@@ -280,7 +279,7 @@ fn blocks_for_each_group_size_and_head_dim() {
             let t = 70;
             let bs = if d == 64 { 16 } else { 32 };
             let sel = blocks(&mut rng, t, hkv, t, bs, 3);
-            let s = prefill(&mut rng, t, hq, hkv, d, dv, DType::BF16, sel);
+            let s = prefill(&mut rng, t, (hq, hkv), (d, dv), DType::BF16, sel);
             check(
                 &[s],
                 hq,
@@ -304,7 +303,14 @@ fn several_ranges_per_query_at_any_alignment() {
         let rows = (0..t * hkv)
             .map(|_| random_ranges(&mut rng, t, n))
             .collect();
-        let s = prefill(&mut rng, t, hq, hkv, 128, 128, dtype, ranges(rows, t, hkv));
+        let s = prefill(
+            &mut rng,
+            t,
+            (hq, hkv),
+            (128, 128),
+            dtype,
+            ranges(rows, t, hkv),
+        );
         check(
             &[s],
             hq,
@@ -386,7 +392,7 @@ fn adversarial_selections() {
         )
         .unwrap(),
     );
-    let s = prefill(&mut rng, t, hq, hkv, 128, 128, DType::BF16, sel);
+    let s = prefill(&mut rng, t, (hq, hkv), (128, 128), DType::BF16, sel);
     check(&[s], hq, hkv, 4, false, "adversarial blocks");
     let rows = (0..t)
         .map(|i| {
@@ -405,10 +411,8 @@ fn adversarial_selections() {
     let s = prefill(
         &mut rng,
         t,
-        hq,
-        hkv,
-        128,
-        128,
+        (hq, hkv),
+        (128, 128),
         DType::F16,
         ranges(rows, t, hkv),
     );

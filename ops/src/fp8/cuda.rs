@@ -1,6 +1,8 @@
-//! `Fp8Linear` on CUDA tensors: the weight is prepared once per device (rows padded to 16
-//! bytes, scale rows to a multiple of 4, bias as f32) and kept with the layer; every call
-//! quantizes the activations on the GPU and runs the path fp8nsa-cuda plans.
+//! `Fp8Linear` on CUDA tensors: the weight is made ready once per device and kept with the
+//! layer. Codes already on the device with K a multiple of 16 are used in place (no second
+//! copy of the weight); otherwise, and for scale rows that need padding to a multiple of 4,
+//! a padded copy is made. Every call quantizes the activations on the GPU and runs the path
+//! fp8nsa-cuda plans.
 
 use candle_core::Tensor;
 
@@ -12,9 +14,12 @@ mod imp {
     use std::sync::{Arc, Mutex};
 
     use candle_core::backend::BackendStorage;
+    use candle_core::cuda::CudaDType;
     use candle_core::{CudaStorage, CustomOp1, DType, Device, DeviceLocation, Layout, Shape};
-    use cudarc::driver::CudaSlice;
-    use fp8nsa_cuda::fp8::{self as kernels, ActScheme, Fp8Kernel, PreparedWeight};
+    use cudarc::driver::{CudaSlice, CudaView};
+    use fp8nsa_cuda::fp8::{
+        self as kernels, pad_rows, ActScheme, Fp8Kernel, WeightLayout, WeightRef,
+    };
 
     use super::*;
     use crate::backend::CudaFp8Kernel;
@@ -22,11 +27,32 @@ mod imp {
     use crate::error::{invalid, Error};
     use crate::fp8::ActQuant;
 
+    /// A buffer of the weight on the device: the layer's own tensor, or a padded copy.
+    #[derive(Debug)]
+    enum Part<T> {
+        InPlace(Tensor),
+        Padded(CudaSlice<T>),
+    }
+
+    impl<T: CudaDType> Part<T> {
+        /// Runs `f` on a view of the buffer.
+        fn with_view<R>(&self, f: impl FnOnce(&CudaView<'_, T>) -> Result<R>) -> Result<R> {
+            match self {
+                Part::InPlace(t) => {
+                    with_storage("weight", t, |s, l| f(&view::<T>("weight", s, l)?))
+                }
+                Part::Padded(p) => f(&p.as_view()),
+            }
+        }
+    }
+
     /// The layer's weight and bias on one CUDA device.
     #[derive(Debug)]
     pub(crate) struct CudaWeight {
         location: DeviceLocation,
-        weight: PreparedWeight,
+        layout: WeightLayout,
+        codes: Part<u8>,
+        scales: Part<f32>,
         bias: Option<CudaSlice<f32>>,
     }
 
@@ -51,7 +77,29 @@ mod imp {
         }
     }
 
-    /// The prepared weight for `dev`, made on first use (and again if the layer moves).
+    /// `t` as it is when the layout allows (and it starts on 16 bytes), else a padded copy.
+    fn part<T: CudaDType + kernels::PadElement>(
+        t: Tensor,
+        needs_padding: bool,
+        [rows, cols, ld]: [usize; 3],
+    ) -> Result<Part<T>> {
+        let aligned = (t.layout().start_offset() * std::mem::size_of::<T>()) % 16 == 0;
+        if !needs_padding && aligned {
+            return Ok(Part::InPlace(t));
+        }
+        let padded = with_storage("weight", &t, |s, l| {
+            Ok(pad_rows(
+                &stream_of(s),
+                &view::<T>("weight", s, l)?,
+                rows,
+                cols,
+                ld,
+            )?)
+        })?;
+        Ok(Part::Padded(padded))
+    }
+
+    /// The weight ready for `dev`, made on first use (and again if the layer moves).
     fn prepared(layer: &Fp8Linear, dev: &Device) -> Result<Arc<CudaWeight>> {
         let mut slot = layer.cuda_weight().lock().expect("cuda weight cache");
         if let Some(w) = slot.as_ref() {
@@ -60,21 +108,19 @@ mod imp {
             }
         }
         let w = layer.weight();
+        let layout = WeightLayout::new(w.shape(), w.block())?;
         let [n, k] = w.shape();
-        let data = w.data().to_device(dev)?.contiguous()?;
-        let scales = w.scales().to_device(dev)?.contiguous()?;
-        let weight = with_storage("weight", &data, |ds, dl| {
-            with_storage("scales", &scales, |ss, sl| {
-                let stream = stream_of(ds);
-                Ok(PreparedWeight::new(
-                    &stream,
-                    &view::<u8>("weight", ds, dl)?,
-                    &view::<f32>("scales", ss, sl)?,
-                    [n, k],
-                    w.block(),
-                )?)
-            })
-        })?;
+        let [nb, kb] = layout.scale_dims();
+        let codes = part::<u8>(
+            w.data().to_device(dev)?.contiguous()?,
+            layout.codes_need_padding(),
+            [n, k, layout.ld],
+        )?;
+        let scales = part::<f32>(
+            w.scales().to_device(dev)?.contiguous()?,
+            layout.scales_need_padding(),
+            [nb, kb, layout.scale_ld],
+        )?;
         let bias = match layer.bias_host() {
             Some(b) => {
                 let cuda = dev.as_cuda_device()?;
@@ -86,10 +132,21 @@ mod imp {
             }
             None => None,
         };
-        tracing::debug!(op = "fp8_linear", backend = "cuda", n, k, block = ?w.block(), bytes = weight.device_bytes(), "prepared weight");
+        tracing::debug!(
+            op = "fp8_linear",
+            backend = "cuda",
+            n,
+            k,
+            block = ?w.block(),
+            codes_copied = matches!(codes, Part::Padded(_)),
+            scales_copied = matches!(scales, Part::Padded(_)),
+            "weight ready"
+        );
         let cw = Arc::new(CudaWeight {
             location: dev.location(),
-            weight,
+            layout,
+            codes,
+            scales,
             bias,
         });
         *slot = Some(cw.clone());
@@ -116,36 +173,46 @@ mod imp {
     }
 
     impl CudaOp {
-        fn run<T: fp8nsa_cuda::Element + candle_core::cuda::CudaDType>(
+        fn run<T: fp8nsa_cuda::Element + CudaDType>(
             &self,
             s: &CudaStorage,
             l: &Layout,
         ) -> Result<(CudaStorage, Shape)> {
             let stream = stream_of(s);
             let x = view::<T>("x", s, l)?;
-            let n = self.w.weight.shape()[0];
+            let layout = self.w.layout;
+            let n = layout.n;
             // SAFETY: fp8_linear writes every element of `out` (poisoned-output tests check it).
             let mut out =
                 unsafe { stream.alloc::<T>(self.m * n) }.map_err(fp8nsa_cuda::Error::from)?;
             let bias = self.w.bias.as_ref().map(|b| b.as_view());
-            let path = kernels::fp8_linear(
-                &stream,
-                &x,
-                &self.w.weight,
-                bias.as_ref(),
-                self.m,
-                self.act,
-                self.kernel,
-                &mut out.as_view_mut(),
-            )?;
+            let path = self.w.codes.with_view(|codes| {
+                self.w.scales.with_view(|scales| {
+                    let w = WeightRef {
+                        data: codes,
+                        scales,
+                        layout,
+                    };
+                    Ok(kernels::fp8_linear(
+                        &stream,
+                        &x,
+                        &w,
+                        bias.as_ref(),
+                        self.m,
+                        self.act,
+                        self.kernel,
+                        &mut out.as_view_mut(),
+                    )?)
+                })
+            })?;
             tracing::debug!(
                 op = "fp8_linear",
                 backend = "cuda",
                 kernel = %path,
                 m = self.m,
                 n,
-                k = self.w.weight.shape()[1],
-                block = ?self.w.weight.block(),
+                k = layout.k,
+                block = ?[layout.bn, layout.bk],
                 act = ?self.act,
                 dtype = T::SUFFIX,
             );

@@ -25,11 +25,23 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 /// Token counts are padded to this for cuBLASLt (docs: multiple of 4; 8 seen in practice).
 pub(crate) const TOKEN_ALIGN: usize = 16;
 
+/// (n, mp, k, output type, alignments of A, B, D): what the heuristic's choice depends on.
+type AlgoKey = (usize, usize, usize, sys::cudaDataType, [u32; 3]);
+
+/// The alignment cuBLASLt may assume of a buffer: its address's largest power of two, <= 256.
+fn alignment(ptr: u64) -> u32 {
+    if ptr == 0 {
+        256
+    } else {
+        (1u64 << ptr.trailing_zeros().min(8)) as u32
+    }
+}
+
 /// A cuBLASLt handle with its reused workspace and the algorithms found per problem.
 pub(crate) struct LtState {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
-    algos: Mutex<HashMap<(usize, usize, usize, sys::cudaDataType), sys::cublasLtMatmulAlgo_t>>,
+    algos: Mutex<HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>>,
 }
 
 // SAFETY: the handle is a plain pointer owned by this struct; it is only used while the
@@ -159,21 +171,41 @@ pub(crate) fn matmul(
     let d_l = lt::create_matrix_layout(out_type, n as u64, mp as u64, n as i64)?;
     obj.layouts.push(d_l);
 
-    let key = (n, mp, k, out_type);
+    let (w_ptr, x_ptr) = (resolve(c.w), resolve(c.x));
+    let align = [alignment(w_ptr), alignment(x_ptr), alignment(d_ptr)];
+    let key = (n, mp, k, out_type, align);
     let cached = st.algos.lock().expect("algo cache").get(&key).copied();
     let algo = match cached {
         Some(a) => a,
         None => {
             let pref = lt::create_matmul_pref()?;
             obj.pref = Some(pref);
+            use sys::cublasLtMatmulPreferenceAttributes_t as P;
             // SAFETY: a live usize for an attribute of type size_t.
             unsafe {
                 lt::set_matmul_pref_attribute(
                     pref,
-                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                    P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                     &WORKSPACE_BYTES as *const usize as *const c_void,
                     std::mem::size_of::<usize>(),
                 )?;
+            }
+            // the heuristic assumes 256-byte buffers unless told otherwise
+            for (attr, a) in [
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align[0]),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align[1]),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align[2]),
+                (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align[2]),
+            ] {
+                // SAFETY: a live u32 for an attribute of type uint32_t.
+                unsafe {
+                    lt::set_matmul_pref_attribute(
+                        pref,
+                        attr,
+                        &a as *const u32 as *const c_void,
+                        std::mem::size_of::<u32>(),
+                    )?;
+                }
             }
             // SAFETY: every descriptor and layout is live; C has D's layout (beta = 0).
             let h = unsafe {
@@ -194,9 +226,9 @@ pub(crate) fn matmul(
             desc,
             &alpha as *const f32 as *const c_void,
             &beta as *const f32 as *const c_void,
-            resolve(c.w) as *const c_void,
+            w_ptr as *const c_void,
             a_l,
-            resolve(c.x) as *const c_void,
+            x_ptr as *const c_void,
             b_l,
             d_ptr as *const c_void,
             d_l,

@@ -10,9 +10,11 @@
 //! let codes = stream.clone_htod(&vec![0x38u8; n * k])?; // e4m3 1.0
 //! let scales = stream.clone_htod(&vec![0.5f32; n.div_ceil(128) * k.div_ceil(128)])?;
 //! let w = PreparedWeight::new(&stream, &codes.as_view(), &scales.as_view(), [n, k], [128, 128])?;
+//! let (wd, ws) = (w.data_view(), w.scales_view());
 //! let x = stream.clone_htod(&vec![1f32; m * k])?;
 //! let mut y = stream.alloc_zeros::<f32>(m * n)?;
-//! let path = fp8_linear(&stream, &x.as_view(), &w, None, m, ActScheme::Group, Fp8Kernel::Auto, &mut y.as_view_mut())?;
+//! let path = fp8_linear(&stream, &x.as_view(), &w.as_ref(&wd, &ws), None, m, ActScheme::Group,
+//!     Fp8Kernel::Auto, &mut y.as_view_mut())?;
 //! println!("ran {path}");
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -168,8 +170,31 @@ impl WeightLayout {
     }
 }
 
-/// A weight in the layout every path reads ([`WeightLayout`]). Made once per layer; the
-/// padding serves 16-byte loads and cuBLASLt's scale layout.
+/// A weight in the layout every path reads ([`WeightLayout`]), borrowed: the codes `[n, ld]`
+/// (16-byte aligned) and the scales `[ceil(n/bn), scale_ld]`. Checkpoints with K a multiple
+/// of 16 need no copy of their codes (see [`WeightLayout::codes_need_padding`]).
+#[derive(Clone, Copy)]
+pub struct WeightRef<'a> {
+    pub data: &'a CudaView<'a, u8>,
+    pub scales: &'a CudaView<'a, f32>,
+    pub layout: WeightLayout,
+}
+
+impl WeightLayout {
+    /// Whether the checkpoint's `[n, k]` codes need a padded copy (k not a multiple of 16).
+    pub fn codes_need_padding(&self) -> bool {
+        self.ld != self.k
+    }
+
+    /// Whether the checkpoint's scales need a padded copy (K-blocks not a multiple of 4).
+    pub fn scales_need_padding(&self) -> bool {
+        self.scale_ld != self.scale_dims()[1]
+    }
+}
+
+/// A weight fully copied into [`WeightLayout`] (codes and scales), for tests and callers that
+/// hold no device copy of their own. Layers keep their codes in place where they can, padding
+/// only what needs it ([`pad_rows`]).
 pub struct PreparedWeight {
     pub(crate) data: CudaSlice<u8>,
     pub(crate) scales: CudaSlice<f32>,
@@ -206,33 +231,77 @@ fn elementwise(module: &'static str, name: String, n: usize, args: Vec<KArg>) ->
     }
 }
 
-/// The plan that pads a checkpoint weight into `layout`. Arguments: 0 codes `[n, k]` u8,
-/// 1 scales `[ceil(n/bn), ceil(k/bk)]` f32, 2 codes out `[n, ld]`, 3 scales out
-/// `[ceil(n/bn), scale_ld]`.
-pub fn plan_prepare_weight(layout: &WeightLayout) -> Plan {
-    let WeightLayout {
-        n, k, ld, scale_ld, ..
-    } = *layout;
-    let [nb, kb] = layout.scale_dims();
+/// Element types [`pad_rows`] copies.
+pub trait PadElement: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits {
+    const KERNEL: &'static str;
+}
+
+impl PadElement for u8 {
+    const KERNEL: &'static str = names::PAD[0];
+}
+
+impl PadElement for f32 {
+    const KERNEL: &'static str = names::PAD[1];
+}
+
+/// The plan copying `[rows, cols]` (argument 0) into `[rows, ld]` with zeros past `cols`
+/// (argument 1).
+pub fn plan_pad_rows<T: PadElement>(rows: usize, cols: usize, ld: usize) -> Plan {
     let mut plan = Plan::default();
-    for (name, src, dst, rows, cols, l) in [
-        (names::PAD[0], 0, 2, n, k, ld),
-        (names::PAD[1], 1, 3, nb, kb, scale_ld),
-    ] {
-        plan.kernel(elementwise(
-            names::QUANT_MODULE,
-            name.to_string(),
-            rows * l,
-            vec![
-                val(Buf::Arg(src)),
-                val(Buf::Arg(dst)),
-                i32v(rows),
-                i32v(cols),
-                i64v(l),
-            ],
+    plan.kernel(elementwise(
+        names::QUANT_MODULE,
+        T::KERNEL.to_string(),
+        rows * ld,
+        vec![
+            val(Buf::Arg(0)),
+            val(Buf::Arg(1)),
+            i32v(rows),
+            i32v(cols),
+            i64v(ld),
+        ],
+    ));
+    plan
+}
+
+/// `src [rows, cols]` copied into a new `[rows, ld]` buffer, zeros past `cols`.
+pub fn pad_rows<T: PadElement>(
+    stream: &Arc<CudaStream>,
+    src: &CudaView<'_, T>,
+    rows: usize,
+    cols: usize,
+    ld: usize,
+) -> Result<CudaSlice<T>> {
+    if src.len() != rows * cols || ld < cols {
+        return Err(invalid(
+            "src",
+            format!(
+                "expected [{rows}, {cols}] (<= ld {ld}), got {} values",
+                src.len()
+            ),
         ));
     }
-    plan
+    if rows > i32::MAX as usize || cols > i32::MAX as usize {
+        return Err(invalid("src", "rows and columns must fit in i32"));
+    }
+    let g = gpu(stream)?;
+    let mut out = stream.alloc_zeros::<T>(rows * ld)?;
+    {
+        let size = std::mem::size_of::<T>();
+        let (s, _g1) = src.device_ptr(stream);
+        let (o, _g2) = out.device_ptr_mut(stream);
+        let args = [
+            DevBuf {
+                ptr: s,
+                bytes: rows * cols * size,
+            },
+            DevBuf {
+                ptr: o,
+                bytes: rows * ld * size,
+            },
+        ];
+        launch::execute(&g, stream, &plan_pad_rows::<T>(rows, cols, ld), &args)?;
+    }
+    Ok(out)
 }
 
 impl PreparedWeight {
@@ -247,49 +316,9 @@ impl PreparedWeight {
         let layout = WeightLayout::new(shape, block)?;
         let [n, k] = shape;
         let [nb, kb] = layout.scale_dims();
-        if data.len() != n * k {
-            return Err(invalid(
-                "data",
-                format!("expected {n} x {k} bytes, got {}", data.len()),
-            ));
-        }
-        if scales.len() != nb * kb {
-            return Err(invalid(
-                "scales",
-                format!("expected [{nb}, {kb}], got {} values", scales.len()),
-            ));
-        }
-        let g = gpu(stream)?;
-        let mut out = stream.alloc_zeros::<u8>(n * layout.ld)?;
-        let mut sout = stream.alloc_zeros::<f32>(nb * layout.scale_ld)?;
-        {
-            let (d, _g1) = data.device_ptr(stream);
-            let (s, _g2) = scales.device_ptr(stream);
-            let (o, _g3) = out.device_ptr_mut(stream);
-            let (so, _g4) = sout.device_ptr_mut(stream);
-            let args = [
-                DevBuf {
-                    ptr: d,
-                    bytes: n * k,
-                },
-                DevBuf {
-                    ptr: s,
-                    bytes: 4 * nb * kb,
-                },
-                DevBuf {
-                    ptr: o,
-                    bytes: n * layout.ld,
-                },
-                DevBuf {
-                    ptr: so,
-                    bytes: 4 * nb * layout.scale_ld,
-                },
-            ];
-            launch::execute(&g, stream, &plan_prepare_weight(&layout), &args)?;
-        }
         Ok(Self {
-            data: out,
-            scales: sout,
+            data: pad_rows(stream, data, n, k, layout.ld)?,
+            scales: pad_rows(stream, scales, nb, kb, layout.scale_ld)?,
             layout,
         })
     }
@@ -311,6 +340,28 @@ impl PreparedWeight {
     /// Device bytes held.
     pub fn device_bytes(&self) -> usize {
         self.data.len() + 4 * self.scales.len()
+    }
+
+    /// Views for [`fp8_linear`], good while the two views live (`let (d, s) = (w.data_view(),
+    /// w.scales_view()); fp8_linear(.., &w.as_ref(&d, &s), ..)`).
+    pub fn as_ref<'a>(
+        &self,
+        data: &'a CudaView<'a, u8>,
+        scales: &'a CudaView<'a, f32>,
+    ) -> WeightRef<'a> {
+        WeightRef {
+            data,
+            scales,
+            layout: self.layout,
+        }
+    }
+
+    pub fn data_view(&self) -> CudaView<'_, u8> {
+        self.data.as_view()
+    }
+
+    pub fn scales_view(&self) -> CudaView<'_, f32> {
+        self.scales.as_view()
     }
 }
 
@@ -439,9 +490,10 @@ pub fn plan_fp8_linear(
         Fp8Path::CublasLt => {
             let mp = m.next_multiple_of(cublaslt::TOKEN_ALIGN);
             let l = k.div_ceil(128);
-            // zero rows and scales for the padding tokens
-            let xq = plan.tmp(mp * ld, true);
-            let sx = plan.tmp(4 * l * mp, true);
+            // the activation kernel writes rows and scales of the m tokens; padding tokens need
+            // zeros (only then is the memset paid)
+            let xq = plan.tmp(mp * ld, mp != m);
+            let sx = plan.tmp(4 * l * mp, mp != m);
             plan.kernel(act_step(
                 x,
                 m,
@@ -645,7 +697,7 @@ pub fn plan_fp8_linear(
 pub fn fp8_linear<T: Element>(
     stream: &Arc<CudaStream>,
     x: &CudaView<'_, T>,
-    w: &PreparedWeight,
+    w: &WeightRef<'_>,
     bias: Option<&CudaView<'_, f32>>,
     m: usize,
     act: ActScheme,
@@ -655,6 +707,27 @@ pub fn fp8_linear<T: Element>(
     let lay = w.layout;
     let (n, k) = (lay.n, lay.k);
     check_linear_args(&lay, m, act, x.len(), out.len(), bias.map(|b| b.len()))?;
+    let [nb, _] = lay.scale_dims();
+    if w.data.len() != n * lay.ld {
+        return Err(invalid(
+            "weight",
+            format!(
+                "codes: expected [{n}, {}] (rows padded to 16 bytes), got {} bytes",
+                lay.ld,
+                w.data.len()
+            ),
+        ));
+    }
+    if w.scales.len() != nb * lay.scale_ld {
+        return Err(invalid(
+            "weight",
+            format!(
+                "scales: expected [{nb}, {}], got {} values",
+                lay.scale_ld,
+                w.scales.len()
+            ),
+        ));
+    }
     let g = gpu(stream)?;
     let shape = Fp8Shape {
         m,
@@ -669,6 +742,10 @@ pub fn fp8_linear<T: Element>(
     let (xp, _g1) = x.device_ptr(stream);
     let (wp, _g2) = w.data.device_ptr(stream);
     let (sp, _g3) = w.scales.device_ptr(stream);
+    // the kernels read the codes in 16-byte vectors
+    if wp % 16 != 0 {
+        return Err(invalid("weight", "codes must start on a 16-byte boundary"));
+    }
     let (bp, _g4) = match bias {
         Some(b) => {
             let (p, g) = b.device_ptr(stream);

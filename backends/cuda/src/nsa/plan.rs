@@ -26,9 +26,11 @@ pub struct NsaPlan {
     pub smem: u32,
 }
 
-/// The kernel's dynamic shared memory: two K/V tile stages, the spans and their tile counts.
-pub fn smem_bytes(d: usize, dv: usize) -> u32 {
-    (2 * KEYS_PER_TILE * (d + dv) * 2 + MAX_PER_ROW * (8 + 4)) as u32
+/// The kernel's dynamic shared memory: the row's spans and their tile counts (entries per row
+/// rounded up to 32), then two K/V tile stages.
+pub fn smem_bytes(d: usize, dv: usize, per_row: usize) -> u32 {
+    let cap = per_row.min(MAX_PER_ROW).next_multiple_of(32);
+    (2 * KEYS_PER_TILE * (d + dv) * 2 + cap * (8 + 4)) as u32
 }
 
 /// Why the kernel does not take these dims, if it does not.
@@ -69,7 +71,7 @@ pub fn plan(
     max_tiles: usize,
 ) -> Result<NsaPlan> {
     supports(d, dv, group, per_row).map_err(|why| unsupported("nsa selection", why))?;
-    let smem = smem_bytes(d, dv);
+    let smem = smem_bytes(d, dv, per_row);
     let want_blocks = 8 * info.sms as usize;
     let splits = if rows >= want_blocks / 2 {
         1
@@ -150,13 +152,21 @@ mod tests {
         for d in HEAD_DIMS {
             for dv in VALUE_DIMS {
                 // under the 48 KB default: no opt-in, any sm_80+ device
-                assert!(
-                    smem_bytes(d, dv) <= 48 * 1024,
-                    "d={d} dv={dv}: {}",
-                    smem_bytes(d, dv)
-                );
+                let b = smem_bytes(d, dv, MAX_PER_ROW);
+                assert!(b <= 48 * 1024, "d={d} dv={dv}: {b}");
             }
         }
+    }
+
+    #[test]
+    fn span_memory_follows_the_selection() {
+        // 16 entries per row: 32 slots; the paper's config fits 7 blocks in an H100's 228 KB
+        assert_eq!(smem_bytes(128, 128, 16), 32768 + 32 * 12);
+        assert_eq!(smem_bytes(128, 128, 33), 32768 + 64 * 12);
+        assert_eq!(
+            smem_bytes(128, 128, 5000),
+            smem_bytes(128, 128, MAX_PER_ROW)
+        );
     }
 
     #[test]
