@@ -1,8 +1,8 @@
 // Block-scaled fp8 GEMM on tensor cores (mma.sync m16n8k32 e4m3, sm_89+):
 //   y[m, n] = sum_kb sx(m, kb) * sw(n, kb) * sum_{k in kb} xq[m, k] * w[n, k]  (+ bias[n])
-// Each 128-wide K tile accumulates into a fresh partial; at the end of every weight K-block the
-// partial is scaled by sx * sw in registers and added to the output accumulator, so any block
-// shape with bk % 128 == 0 (128x128, 256x256, 512x512, 64x128, ...) gets its own scales.
+// Each 128-wide K tile accumulates into a fresh partial, which is then scaled by its K-block's
+// sx * sw in registers and added to the f32 output accumulator, so any block shape with
+// bk % 128 == 0 (128x128, 256x256, 512x512, 64x128, ...) gets its own scales.
 // Operands stream through a multi-stage cp.async pipeline into XOR-swizzled shared memory and
 // reach the MMAs through ldmatrix. Rows and columns past M / N are zero-filled, never read.
 // K: both operands have row strides that are multiples of 16 with zeros in [K, ld), so whole
@@ -19,7 +19,7 @@ struct GemmParams {
     const float* bias;  // [N] or null
     void* out;          // [M, N] in the output type (splits == 1)
     float* ws;          // [splits, M, N] f32 (splits > 1)
-    long ldq, ldw, sx_rs, sx_cs, sw_rs;
+    int64_t ldq, ldw, sx_rs, sx_cs, sw_rs;
     int M, N, K, bm_act, bn, bk, kb_per_split, splits;
 };
 
@@ -56,7 +56,7 @@ __device__ void fp8_gemm(const GemmParams& p) {
     const int kb0 = blockIdx.z * p.kb_per_split;
     const int kb1 = min(KB, kb0 + p.kb_per_split);
     const int tiles_per_kb = p.bk / BK;
-    const long k_begin = (long)kb0 * p.bk;
+    const int64_t k_begin = (int64_t)kb0 * p.bk;
     // tiles wholly past K hold zeros only: skip them
     int nk = kb1 > kb0 ? (kb1 - kb0) * tiles_per_kb : 0;
     nk = min(nk, (int)((p.K - k_begin + BK - 1) / BK));
@@ -65,20 +65,20 @@ __device__ void fp8_gemm(const GemmParams& p) {
     auto load_tile = [&](int t, int stage) {
         uint8_t* a_s = smem + stage * STAGE_BYTES;
         uint8_t* b_s = a_s + BM * BK;
-        const long k0 = k_begin + (long)t * BK;
+        const int64_t k0 = k_begin + (int64_t)t * BK;
         for (int i = tid; i < BM * 8; i += THREADS) {
             const int r = i >> 3, c = i & 7;
             const int m = m_block + r;
-            const long k = k0 + c * 16;
+            const int64_t k = k0 + c * 16;
             const bool ok = m < p.M && k < p.ldq;
-            cp_async_16(a_s + swz(r, c), ok ? p.xq + (long)m * p.ldq + k : p.xq, ok);
+            cp_async_16(a_s + swz(r, c), ok ? p.xq + (int64_t)m * p.ldq + k : p.xq, ok);
         }
         for (int i = tid; i < BN * 8; i += THREADS) {
             const int r = i >> 3, c = i & 7;
             const int n = n_block + r;
-            const long k = k0 + c * 16;
+            const int64_t k = k0 + c * 16;
             const bool ok = n < p.N && k < p.ldw;
-            cp_async_16(b_s + swz(r, c), ok ? p.w + (long)n * p.ldw + k : p.w, ok);
+            cp_async_16(b_s + swz(r, c), ok ? p.w + (int64_t)n * p.ldw + k : p.w, ok);
         }
     };
 
@@ -136,8 +136,10 @@ __device__ void fp8_gemm(const GemmParams& p) {
                 for (int j = 0; j < NI; ++j) mma_e4m3_16832(part[i][j], af[i], bf[j]);
         }
 
-        // end of a weight K-block (or of the data): apply this block's scales
-        if ((t + 1) % tiles_per_kb == 0 || t == nk - 1) {
+        // every 128-wide K tile: scale the tensor-core partial by its K-block's scales and add
+        // it in f32 (Hopper's fp8 MMA accumulates with reduced precision, so partials never
+        // span more than 128 K, whatever the block)
+        {
             const int kb = kb0 + t / tiles_per_kb;
             float sxv[MI][2];
 #pragma unroll
@@ -145,13 +147,13 @@ __device__ void fp8_gemm(const GemmParams& p) {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int m = m_block + wm * TM + i * 16 + g + h * 8;
-                    sxv[i][h] = m < p.M ? p.sx[(long)(m / p.bm_act) * p.sx_rs + kb * p.sx_cs] : 0.0f;
+                    sxv[i][h] = m < p.M ? p.sx[(int64_t)(m / p.bm_act) * p.sx_rs + kb * p.sx_cs] : 0.0f;
                 }
 #pragma unroll
             for (int j = 0; j < NI; ++j) {
                 const int n = n_block + wn * TN + j * 8 + t4 * 2;
-                const float sw0 = n < p.N ? p.sw[(long)(n / p.bn) * p.sw_rs + kb] : 0.0f;
-                const float sw1 = n + 1 < p.N ? p.sw[(long)((n + 1) / p.bn) * p.sw_rs + kb] : 0.0f;
+                const float sw0 = n < p.N ? p.sw[(int64_t)(n / p.bn) * p.sw_rs + kb] : 0.0f;
+                const float sw1 = n + 1 < p.N ? p.sw[(int64_t)((n + 1) / p.bn) * p.sw_rs + kb] : 0.0f;
 #pragma unroll
                 for (int i = 0; i < MI; ++i) {
                     acc[i][j][0] += part[i][j][0] * (sxv[i][0] * sw0);
@@ -180,7 +182,7 @@ __device__ void fp8_gemm(const GemmParams& p) {
                 const bool pair = n + 1 < p.N;
                 float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
                 if (p.splits > 1) {
-                    float* dst = p.ws + ((long)blockIdx.z * p.M + m) * p.N + n;
+                    float* dst = p.ws + ((int64_t)blockIdx.z * p.M + m) * p.N + n;
                     dst[0] = v0;
                     if (pair) dst[1] = v1;
                 } else {
@@ -188,7 +190,7 @@ __device__ void fp8_gemm(const GemmParams& p) {
                         v0 += p.bias[n];
                         if (pair) v1 += p.bias[n + 1];
                     }
-                    store2(reinterpret_cast<OutT*>(p.out) + (long)m * p.N + n, v0, v1, pair);
+                    store2(reinterpret_cast<OutT*>(p.out) + (int64_t)m * p.N + n, v0, v1, pair);
                 }
             }
         }

@@ -16,7 +16,7 @@ struct GemvParams {
     const float* sw;    // sw[(n / bn) * sw_rs + kb]
     const float* bias;  // [N] or null
     void* out;          // [M, N] in the output type
-    long ldx, ldw, sw_rs;
+    int64_t ldx, ldw, sw_rs;
     int M, N, K, bn, bk;
 };
 
@@ -30,7 +30,7 @@ template <int MT, int ROWS, typename OutT> __device__ void fp8_gemv(const GemvPa
         for (int r = 0; r < ROWS; ++r) acc[m][r] = 0.0f;
 
     for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-        const long k = (long)c * 16;
+        const int64_t k = (int64_t)c * 16;
         const int kb = (int)(k / p.bk);
         uint4 wv[ROWS];
         float s[ROWS];
@@ -38,8 +38,8 @@ template <int MT, int ROWS, typename OutT> __device__ void fp8_gemv(const GemvPa
         for (int r = 0; r < ROWS; ++r) {
             const int n = n0 + r;
             if (n < p.N) {
-                wv[r] = __ldg(reinterpret_cast<const uint4*>(p.w + (long)n * p.ldw + k));
-                s[r] = __ldg(p.sw + (long)(n / p.bn) * p.sw_rs + kb);
+                wv[r] = __ldg(reinterpret_cast<const uint4*>(p.w + (int64_t)n * p.ldw + k));
+                s[r] = __ldg(p.sw + (int64_t)(n / p.bn) * p.sw_rs + kb);
             } else {
                 wv[r] = make_uint4(0, 0, 0, 0);
                 s[r] = 0.0f;
@@ -58,7 +58,7 @@ template <int MT, int ROWS, typename OutT> __device__ void fp8_gemv(const GemvPa
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
                 if (m < p.M) {
-                    const float4 xv = __ldg(reinterpret_cast<const float4*>(p.xd + (long)m * p.ldx + k) + q);
+                    const float4 xv = __ldg(reinterpret_cast<const float4*>(p.xd + (int64_t)m * p.ldx + k) + q);
 #pragma unroll
                     for (int r = 0; r < ROWS; ++r)
                         acc[m][r] += xv.x * wf[r][0] + xv.y * wf[r][1] + xv.z * wf[r][2] + xv.w * wf[r][3];
@@ -83,7 +83,7 @@ template <int MT, int ROWS, typename OutT> __device__ void fp8_gemv(const GemvPa
         if (m >= p.M || n >= p.N) continue;
         float v = p.bias != nullptr ? p.bias[n] : 0.0f;
         for (int w = 0; w < warps; ++w) v += red[w][i];
-        reinterpret_cast<OutT*>(p.out)[(long)m * p.N + n] = from_f32<OutT>(v);
+        reinterpret_cast<OutT*>(p.out)[(int64_t)m * p.N + n] = from_f32<OutT>(v);
     }
 }
 

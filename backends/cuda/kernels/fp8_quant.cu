@@ -3,7 +3,7 @@
 
 #include "common.cuh"
 
-// Dynamic activation quantization, one warp per scale tile of `bm` rows x `bk` columns
+// Dynamic activation quantization, a warp per scale tile of `bm` rows x `bk` columns
 // (Group is bm = 1). Pass 1 takes the tile's amax, pass 2 writes
 //   xq[m * ldq + k] = sat(rne(x / s)),   s = max(amax, 1e-12) / 448
 // and the scale to sx[mb * sx_rs + kb * sx_cs] (row-major for our kernels, token-contiguous
@@ -12,15 +12,10 @@
 // instead (the small-M kernel's operand, or in T the last-resort path's), tail zeroed the same
 // way. act_none: no quantization, xd = x (W8A16).
 template <typename T, typename OT>
-__device__ void act_quant(const T* __restrict__ x, uint8_t* __restrict__ xq, OT* __restrict__ xd,
-                          float* __restrict__ sx, int M, int K, int ldq, int bm, int bk, long sx_rs,
-                          long sx_cs, int act_none) {
-    const int warps = blockDim.x / 32;
-    const long tile = (long)blockIdx.x * warps + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
+__device__ void act_tile(const T* __restrict__ x, uint8_t* __restrict__ xq, OT* __restrict__ xd,
+                         float* __restrict__ sx, int M, int K, int ldq, int bm, int bk, int64_t sx_rs,
+                         int64_t sx_cs, int act_none, int64_t tile, int lane) {
     const int KB = (K + bk - 1) / bk;
-    const int MB = (M + bm - 1) / bm;
-    if (tile >= (long)MB * KB) return;
     const int mb = (int)(tile / KB), kb = (int)(tile % KB);
     const int m0 = mb * bm, m1 = min(M, m0 + bm);
     const int k0 = kb * bk, k1 = min(K, k0 + bk);
@@ -30,7 +25,7 @@ __device__ void act_quant(const T* __restrict__ x, uint8_t* __restrict__ xq, OT*
     // each lane keeping its 4 consecutive columns in registers, 4-byte stores of the codes.
     if (bm == 1 && bk <= 128) {
         const int c0 = k0 + 4 * lane;
-        const long row = (long)m0 * K;
+        const int64_t row = (int64_t)m0 * K;
         float v[4];
         float amax = 0.0f;
 #pragma unroll
@@ -43,7 +38,7 @@ __device__ void act_quant(const T* __restrict__ x, uint8_t* __restrict__ xq, OT*
         uint8_t q[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) q[j] = act_none ? 0 : f32_to_e4m3(__fdiv_rn(v[j], s));
-        const long out = (long)m0 * ldq + c0;
+        const int64_t out = (int64_t)m0 * ldq + c0;
         if (c0 < k1) {
             if (xd != nullptr) {
 #pragma unroll
@@ -60,9 +55,9 @@ __device__ void act_quant(const T* __restrict__ x, uint8_t* __restrict__ xq, OT*
         if (kb == KB - 1)
             for (int k = k1 + lane; k < ldq; k += 32) {
                 if (xd != nullptr)
-                    xd[(long)m0 * ldq + k] = from_f32<OT>(0.0f);
+                    xd[(int64_t)m0 * ldq + k] = from_f32<OT>(0.0f);
                 else
-                    xq[(long)m0 * ldq + k] = 0;
+                    xq[(int64_t)m0 * ldq + k] = 0;
             }
         return;
     }
@@ -71,29 +66,41 @@ __device__ void act_quant(const T* __restrict__ x, uint8_t* __restrict__ xq, OT*
     if (!act_none) {
         float amax = 0.0f;
         for (int m = m0; m < m1; ++m)
-            for (int k = k0 + lane; k < k1; k += 32) amax = fmaxf(amax, fabsf(to_f32(x[(long)m * K + k])));
+            for (int k = k0 + lane; k < k1; k += 32) amax = fmaxf(amax, fabsf(to_f32(x[(int64_t)m * K + k])));
         s = fp8_scale(warp_max(amax));
         if (lane == 0 && sx != nullptr) sx[mb * sx_rs + kb * sx_cs] = s;
     }
     for (int m = m0; m < m1; ++m) {
         for (int k = k0 + lane; k < tail; k += 32) {
-            const float v = k < k1 ? to_f32(x[(long)m * K + k]) : 0.0f;
+            const float v = k < k1 ? to_f32(x[(int64_t)m * K + k]) : 0.0f;
             if (act_none) {
-                xd[(long)m * ldq + k] = from_f32<OT>(v);
+                xd[(int64_t)m * ldq + k] = from_f32<OT>(v);
             } else {
                 const uint8_t q = f32_to_e4m3(__fdiv_rn(v, s));
                 if (xd != nullptr)
-                    xd[(long)m * ldq + k] = from_f32<OT>(e4m3_to_f32(q) * s);
+                    xd[(int64_t)m * ldq + k] = from_f32<OT>(e4m3_to_f32(q) * s);
                 else
-                    xq[(long)m * ldq + k] = q;
+                    xq[(int64_t)m * ldq + k] = q;
             }
         }
     }
 }
 
+// Warps stride over the tiles: any grid covers any M x K.
+template <typename T, typename OT>
+__device__ void act_quant(const T* __restrict__ x, uint8_t* __restrict__ xq, OT* __restrict__ xd,
+                          float* __restrict__ sx, int M, int K, int ldq, int bm, int bk, int64_t sx_rs,
+                          int64_t sx_cs, int act_none) {
+    const int warps = blockDim.x / 32;
+    const int64_t tiles = (int64_t)((M + bm - 1) / bm) * ((K + bk - 1) / bk);
+    for (int64_t tile = (int64_t)blockIdx.x * warps + threadIdx.x / 32; tile < tiles;
+         tile += (int64_t)gridDim.x * warps)
+        act_tile<T, OT>(x, xq, xd, sx, M, K, ldq, bm, bk, sx_rs, sx_cs, act_none, tile, threadIdx.x % 32);
+}
+
 #define ACT_QUANT(NAME, T, OT)                                                                   \
     extern "C" __global__ void NAME(const T* x, uint8_t* xq, OT* xd, float* sx, int M, int K,      \
-                                    int ldq, int bm, int bk, long sx_rs, long sx_cs,               \
+                                    int ldq, int bm, int bk, int64_t sx_rs, int64_t sx_cs,               \
                                     int act_none) {                                                \
         act_quant<T, OT>(x, xq, xd, sx, M, K, ldq, bm, bk, sx_rs, sx_cs, act_none);                \
     }                                                                                           \
@@ -110,19 +117,19 @@ ACT_QUANT(fp8nsa_act_quant_f16_to_f16, __half, __half)
 template <typename T>
 __device__ void dequant_weight(const uint8_t* __restrict__ w, const float* __restrict__ sw,
                                T* __restrict__ out, int N, int K, int ldw, int bn, int bk,
-                               long sw_rs) {
-    const long total = (long)N * K;
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long)gridDim.x * blockDim.x) {
+                               int64_t sw_rs) {
+    const int64_t total = (int64_t)N * K;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
         const int n = (int)(i / K), k = (int)(i % K);
         const float s = sw[(n / bn) * sw_rs + k / bk];
-        out[i] = from_f32<T>(e4m3_to_f32(w[(long)n * ldw + k]) * s);
+        out[i] = from_f32<T>(e4m3_to_f32(w[(int64_t)n * ldw + k]) * s);
     }
 }
 
 #define DEQUANT(NAME, T)                                                                       \
     extern "C" __global__ void NAME(const uint8_t* w, const float* sw, T* out, int N, int K,    \
-                                    int ldw, int bn, int bk, long sw_rs) {                       \
+                                    int ldw, int bn, int bk, int64_t sw_rs) {                       \
         dequant_weight<T>(w, sw, out, N, K, ldw, bn, bk, sw_rs);                                 \
     }                                                                                           \
     FP8NSA_REGISTER(NAME)
@@ -134,11 +141,11 @@ DEQUANT(fp8nsa_dequant_f16, __half)
 template <typename T>
 __device__ void splitk_reduce(const float* __restrict__ ws, const float* __restrict__ bias,
                               T* __restrict__ out, int M, int N, int splits) {
-    const long total = (long)M * N;
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long)gridDim.x * blockDim.x) {
+    const int64_t total = (int64_t)M * N;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
         float acc = bias != nullptr ? bias[i % N] : 0.0f;
-        for (int s = 0; s < splits; ++s) acc += ws[(long)s * total + i];
+        for (int s = 0; s < splits; ++s) acc += ws[(int64_t)s * total + i];
         out[i] = from_f32<T>(acc);
     }
 }
@@ -156,9 +163,9 @@ SPLITK(fp8nsa_splitk_reduce_f16, __half)
 // y[m, n] += bias[n] in place (after cuBLAS / cuBLASLt, which run without an epilogue).
 template <typename T>
 __device__ void add_bias(T* __restrict__ y, const float* __restrict__ bias, int M, int N) {
-    const long total = (long)M * N;
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long)gridDim.x * blockDim.x)
+    const int64_t total = (int64_t)M * N;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x)
         y[i] = from_f32<T>(to_f32(y[i]) + bias[i % N]);
 }
 
@@ -174,20 +181,20 @@ ADD_BIAS(fp8nsa_add_bias_f16, __half)
 // dst[r * ld + c] = src[r * cols + c] for c < cols, 0 for cols <= c < ld: the prepared weight
 // (rows padded to 16 bytes, scale rows to a multiple of 4 as cuBLASLt wants).
 template <typename T>
-__device__ void pad2d(const T* __restrict__ src, T* __restrict__ dst, int rows, int cols, long ld) {
-    const long total = (long)rows * ld;
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (long)gridDim.x * blockDim.x) {
-        const long r = i / ld, c = i % ld;
+__device__ void pad2d(const T* __restrict__ src, T* __restrict__ dst, int rows, int cols, int64_t ld) {
+    const int64_t total = (int64_t)rows * ld;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = i / ld, c = i % ld;
         dst[i] = c < cols ? src[r * cols + c] : T(0);
     }
 }
 
-extern "C" __global__ void fp8nsa_pad2d_u8(const uint8_t* src, uint8_t* dst, int rows, int cols, long ld) {
+extern "C" __global__ void fp8nsa_pad2d_u8(const uint8_t* src, uint8_t* dst, int rows, int cols, int64_t ld) {
     pad2d<uint8_t>(src, dst, rows, cols, ld);
 }
 FP8NSA_REGISTER(fp8nsa_pad2d_u8)
-extern "C" __global__ void fp8nsa_pad2d_f32(const float* src, float* dst, int rows, int cols, long ld) {
+extern "C" __global__ void fp8nsa_pad2d_f32(const float* src, float* dst, int rows, int cols, int64_t ld) {
     pad2d<float>(src, dst, rows, cols, ld);
 }
 FP8NSA_REGISTER(fp8nsa_pad2d_f32)

@@ -82,29 +82,29 @@ template <typename T, int D, int DV, int NW> __device__ void nsa_selection(const
         if (p.cu_q[mid] <= tok) lo = mid; else hi = mid - 1;
     }
     const int seq = lo;
-    const long k_start = p.cu_k[seq];
+    const int64_t k_start = p.cu_k[seq];
     const int k_len = p.cu_k[seq + 1] - p.cu_k[seq];
-    const long pos = (long)p.q_off[seq] + (tok - p.cu_q[seq]);
-    const int limit = (int)min((long)k_len, pos + 1);  // keys [0, limit) are visible
+    const int64_t pos = (int64_t)p.q_off[seq] + (tok - p.cu_q[seq]);
+    const int limit = (int)min((int64_t)k_len, pos + 1);  // keys [0, limit) are visible
 
     // ---- selection row -> sorted, merged spans (warp 0)
     if (warp == 0) {
-        const int* row = p.sel + (long)item * p.per_row * (p.block_size > 0 ? 1 : 2);
+        const int* row = p.sel + (int64_t)item * p.per_row * (p.block_size > 0 ? 1 : 2);
         const int n = min(p.per_row, MAX_PER_ROW);
         // clamped spans, empty ones pushed to the end
         for (int e = lane; e < n; e += 32) {
-            long a, b;
+            int64_t a, b;
             if (p.block_size > 0) {
                 const int idx = row[e];
-                a = (long)idx * p.block_size;
+                a = (int64_t)idx * p.block_size;
                 b = a + p.block_size;
                 if (idx < 0) a = b = 0;
             } else {
                 a = row[2 * e];
                 b = row[2 * e + 1];
             }
-            a = max(a, 0L);
-            b = min(b, (long)limit);
+            a = max(a, (int64_t)0);
+            b = min(b, (int64_t)limit);
             spans[e] = a < b ? make_int2((int)a, (int)b) : make_int2(INT_MAX, INT_MAX);
         }
         __syncwarp();
@@ -156,8 +156,8 @@ template <typename T, int D, int DV, int NW> __device__ void nsa_selection(const
     __syncthreads();
     const int ns = n_spans;
     const int total_tiles = ns > 0 ? tile_end[ns - 1] : 0;
-    const int t_begin = (int)((long)total_tiles * split / p.splits);
-    const int t_end = (int)((long)total_tiles * (split + 1) / p.splits);
+    const int t_begin = (int)((int64_t)total_tiles * split / p.splits);
+    const int t_end = (int)((int64_t)total_tiles * (split + 1) / p.splits);
 
     // tile -> (first key, keys in tile); spans are walked in order
     auto tile_keys = [&](int t, int& start, int& len) {
@@ -200,7 +200,7 @@ template <typename T, int D, int DV, int NW> __device__ void nsa_selection(const
             const int row = head0 + g + (r & 1) * 8;         // a0/a2: row g, a1/a3: row g + 8
             const int col = kk * 16 + t4 * 2 + (r >> 1) * 8;  // a0/a1: k lo, a2/a3: k hi
             qf[kk][r] = row < G ? *reinterpret_cast<const uint32_t*>(
-                                      qg + ((long)tok * p.hq + h * G + row) * D + col)
+                                      qg + ((int64_t)tok * p.hq + h * G + row) * D + col)
                                 : 0u;
         }
 
@@ -316,17 +316,17 @@ template <typename T, int D, int DV, int NW> __device__ void nsa_selection(const
     for (int r = 0; r < 2; ++r) {
         const int row = head0 + g + r * 8;
         if (row >= G) continue;
-        const long qh = (long)tok * p.hq + h * G + row;
+        const int64_t qh = (int64_t)tok * p.hq + h * G + row;
         const float inv = l_run[r] > 0.0f ? 1.0f / l_run[r] : 0.0f;
         const float lse = l_run[r] > 0.0f ? (m_run[r] + log2f(l_run[r])) * CUDART_LN2_F : -CUDART_INF_F;
         if (p.splits > 1) {
-            float* dst = p.ws_o + ((long)split * p.total_q * p.hq + qh) * DV;
+            float* dst = p.ws_o + ((int64_t)split * p.total_q * p.hq + qh) * DV;
 #pragma unroll
             for (int j = 0; j < DV / 8; ++j) {
                 dst[j * 8 + t4 * 2] = o[j][2 * r] * inv;
                 dst[j * 8 + t4 * 2 + 1] = o[j][2 * r + 1] * inv;
             }
-            if (t4 == 0) p.ws_lse[(long)split * p.total_q * p.hq + qh] = lse;
+            if (t4 == 0) p.ws_lse[(int64_t)split * p.total_q * p.hq + qh] = lse;
         } else {
             T* dst = reinterpret_cast<T*>(p.o) + qh * DV;
 #pragma unroll
@@ -366,20 +366,20 @@ __device__ void nsa_merge(const float* __restrict__ ws_o, const float* __restric
     const int row = blockIdx.x;
     if (row >= rows) return;
     float m = -CUDART_INF_F;
-    for (int s = 0; s < splits; ++s) m = fmaxf(m, ws_lse[(long)s * rows + row]);
+    for (int s = 0; s < splits; ++s) m = fmaxf(m, ws_lse[(int64_t)s * rows + row]);
     float sum = 0.0f;
     for (int s = 0; s < splits; ++s) {
-        const float l = ws_lse[(long)s * rows + row];
+        const float l = ws_lse[(int64_t)s * rows + row];
         sum += l == -CUDART_INF_F ? 0.0f : expf(l - m);
     }
     const float total = sum > 0.0f ? m + logf(sum) : -CUDART_INF_F;
     for (int c = threadIdx.x; c < dv; c += blockDim.x) {
         float acc = 0.0f;
         for (int s = 0; s < splits; ++s) {
-            const float l = ws_lse[(long)s * rows + row];
-            if (l != -CUDART_INF_F) acc += expf(l - total) * ws_o[((long)s * rows + row) * dv + c];
+            const float l = ws_lse[(int64_t)s * rows + row];
+            if (l != -CUDART_INF_F) acc += expf(l - total) * ws_o[((int64_t)s * rows + row) * dv + c];
         }
-        o[(long)row * dv + c] = from_f32<T>(acc);
+        o[(int64_t)row * dv + c] = from_f32<T>(acc);
     }
     if (threadIdx.x == 0) lse[row] = total;
 }

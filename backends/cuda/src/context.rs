@@ -40,6 +40,8 @@ pub(crate) struct Gpu {
     /// name -> (function, dynamic shared memory it is cleared for)
     funcs: Mutex<HashMap<String, (CudaFunction, u32)>>,
     streams: Mutex<StreamStates>,
+    /// cuBLASLt problems (n, padded m, k, output type) it refused: not tried again.
+    lt_refused: Mutex<std::collections::HashSet<(usize, usize, usize, crate::launch::Dtype)>>,
 }
 
 /// Keyed by (stream handle, thread).
@@ -79,6 +81,7 @@ pub(crate) fn gpu(stream: &Arc<CudaStream>) -> Result<Arc<Gpu>> {
         modules: Mutex::default(),
         funcs: Mutex::default(),
         streams: Mutex::default(),
+        lt_refused: Mutex::default(),
     });
     reg.insert(key, g.clone());
     Ok(g)
@@ -164,6 +167,14 @@ impl Gpu {
             .entry(key)
             .or_default()
             .clone()
+    }
+
+    pub(crate) fn lt_refused(&self, key: (usize, usize, usize, crate::launch::Dtype)) -> bool {
+        self.lt_refused.lock().expect("refusals").contains(&key)
+    }
+
+    pub(crate) fn refuse_lt(&self, key: (usize, usize, usize, crate::launch::Dtype)) {
+        self.lt_refused.lock().expect("refusals").insert(key);
     }
 
     /// cuBLAS bound to `stream`.

@@ -278,3 +278,70 @@ fn emulator_reports_bad_launches() {
     let e = execute(&plan, &mut [&mut x, &mut w, &mut s, &mut b, &mut o]).unwrap_err();
     assert!(e.to_string().contains("full warp"), "{e}");
 }
+
+/// The activation kernel covers any number of scale tiles with any grid (warps stride over
+/// the tiles): with its grid cut to one block, every path still matches the reference.
+#[test]
+fn activation_tiles_beyond_the_grid() {
+    use fp8nsa_cuda::launch::{Kernel, Step};
+    let mut rng = rng("emu_act_stride");
+    let (m, n, k, block) = (37, 64, 700, [64, 128]);
+    let w = Tensor::from_vec(hetero(&mut rng, n, k, 64, 128), (n, k), &Device::Cpu).unwrap();
+    let wq = Fp8BlockWeight::quantize(&w, block).unwrap();
+    let x = Tensor::from_vec(hetero(&mut rng, m, k, 1, 128), (m, k), &Device::Cpu).unwrap();
+    let layout = WeightLayout::new([n, k], block).unwrap();
+    let [nb, kb] = layout.scale_dims();
+    let (mut codes, mut scales) = (bytes_of(wq.data()), bytes_of(wq.scales()));
+    let mut wd = HostBuf::new(n * layout.ld);
+    let mut ws = HostBuf::new(4 * nb * layout.scale_ld);
+    execute(
+        &plan_pad_rows::<u8>(n, k, layout.ld),
+        &mut [&mut codes, &mut wd],
+    )
+    .unwrap();
+    execute(
+        &plan_pad_rows::<f32>(nb, kb, layout.scale_ld),
+        &mut [&mut scales, &mut ws],
+    )
+    .unwrap();
+    let mut xb = bytes_of(&x);
+    let mut bias = HostBuf::new(4);
+    for (act, path) in [
+        (
+            ActQuant::Group,
+            Fp8Path::Mma {
+                tile: MmaTile::M64,
+                splits: 1,
+            },
+        ),
+        (
+            ActQuant::Block2d { bm: 3 },
+            Fp8Path::Mma {
+                tile: MmaTile::M16,
+                splits: 2,
+            },
+        ),
+        (ActQuant::Group, Fp8Path::Dequant),
+    ] {
+        let mut plan = plan_fp8_linear(&layout, m, scheme(act), path, Dtype::F32, false, true);
+        for s in &mut plan.steps {
+            if let Step::Kernel(Kernel { name, grid, .. }) = s {
+                if name.starts_with("fp8nsa_act_quant") {
+                    *grid = (1, 1, 1);
+                }
+            }
+        }
+        let mut out = HostBuf::new(4 * m * n);
+        execute(&plan, &mut [&mut xb, &mut wd, &mut ws, &mut bias, &mut out]).unwrap();
+        let want: Vec<f64> = reference::fp8_linear(&x, &wq, None, act)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let err = rel_frobenius(&to_f64(&out, Dtype::F32), &want);
+        assert!(err < 1e-3, "{act:?} {path}: rel err {err:e}");
+    }
+}

@@ -736,15 +736,22 @@ pub fn fp8_linear<T: Element>(
         bn: lay.bn,
         bk: lay.bk,
     };
-    let path = plan(&g.info, &shape, act, kernel)?;
     let dtype = Dtype::of::<T>();
+    let lt_key = (n, m.next_multiple_of(cublaslt::TOKEN_ALIGN), lay.ld, dtype);
+    let mut path = plan(&g.info, &shape, act, kernel)?;
+    if path == Fp8Path::CublasLt && kernel == Fp8Kernel::Auto && g.lt_refused(lt_key) {
+        path = plan::plan(&g.info, &shape, act, Fp8Kernel::Mma)?;
+    }
     let size = dtype.size();
     let (xp, _g1) = x.device_ptr(stream);
     let (wp, _g2) = w.data.device_ptr(stream);
     let (sp, _g3) = w.scales.device_ptr(stream);
-    // the kernels read the codes in 16-byte vectors
-    if wp % 16 != 0 {
-        return Err(invalid("weight", "codes must start on a 16-byte boundary"));
+    // the kernels read the codes in 16-byte vectors; cuBLASLt wants 16-byte scale pointers
+    if wp % 16 != 0 || sp % 16 != 0 {
+        return Err(invalid(
+            "weight",
+            "codes and scales must start on a 16-byte boundary",
+        ));
     }
     let (bp, _g4) = match bias {
         Some(b) => {
@@ -784,7 +791,8 @@ pub fn fp8_linear<T: Element>(
         Ok(()) => Ok(path),
         Err(e) if path == Fp8Path::CublasLt && kernel == Fp8Kernel::Auto => {
             let fallback = plan::plan(&g.info, &shape, act, Fp8Kernel::Mma)?;
-            tracing::warn!(op = "fp8_linear", backend = "cuda", error = %e, fallback = %fallback, "cuBLASLt refused the call");
+            g.refuse_lt(lt_key);
+            tracing::warn!(op = "fp8_linear", backend = "cuda", error = %e, fallback = %fallback, "cuBLASLt refused this problem; not asking again");
             run(fallback)?;
             Ok(fallback)
         }

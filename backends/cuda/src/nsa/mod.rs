@@ -118,10 +118,8 @@ impl SeqArrays {
             }
             tq += s.q_len;
             tk += s.k_len;
-            if tq > i32::MAX as usize
-                || tk > i32::MAX as usize
-                || s.q_offset + s.q_len > i32::MAX as usize
-            {
+            let last = s.q_offset.saturating_add(s.q_len);
+            if tq > i32::MAX as usize || tk > i32::MAX as usize || last > i32::MAX as usize {
                 return Err(invalid(
                     "seqs",
                     "token counts and positions must fit in i32",
