@@ -1,4 +1,4 @@
-"""fp8 block-scaled GEMM peers on the GPU, same shapes as benches/cuda_fp8.rs:
+"""fp8 block-scaled GEMM peers on the GPU, same shapes as benches/gpu_fp8.rs:
 torch bf16 matmul (cuBLAS) and torch's DeepSeek-style block-scaled fp8 GEMM (cuBLASLt,
 1x128 activation and 128x128 weight scales), timed with pre-quantized operands (GEMM only)
 and with the activation quantization done by torch ops (what a layer call costs).

@@ -1,4 +1,4 @@
-"""NSA selection peers on the GPU, same configuration as benches/cuda_nsa.rs (B = 1, Hq = 64,
+"""NSA selection peers on the GPU, same configuration as benches/gpu_nsa.rs (B = 1, Hq = 64,
 Hkv = 4, D = 128, bf16, 16 selected blocks of 64; prefill at T in 4k..64k; decode B = 16 at
 Tk = 64k): dense attention, PyTorch's flash SDPA (causal; decode attends to the whole cache),
 and fla's Triton `parallel_nsa` selection kernel (PyPI fla-core; the forward alone, no

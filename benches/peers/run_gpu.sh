@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device command for the GPU checks and benchmarks, on the GPU machine (device tool):
 #   .device/ staged by ../shared/gpu/stage.sh with the test and bench binaries,
-#   .whl/ holding fla-core and einops wheels (the machine has no network).
+#   .whl/ holding the fla-core, einops and packaging wheels (the machine has no network).
 # Usage there: bash benches/peers/run_gpu.sh TEST_FP8 TEST_NSA BENCH_FP8 BENCH_NSA
 # (the staged binary names). Logs and tables land in $OUT.
 set -uo pipefail

@@ -5,7 +5,7 @@
 //! Triton `parallel_nsa`) run from benches/peers/nsa.py in the same device command
 //! (benches/peers/run_gpu.sh); benches/peers/report.py computes the ratios.
 //!
-//! `cargo bench --features cuda --bench cuda_nsa -- [--json out.jsonl] [--quick]`
+//! `cargo bench --features cuda --bench gpu_nsa -- [--json out.jsonl] [--quick]`
 
 mod gpu;
 

@@ -7,7 +7,7 @@
 //! activation quantization (a layer call); TFLOPS = 2MNK / t; for M <= 16 also the weight
 //! bandwidth N*K / t against the weight-read floor N*K / (device copy bandwidth).
 //!
-//! `cargo bench --features cuda --bench cuda_fp8 -- [--json out.jsonl] [--quick]`
+//! `cargo bench --features cuda --bench gpu_fp8 -- [--json out.jsonl] [--quick]`
 
 mod gpu;
 
