@@ -12,7 +12,6 @@
 mod gpu;
 
 use candle_core::{DType, Module, Tensor};
-use fp8nsa::cuda::fp8::{plan, ActScheme, Fp8Kernel, Fp8Shape};
 use fp8nsa::{ActQuant, CudaFp8Kernel, Fp8BlockWeight, Fp8Linear};
 use serde_json::json;
 
@@ -54,7 +53,9 @@ fn main() {
         let wq = Fp8BlockWeight::quantize(&w, [128, 128]).unwrap();
         let wt = w.to_dtype(DType::BF16).unwrap().t().unwrap();
         drop(w);
-        let auto = Fp8Linear::new(wq.clone(), None, ActQuant::Group).unwrap();
+        let auto = Fp8Linear::new(wq.clone(), None, ActQuant::Group)
+            .unwrap()
+            .with_cuda_kernel(CudaFp8Kernel::Auto);
         let mma = Fp8Linear::new(wq, None, ActQuant::Group)
             .unwrap()
             .with_cuda_kernel(CudaFp8Kernel::Mma);
@@ -65,19 +66,9 @@ fn main() {
                 .unwrap();
             let t_bf16 = gpu::time_ms(&stream, || drop(x.matmul(&wt).unwrap()));
             let t_ours = gpu::time_ms(&stream, || drop(auto.forward(&x).unwrap()));
-            let path = plan(
-                &info,
-                &Fp8Shape {
-                    m,
-                    n,
-                    k,
-                    bn: 128,
-                    bk: 128,
-                },
-                ActScheme::Group,
-                Fp8Kernel::Auto,
-            )
-            .unwrap();
+            // the path that really ran (cuBLASLt may refuse at run time and fall back)
+            let (_, kernels) = gpu::trace::logged("kernel", || drop(auto.forward(&x).unwrap()));
+            let path = kernels.join(",");
             let flops = 2.0 * (m * n * k) as f64;
             let tflops = flops / t_ours / 1e9;
             let gbs = (n * k) as f64 / t_ours / 1e6;
@@ -89,18 +80,18 @@ fn main() {
             };
             println!(
                 "{m:>5} {n:>6} {k:>6}  {:<22} {t_ours:>9.4} {t_bf16:>9.4} {tflops:>9.1} {:>8.2} {gbs_s:>8} {floor_s:>9}",
-                path.to_string(),
+                path,
                 t_bf16 / t_ours
             );
             gpu::emit(
                 &args.json,
-                json!({"op": "fp8_linear", "impl": "fp8nsa", "path": path.to_string(), "m": m, "n": n, "k": k, "ms": t_ours, "tflops": tflops, "gbs": gbs, "floor_ms": floor_ms}),
+                json!({"op": "fp8_linear", "impl": "fp8nsa", "path": path, "m": m, "n": n, "k": k, "ms": t_ours, "tflops": tflops, "gbs": gbs, "floor_ms": floor_ms}),
             );
             gpu::emit(
                 &args.json,
                 json!({"op": "fp8_linear", "impl": "candle_bf16", "m": m, "n": n, "k": k, "ms": t_bf16, "tflops": flops / t_bf16 / 1e9}),
             );
-            if m > 16 && !matches!(path, fp8nsa::cuda::fp8::Fp8Path::Mma { .. }) {
+            if m > 16 && !path.starts_with("mma") {
                 if let Ok(t_mma) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     gpu::time_ms(&stream, || drop(mma.forward(&x).unwrap()))
                 })) {

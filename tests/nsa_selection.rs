@@ -574,3 +574,21 @@ fn no_keys_or_no_selected_entries_give_empty_rows_on_every_path() {
     )
     .is_err());
 }
+
+/// The path each call takes is logged (`tracing`, field `backend`): the kernel, or the dense
+/// fallback below `min_len`. The GPU tests read the path the same way.
+#[test]
+fn the_path_taken_is_logged() {
+    let mut rng = rng("path_logged");
+    let x = qkv(&mut rng, 1, 40, 40, 4, 2, 16, 16, DType::F32);
+    let sel = block_selection(&mut rng, 1, 40, 2, 40, 8, 2);
+    for (min_len, want) in [(0, "cpu"), (usize::MAX, "sdpa-fallback")] {
+        let (r, backends) = common::trace::logged("backend", || {
+            SelectionAttention::new()
+                .min_len(min_len)
+                .forward(&x.q, &x.k, &x.v, &sel)
+        });
+        r.unwrap();
+        assert_eq!(backends, [want], "min_len {min_len}");
+    }
+}

@@ -1,10 +1,14 @@
 //! Shared by the GPU benches: CUDA-event timing on candle's stream and JSON-lines output.
 #![allow(dead_code)]
 
+#[path = "../../tests/common/trace.rs"]
+pub mod trace;
+
 use std::io::Write;
 use std::sync::Arc;
 
 use candle_core::Device;
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaStream;
 
 /// `--json PATH` (JSON lines appended there) and `--quick` (fewer shapes); cargo's own
@@ -51,13 +55,17 @@ pub fn gpu() -> (Device, Arc<CudaStream>, String) {
 /// last about 2 ms each, timed with CUDA events.
 pub fn time_ms(stream: &Arc<CudaStream>, mut f: impl FnMut()) -> f64 {
     let ctx = stream.context();
+    // cudarc's default event flags disable timing; elapsed_ms needs a timing event.
+    let event = || {
+        ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .expect("CUDA event")
+    };
     for _ in 0..3 {
         f();
     }
     stream.synchronize().unwrap();
     let once = {
-        let a = ctx.new_event(None).unwrap();
-        let b = ctx.new_event(None).unwrap();
+        let (a, b) = (event(), event());
         a.record(stream).unwrap();
         f();
         b.record(stream).unwrap();
@@ -67,8 +75,7 @@ pub fn time_ms(stream: &Arc<CudaStream>, mut f: impl FnMut()) -> f64 {
     let reps = ((2.0 / once.max(1e-3)).ceil() as usize).clamp(1, 200);
     let mut samples: Vec<f64> = (0..15)
         .map(|_| {
-            let a = ctx.new_event(None).unwrap();
-            let b = ctx.new_event(None).unwrap();
+            let (a, b) = (event(), event());
             a.record(stream).unwrap();
             for _ in 0..reps {
                 f();

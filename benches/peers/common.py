@@ -27,6 +27,27 @@ def time_ms(fn):
     return statistics.median(samples)
 
 
+def time_graphed(fn):
+    """(ms, eager ms): `fn` replayed from a CUDA graph, so that the peer is timed without
+    Python's launch overhead; the eager time when capture fails (ms equals it then)."""
+    eager = time_ms(fn)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return time_ms(graph.replay), eager
+    except Exception as e:  # capture unsupported for this op / torch: eager only, said once
+        print(f"graph capture failed ({type(e).__name__}: {str(e)[:120]}); eager timing", flush=True)
+        torch.cuda.synchronize()
+        return eager, eager
+
+
 def emit(path, **row):
     print(json.dumps(row), flush=True)
     if path:

@@ -2,7 +2,8 @@
 Hkv = 4, D = 128, bf16, 16 selected blocks of 64; prefill at T in 4k..64k; decode B = 16 at
 Tk = 64k): dense attention, PyTorch's flash SDPA (causal; decode attends to the whole cache),
 and fla's Triton `parallel_nsa` selection kernel (PyPI fla-core; the forward alone, no
-compression branch).
+compression branch). Decode lasts microseconds, so it is timed from CUDA-graph replays
+(eager time alongside); prefill is long enough for eager timing.
 
     python3 benches/peers/nsa.py --json peers_nsa.jsonl
 """
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import emit, time_ms
+from common import emit, time_graphed, time_ms
 
 HQ, HKV, D, BS, S = 64, 4, 128, 64, 16
 
@@ -88,13 +89,13 @@ def main():
     v = torch.randn(b, tk, HKV, D, device="cuda", dtype=torch.bfloat16)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        ms = time_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=False, enable_gqa=True))
-    emit(args.json, op="nsa_decode", impl="sdpa_flash_dense", gpu=gpu, b=b, tk=tk, ms=ms)
+        ms, eager = time_graphed(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=False, enable_gqa=True))
+    emit(args.json, op="nsa_decode", impl="sdpa_flash_dense", gpu=gpu, b=b, tk=tk, ms=ms, ms_eager=eager)
     if fla:
         idx = block_indices(b, 1, tk, "cuda")
         try:
-            ms = time_ms(lambda: fla(q, k, v, idx, scale))
-            emit(args.json, op="nsa_decode", impl="fla_parallel_nsa", gpu=gpu, b=b, tk=tk, ms=ms)
+            ms, eager = time_graphed(lambda: fla(q, k, v, idx, scale))
+            emit(args.json, op="nsa_decode", impl="fla_parallel_nsa", gpu=gpu, b=b, tk=tk, ms=ms, ms_eager=eager)
         except Exception as e:
             emit(args.json, op="nsa_decode", impl="fla_parallel_nsa", gpu=gpu, b=b, tk=tk, error=f"{type(e).__name__}: {e}"[:300])
 

@@ -12,8 +12,14 @@ import sys
 def load(path):
     if not os.path.exists(path):
         return []
+    rows = []
     with open(path) as f:
-        return [json.loads(l) for l in f if l.strip()]
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # blank, or cut short by a timeout
+                pass
+    return rows
 
 
 def main(out):
@@ -21,12 +27,12 @@ def main(out):
     nsa = load(f"{out}/nsa_ours.jsonl") + load(f"{out}/nsa_peers.jsonl")
     gpu = next((r.get("gpu") for r in fp8 + nsa if r.get("gpu")), "unknown GPU")
     print(f"# GPU results: {gpu}\n")
-    copy = next((r["gbs"] for r in fp8 if r["op"] == "copy"), None)
+    copy = next((r["gbs"] for r in fp8 if r.get("op") == "copy"), None)
     if fp8:
         print(f"## fp8 linear (copy bandwidth {copy:.0f} GB/s)\n" if copy else "## fp8 linear\n")
         print("| M | N | K | path | fp8nsa ms | TFLOPS | vs candle bf16 | vs torch bf16 | vs torch scaled_mm | vs scaled_mm + quant | x weight-read floor |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
-        ours = [r for r in fp8 if r.get("impl") == "fp8nsa"]
+        ours = [r for r in fp8 if r.get("impl") == "fp8nsa" and r.get("op") == "fp8_linear"]
         for r in ours:
             key = (r["m"], r["n"], r["k"])
 
@@ -41,21 +47,26 @@ def main(out):
         print("\nRatios are peer time / fp8nsa time (> 1: fp8nsa faster).\n")
     if nsa:
         print("## NSA selection (Hq 64, Hkv 4, D 128, 16 x 64 blocks, bf16)\n")
-        print("| case | fp8nsa ms | dense flash ms | vs dense | fla ms | vs fla |")
-        print("|---|---|---|---|---|---|")
-        for r in (x for x in nsa if x.get("impl") == "fp8nsa"):
+        print("| case | fp8nsa ms | candle dense ms | vs candle dense | dense flash ms | vs dense flash | fla ms | vs fla |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in (x for x in nsa if x.get("impl") == "fp8nsa" and x.get("op") in ("nsa_prefill", "nsa_decode")):
             match = (lambda x: x.get("t") == r.get("t")) if r["op"] == "nsa_prefill" else (lambda x: x.get("tk") == r.get("tk"))
             def ms(impl):
-                p = next((x for x in nsa if x["op"] == r["op"] and x.get("impl") == impl and match(x) and "ms" in x), None)
+                p = next((x for x in nsa if x.get("op") == r["op"] and x.get("impl") == impl and match(x) and "ms" in x), None)
                 return p["ms"] if p else None
-            dense, fla = ms("sdpa_flash_dense"), ms("fla_parallel_nsa")
+            cdense, dense, fla = ms("candle_dense"), ms("sdpa_flash_dense"), ms("fla_parallel_nsa")
             case = f"prefill T={r['t']}" if r["op"] == "nsa_prefill" else f"decode B={r['b']} Tk={r['tk']}"
             f = lambda v: f"{v:.3f}" if v else "-"
             g = lambda v: f"{v / r['ms']:.2f}x" if v else "-"
-            print(f"| {case} | {r['ms']:.3f} | {f(dense)} | {g(dense)} | {f(fla)} | {g(fla)} |")
-        errs = [x for x in nsa + fp8 if "error" in x]
-        for e in errs:
-            print(f"\n- {e['impl']} {e.get('m', e.get('t', ''))}: {e['error']}")
+            print(f"| {case} | {r['ms']:.3f} | {f(cdense)} | {g(cdense)} | {f(dense)} | {g(dense)} | {f(fla)} | {g(fla)} |")
+    if not any(r.get("impl") == "fp8nsa" for r in fp8 + nsa):
+        print("No fp8nsa rows: see bench_fp8.log / bench_nsa.log.\n")
+    errs = [x for x in nsa + fp8 if "error" in x]
+    if errs:
+        print("\n## Errors\n")
+    for e in errs:
+        where = " ".join(f"{key}={e[key]}" for key in ("m", "n", "k", "t", "b", "tk") if key in e)
+        print(f"- {e.get('impl', '?')} {where}: {e['error']}")
 
 
 if __name__ == "__main__":

@@ -5,16 +5,23 @@
 # Usage there: bash benches/peers/run_gpu.sh TEST_FP8 TEST_NSA BENCH_FP8 BENCH_NSA
 # (the staged binary names). Logs and tables land in $OUT.
 set -uo pipefail
-out="${OUT:-/tmp/fp8nsa-out}"
+if [ $# -ne 4 ]; then
+  echo "usage: bash benches/peers/run_gpu.sh TEST_FP8 TEST_NSA BENCH_FP8 BENCH_NSA" >&2
+  exit 2
+fi
+out=$(realpath -m "${OUT:-/tmp/fp8nsa-out}")
 mkdir -p "$out"
+rm -f "$out"/*.jsonl  # the writers append; a warm machine keeps the last run's rows
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-.device/run.sh "$1" --test-threads=1 2>&1 | tee "$out/test_fp8.log" | tail -5
-.device/run.sh "$2" --test-threads=1 2>&1 | tee "$out/test_nsa.log" | tail -5
+# a missing GPU fails the tests instead of skipping them
+export FP8NSA_REQUIRE_GPU=1
+.device/run.sh "$1" --test-threads=1 2>&1 | tee "$out/test_fp8.log" | grep -E "^test |test result|panicked"
+.device/run.sh "$2" --test-threads=1 2>&1 | tee "$out/test_nsa.log" | grep -E "^test |test result|panicked"
 .device/run.sh "$3" --json "$out/fp8_ours.jsonl" 2>&1 | tee "$out/bench_fp8.log"
 python3 benches/peers/fp8_gemm.py --json "$out/fp8_peers.jsonl" > "$out/peers_fp8.log" 2>&1
 .device/run.sh "$4" --json "$out/nsa_ours.jsonl" 2>&1 | tee "$out/bench_nsa.log"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 (cd benches/peers && python3 nsa.py --json "$out/nsa_peers.jsonl") > "$out/peers_nsa.log" 2>&1
 (cd benches/peers && python3 report.py "$out") > "$out/report.md"

@@ -2,6 +2,8 @@
 //! with block magnitudes spread over 1e-3..1e3 so per-block scales are heterogeneous.
 #![allow(dead_code)]
 
+pub mod trace;
+
 use candle_core::{DType, Device, Tensor};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use rand_distr::{Distribution, Normal};
@@ -22,8 +24,20 @@ pub fn gaussian(rng: &mut StdRng, n: usize) -> Vec<f32> {
 
 /// `[rows, cols]` Gaussian data whose `br x bc` blocks each get a magnitude 10^U(-3, 3).
 pub fn hetero(rng: &mut StdRng, rows: usize, cols: usize, br: usize, bc: usize) -> Vec<f32> {
+    hetero_in(rng, rows, cols, br, bc, 3.0)
+}
+
+/// As [`hetero`], block magnitudes 10^U(-decades, decades).
+pub fn hetero_in(
+    rng: &mut StdRng,
+    rows: usize,
+    cols: usize,
+    br: usize,
+    bc: usize,
+    decades: f32,
+) -> Vec<f32> {
     let mags: Vec<f32> = (0..rows.div_ceil(br) * cols.div_ceil(bc))
-        .map(|_| 10f32.powf(rng.random_range(-3.0..3.0)))
+        .map(|_| 10f32.powf(rng.random_range(-decades..decades)))
         .collect();
     let mut v = gaussian(rng, rows * cols);
     for r in 0..rows {

@@ -328,6 +328,22 @@ impl SelectionAttention {
         let dv = v.dims()[2];
         let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
         let _span = tracing::debug_span!("fp8nsa::nsa_selection", tq, hq, hkv, d, dv).entered();
+        if sel.dims()[3] == 0 {
+            // nothing selected: every row is empty, and no launch sees a zero-sized buffer
+            tracing::debug!(
+                op = "nsa_selection",
+                backend = "cuda-empty-selection",
+                tq,
+                hq,
+                hkv
+            );
+            let o = Tensor::zeros((tq, hq, dv), q.dtype(), q.device())?;
+            let lse = self
+                .with_lse
+                .then(|| Tensor::full(f32::NEG_INFINITY, (tq, hq), q.device()))
+                .transpose()?;
+            return Ok((o, lse));
+        }
         let reason = if max_tk < self.min_len {
             Some(format!("tk = {max_tk} < min_len = {}", self.min_len))
         } else {
