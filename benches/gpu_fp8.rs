@@ -5,7 +5,9 @@
 //!
 //! Shapes: M in {1, 16, 64, 128, 4096} x (N, K) in the DeepSeek-V3 set. Ours includes the
 //! activation quantization (a layer call); TFLOPS = 2MNK / t; for M <= 16 also the weight
-//! bandwidth N*K / t against the weight-read floor N*K / (device copy bandwidth).
+//! bandwidth N*K / t against the weight-read floor N*K / (device copy bandwidth). Successive
+//! calls cycle through distinct copies of the weights (256 MiB or more in all, for both sides),
+//! so that they come from HBM as a model's layers do, not from the 50 MB L2.
 //!
 //! `cargo bench --features cuda --bench gpu_fp8 -- [--json out.jsonl] [--quick]`
 
@@ -23,6 +25,8 @@ const SHAPES: [(usize, usize); 5] = [
     (7168, 2048),
 ];
 const MS: [usize; 5] = [1, 16, 64, 128, 4096];
+/// Weight bytes cycled through per shape: several times the L2 cache of any current GPU.
+const ROTATE_BYTES: usize = 256 << 20;
 
 fn main() {
     let args = gpu::args();
@@ -53,9 +57,22 @@ fn main() {
         let wq = Fp8BlockWeight::quantize(&w, [128, 128]).unwrap();
         let wt = w.to_dtype(DType::BF16).unwrap().t().unwrap();
         drop(w);
-        let auto = Fp8Linear::new(wq.clone(), None, ActQuant::Group)
-            .unwrap()
-            .with_cuda_kernel(CudaFp8Kernel::Auto);
+        let copies = ROTATE_BYTES.div_ceil(n * k).max(2);
+        let autos: Vec<Fp8Linear> = (0..copies)
+            .map(|_| {
+                let data = wq.data().copy().unwrap();
+                let scales = wq.scales().copy().unwrap();
+                Fp8Linear::new(
+                    Fp8BlockWeight::from_parts(data, scales, [128, 128]).unwrap(),
+                    None,
+                    ActQuant::Group,
+                )
+                .unwrap()
+                .with_cuda_kernel(CudaFp8Kernel::Auto)
+            })
+            .collect();
+        let wts: Vec<Tensor> = (0..copies).map(|_| wt.copy().unwrap()).collect();
+        drop(wt);
         let mma = Fp8Linear::new(wq, None, ActQuant::Group)
             .unwrap()
             .with_cuda_kernel(CudaFp8Kernel::Mma);
@@ -64,10 +81,18 @@ fn main() {
                 .unwrap()
                 .to_dtype(DType::BF16)
                 .unwrap();
-            let t_bf16 = gpu::time_ms(&stream, || drop(x.matmul(&wt).unwrap()));
-            let t_ours = gpu::time_ms(&stream, || drop(auto.forward(&x).unwrap()));
+            let mut i = 0;
+            let t_bf16 = gpu::time_ms(&stream, || {
+                drop(x.matmul(&wts[i % copies]).unwrap());
+                i += 1;
+            });
+            let mut i = 0;
+            let t_ours = gpu::time_ms(&stream, || {
+                drop(autos[i % copies].forward(&x).unwrap());
+                i += 1;
+            });
             // the path that really ran (cuBLASLt may refuse at run time and fall back)
-            let (_, kernels) = gpu::trace::logged("kernel", || drop(auto.forward(&x).unwrap()));
+            let (_, kernels) = gpu::trace::logged("kernel", || drop(autos[0].forward(&x).unwrap()));
             let path = kernels.join(",");
             let flops = 2.0 * (m * n * k) as f64;
             let tflops = flops / t_ours / 1e9;
