@@ -124,13 +124,13 @@ fn main() {
     } else {
         &[4096, 8192, 16384, 32768, 65536]
     };
+    let bf = |dims: &[usize]| {
+        Tensor::randn(0f32, 1.0, dims, &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+    };
     for &t in ts {
-        let bf = |dims: &[usize]| {
-            Tensor::randn(0f32, 1.0, dims, &dev)
-                .unwrap()
-                .to_dtype(DType::BF16)
-                .unwrap()
-        };
         let (q, k, v) = (bf(&[1, t, HQ, D]), bf(&[1, t, HKV, D]), bf(&[1, t, HKV, D]));
         let sel = selection(1, t, t, &dev, &mut rng);
         let ms = gpu::time_ms(&stream, || drop(att.forward(&q, &k, &v, &sel).unwrap()));
@@ -155,12 +155,6 @@ fn main() {
         }
     }
     let (b, tk) = (16, if args.quick { 8192 } else { 65536 });
-    let bf = |dims: &[usize]| {
-        Tensor::randn(0f32, 1.0, dims, &dev)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap()
-    };
     let (q, k, v) = (
         bf(&[b, 1, HQ, D]),
         bf(&[b, tk, HKV, D]),

@@ -87,6 +87,17 @@ fn applies(
     kernels::plan(&info, &shape, scheme(act), backend_kernel(kernel)).is_ok()
 }
 
+/// (weight scale, activation block-magnitude decades) of the test data. f16: weights scaled
+/// down and activations over 3 decades rather than 6, so the output stays below f16's 65504 and
+/// the activations mostly above its subnormals.
+fn magnitudes(dtype: DType) -> (f64, f32) {
+    if dtype == DType::F16 {
+        (1e-2, 1.5)
+    } else {
+        (1.0, 3.0)
+    }
+}
+
 /// Every kernel on the GPU vs one reference on the CPU, whole output. A forced kernel that
 /// does not apply must say so.
 #[allow(clippy::too_many_arguments)]
@@ -99,13 +110,7 @@ fn check_case(
     dtype: DType,
     with_bias: bool,
 ) {
-    // f16: weights scaled down and activations over 3 decades rather than 6, so the output
-    // stays below f16's 65504 and the activations mostly above its subnormals
-    let (w_mag, x_decades) = if dtype == DType::F16 {
-        (1e-2, 1.5)
-    } else {
-        (1.0, 3.0)
-    };
+    let (w_mag, x_decades) = magnitudes(dtype);
     let w = (tensor(hetero(rng, n, k, block[0], block[1]), &[n, k]) * w_mag).unwrap();
     let wq = Fp8BlockWeight::quantize(&w, block).unwrap();
     let bias = with_bias.then(|| tensor(gaussian(rng, n), &[n]));
@@ -231,11 +236,7 @@ fn poisoned<T: fp8nsa::cuda::Element + candle_core::WithDType>(
     (m, n, k): (usize, usize, usize),
     block: [usize; 2],
 ) {
-    let (w_mag, x_decades) = if T::DTYPE == DType::F16 {
-        (1e-2, 1.5)
-    } else {
-        (1.0, 3.0)
-    };
+    let (w_mag, x_decades) = magnitudes(T::DTYPE);
     let w = (tensor(hetero(rng, n, k, block[0], block[1]), &[n, k]) * w_mag).unwrap();
     let wq = Fp8BlockWeight::quantize(&w, block).unwrap();
     let codes = s

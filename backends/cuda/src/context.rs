@@ -40,9 +40,12 @@ pub(crate) struct Gpu {
     /// name -> (function, dynamic shared memory it is cleared for)
     funcs: Mutex<HashMap<String, (CudaFunction, u32)>>,
     streams: Mutex<StreamStates>,
-    /// cuBLASLt problems (n, padded m, k, output type) it refused: not tried again.
-    lt_refused: Mutex<std::collections::HashSet<(usize, usize, usize, crate::launch::Dtype)>>,
+    /// cuBLASLt problems it refused: not tried again.
+    lt_refused: Mutex<std::collections::HashSet<LtProblem>>,
 }
+
+/// A cuBLASLt problem: (n, m padded to the token alignment, k stride, output type).
+pub(crate) type LtProblem = (usize, usize, usize, crate::launch::Dtype);
 
 /// Keyed by (stream handle, thread).
 type StreamStates = HashMap<(usize, ThreadId), Arc<Mutex<StreamState>>>;
@@ -169,11 +172,11 @@ impl Gpu {
             .clone()
     }
 
-    pub(crate) fn lt_refused(&self, key: (usize, usize, usize, crate::launch::Dtype)) -> bool {
+    pub(crate) fn lt_refused(&self, key: LtProblem) -> bool {
         self.lt_refused.lock().expect("refusals").contains(&key)
     }
 
-    pub(crate) fn refuse_lt(&self, key: (usize, usize, usize, crate::launch::Dtype)) {
+    pub(crate) fn refuse_lt(&self, key: LtProblem) {
         self.lt_refused.lock().expect("refusals").insert(key);
     }
 

@@ -113,6 +113,40 @@ fn paths(c: &Case) -> Vec<Fp8Path> {
     p
 }
 
+/// The weight in the kernels' layout, padded by the backend's own plans: (layout, codes,
+/// scales).
+fn kernel_weight(wq: &Fp8BlockWeight) -> (WeightLayout, HostBuf, HostBuf) {
+    let [n, k] = wq.shape();
+    let layout = WeightLayout::new([n, k], wq.block()).unwrap();
+    let [nb, kb] = layout.scale_dims();
+    let (mut codes, mut scales) = (bytes_of(wq.data()), bytes_of(wq.scales()));
+    let mut wd = HostBuf::new(n * layout.ld);
+    let mut ws = HostBuf::new(4 * nb * layout.scale_ld);
+    execute(
+        &plan_pad_rows::<u8>(n, k, layout.ld),
+        &mut [&mut codes, &mut wd],
+    )
+    .unwrap();
+    execute(
+        &plan_pad_rows::<f32>(nb, kb, layout.scale_ld),
+        &mut [&mut scales, &mut ws],
+    )
+    .unwrap();
+    (layout, wd, ws)
+}
+
+/// The f64 reference output, flattened.
+fn reference_f64(x: &Tensor, wq: &Fp8BlockWeight, b: Option<&Tensor>, act: ActQuant) -> Vec<f64> {
+    reference::fp8_linear(x, wq, b, act)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
 fn run(rng: &mut StdRng, c: &Case) {
     let Case {
         m,
@@ -139,32 +173,9 @@ fn run(rng: &mut StdRng, c: &Case) {
         )
         .unwrap()
     });
-    let want: Vec<f64> = reference::fp8_linear(&x, &wq, b.as_ref(), act)
-        .unwrap()
-        .to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
+    let want = reference_f64(&x, &wq, b.as_ref(), act);
 
-    // the weight in the kernels' layout, padded by its own plans
-    let layout = WeightLayout::new([n, k], block).unwrap();
-    let [nb, kb] = layout.scale_dims();
-    let mut codes = bytes_of(wq.data());
-    let mut scales = bytes_of(wq.scales());
-    let mut wd = HostBuf::new(n * layout.ld);
-    let mut ws = HostBuf::new(4 * nb * layout.scale_ld);
-    execute(
-        &plan_pad_rows::<u8>(n, k, layout.ld),
-        &mut [&mut codes, &mut wd],
-    )
-    .unwrap();
-    execute(
-        &plan_pad_rows::<f32>(nb, kb, layout.scale_ld),
-        &mut [&mut scales, &mut ws],
-    )
-    .unwrap();
+    let (layout, mut wd, mut ws) = kernel_weight(&wq);
 
     let mut xb = bytes_of(&x);
     let mut bb = match &b {
@@ -289,21 +300,7 @@ fn activation_tiles_beyond_the_grid() {
     let w = Tensor::from_vec(hetero(&mut rng, n, k, 64, 128), (n, k), &Device::Cpu).unwrap();
     let wq = Fp8BlockWeight::quantize(&w, block).unwrap();
     let x = Tensor::from_vec(hetero(&mut rng, m, k, 1, 128), (m, k), &Device::Cpu).unwrap();
-    let layout = WeightLayout::new([n, k], block).unwrap();
-    let [nb, kb] = layout.scale_dims();
-    let (mut codes, mut scales) = (bytes_of(wq.data()), bytes_of(wq.scales()));
-    let mut wd = HostBuf::new(n * layout.ld);
-    let mut ws = HostBuf::new(4 * nb * layout.scale_ld);
-    execute(
-        &plan_pad_rows::<u8>(n, k, layout.ld),
-        &mut [&mut codes, &mut wd],
-    )
-    .unwrap();
-    execute(
-        &plan_pad_rows::<f32>(nb, kb, layout.scale_ld),
-        &mut [&mut scales, &mut ws],
-    )
-    .unwrap();
+    let (layout, mut wd, mut ws) = kernel_weight(&wq);
     let mut xb = bytes_of(&x);
     let mut bias = HostBuf::new(4);
     for (act, path) in [
@@ -333,14 +330,7 @@ fn activation_tiles_beyond_the_grid() {
         }
         let mut out = HostBuf::new(4 * m * n);
         execute(&plan, &mut [&mut xb, &mut wd, &mut ws, &mut bias, &mut out]).unwrap();
-        let want: Vec<f64> = reference::fp8_linear(&x, &wq, None, act)
-            .unwrap()
-            .to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let want = reference_f64(&x, &wq, None, act);
         let err = rel_frobenius(&to_f64(&out, Dtype::F32), &want);
         assert!(err < 1e-3, "{act:?} {path}: rel err {err:e}");
     }

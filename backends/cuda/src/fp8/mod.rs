@@ -738,9 +738,12 @@ pub fn fp8_linear<T: Element>(
     };
     let dtype = Dtype::of::<T>();
     let lt_key = (n, m.next_multiple_of(cublaslt::TOKEN_ALIGN), lay.ld, dtype);
+    // Auto's cuBLASLt pick falls back to our kernel when cuBLASLt refuses the problem
+    let may_fall_back = |path: Fp8Path| path == Fp8Path::CublasLt && kernel == Fp8Kernel::Auto;
+    let fallback = || plan(&g.info, &shape, act, Fp8Kernel::Mma);
     let mut path = plan(&g.info, &shape, act, kernel)?;
-    if path == Fp8Path::CublasLt && kernel == Fp8Kernel::Auto && g.lt_refused(lt_key) {
-        path = plan::plan(&g.info, &shape, act, Fp8Kernel::Mma)?;
+    if may_fall_back(path) && g.lt_refused(lt_key) {
+        path = fallback()?;
     }
     let size = dtype.size();
     let (xp, _g1) = x.device_ptr(stream);
@@ -789,8 +792,8 @@ pub fn fp8_linear<T: Element>(
     };
     match run(path) {
         Ok(()) => Ok(path),
-        Err(e) if path == Fp8Path::CublasLt && kernel == Fp8Kernel::Auto => {
-            let fallback = plan::plan(&g.info, &shape, act, Fp8Kernel::Mma)?;
+        Err(e) if may_fall_back(path) => {
+            let fallback = fallback()?;
             g.refuse_lt(lt_key);
             tracing::warn!(op = "fp8_linear", backend = "cuda", error = %e, fallback = %fallback, "cuBLASLt refused this problem; not asking again");
             run(fallback)?;
