@@ -39,8 +39,11 @@ pub mod inspect;
 pub use error::{Error, Result};
 pub use fp8nsa_ops::Error as OpsError;
 pub use fp8nsa_ops::{
-    ActQuant, Backend, CudaFp8Kernel, Fp8BlockWeight, Fp8Linear, PjrtRuntime, TpuKernel,
+    ActQuant, Backend, CudaFp8Kernel, Fp8BlockWeight, Fp8Linear, PjrtRuntime, Settings, TpuKernel,
 };
+/// The shared vocabulary (shapes, sequences, selections as spans, kernel choices, settings)
+/// that every backend takes directly.
+pub use fp8nsa_types as types;
 
 /// The CUDA backend's kernel-level API (`cuda` feature): cudarc views in, cudarc views out,
 /// for callers that manage their own buffers (and for the GPU tests, which poison outputs).

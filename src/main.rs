@@ -204,7 +204,8 @@ fn inspect(file: &std::path::Path, expect: Option<&str>) -> ExitCode {
 
 #[cfg(feature = "pjrt")]
 fn dump_programs(out: &std::path::Path, plugin: Option<&str>) -> fp8nsa::Result<()> {
-    use fp8nsa_pjrt::programs::{self, ActScheme, AttnShape, LinearShape};
+    use fp8nsa::ActQuant;
+    use fp8nsa_pjrt::programs::{self, AttnShape, LinearShape};
     let pjrt_err = |e: fp8nsa_pjrt::Error| fp8nsa::Error::Invalid {
         arg: "pjrt",
         msg: e.to_string(),
@@ -236,11 +237,11 @@ fn dump_programs(out: &std::path::Path, plugin: Option<&str>) -> fp8nsa::Result<
     let progs = [
         (
             "fp8_linear_v1_group",
-            programs::fp8_linear(shape, ActScheme::Group, true),
+            programs::fp8_linear(shape, ActQuant::Group, true),
         ),
         (
             "fp8_linear_v1_block2d",
-            programs::fp8_linear(shape, ActScheme::Block2d { bm: 16 }, false),
+            programs::fp8_linear(shape, ActQuant::Block2d { bm: 16 }, false),
         ),
         ("nsa_selection_masked", programs::nsa_selection(attn, 0.125)),
     ];

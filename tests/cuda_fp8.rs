@@ -10,7 +10,7 @@ mod common;
 use candle_core::{DType, Device, Module, Tensor};
 use common::*;
 use cudarc::driver::CudaStream;
-use fp8nsa::cuda::fp8::{self as kernels, ActScheme, Fp8Kernel, Fp8Path, PreparedWeight};
+use fp8nsa::cuda::fp8::{self as kernels, Fp8Path, PreparedWeight};
 use fp8nsa::{reference, ActQuant, CudaFp8Kernel, Fp8BlockWeight, Fp8Linear};
 use rand::rngs::StdRng;
 use std::sync::Arc;
@@ -48,24 +48,6 @@ const KERNELS: [CudaFp8Kernel; 5] = [
     CudaFp8Kernel::Dequant,
 ];
 
-fn scheme(a: ActQuant) -> ActScheme {
-    match a {
-        ActQuant::None => ActScheme::None,
-        ActQuant::Group => ActScheme::Group,
-        ActQuant::Block2d { bm } => ActScheme::Block2d { bm },
-    }
-}
-
-fn backend_kernel(k: CudaFp8Kernel) -> Fp8Kernel {
-    match k {
-        CudaFp8Kernel::Auto => Fp8Kernel::Auto,
-        CudaFp8Kernel::CublasLt => Fp8Kernel::CublasLt,
-        CudaFp8Kernel::Mma => Fp8Kernel::Mma,
-        CudaFp8Kernel::SmallM => Fp8Kernel::SmallM,
-        CudaFp8Kernel::Dequant => Fp8Kernel::Dequant,
-    }
-}
-
 /// Whether `kernel` applies on this device (the plan says so without running anything).
 fn applies(
     dev: &Device,
@@ -77,14 +59,14 @@ fn applies(
     kernel: CudaFp8Kernel,
 ) -> bool {
     let info = fp8nsa::cuda::device_info(&stream(dev)).unwrap();
-    let shape = kernels::Fp8Shape {
+    let shape = fp8nsa::types::LinearShape {
         m,
         n,
         k,
         bn: block[0],
         bk: block[1],
     };
-    kernels::plan(&info, &shape, scheme(act), backend_kernel(kernel)).is_ok()
+    kernels::plan(&info, &shape, act, kernel).is_ok()
 }
 
 /// (weight scale, activation block-magnitude decades) of the test data. f16: weights scaled
@@ -259,7 +241,7 @@ fn poisoned<T: fp8nsa::cuda::Element + candle_core::WithDType>(
     let bias_t = tensor(bias_h, &[n]);
     for act in [ActQuant::None, ActQuant::Group, ActQuant::Block2d { bm: 4 }] {
         let want = reference::fp8_linear(&xt, &wq, Some(&bias_t), act).unwrap();
-        for kernel in KERNELS.map(backend_kernel) {
+        for kernel in KERNELS {
             let mut out = s.clone_htod(&vec![T::from_f32(f32::NAN); m * n]).unwrap();
             let r = kernels::fp8_linear(
                 s,
@@ -267,7 +249,7 @@ fn poisoned<T: fp8nsa::cuda::Element + candle_core::WithDType>(
                 &wref,
                 Some(&bias.as_view()),
                 m,
-                scheme(act),
+                act,
                 kernel,
                 &mut out.as_view_mut(),
             );
@@ -421,8 +403,8 @@ fn bad_input_is_an_error_not_a_crash() {
         &wref,
         None,
         2,
-        ActScheme::Group,
-        Fp8Kernel::Auto,
+        ActQuant::Group,
+        CudaFp8Kernel::Auto,
         &mut short.as_view_mut(),
     );
     assert!(e.unwrap_err().to_string().contains("out"));
@@ -433,8 +415,8 @@ fn bad_input_is_an_error_not_a_crash() {
         &wref,
         None,
         2,
-        ActScheme::Block2d { bm: 0 },
-        Fp8Kernel::Auto,
+        ActQuant::Block2d { bm: 0 },
+        CudaFp8Kernel::Auto,
         &mut out.as_view_mut(),
     );
     assert!(e.is_err());

@@ -711,7 +711,7 @@ fn fallbacks_on_the_gpu() {
 #[test]
 fn backend_writes_every_element() {
     let Some(dev) = gpu("poisoned") else { return };
-    use fp8nsa::cuda::nsa::{selection_attention, Dims, Selection as Sel, Seq};
+    use fp8nsa::cuda::nsa::{selection_attention, AttnDims, Selection as Sel, Seq};
     let mut rng = rng("cuda_nsa_poisoned");
     let stream = dev.as_cuda_device().unwrap().cuda_stream();
     let (tq, tk, hq, hkv, d) = (33, 257, 20, 2, 64); // G = 10: padded MMA rows
@@ -749,7 +749,7 @@ fn backend_writes_every_element() {
         &v.as_view(),
         &sel,
         &seqs,
-        Dims { hq, hkv, d, dv: d },
+        AttnDims { hq, hkv, d, dv: d },
         0.125,
         &mut o.as_view_mut(),
         &mut lse.as_view_mut(),

@@ -194,7 +194,7 @@ fn pjrt_errors_are_errors() {
 fn inspector_reads_our_compiled_fp8_program() {
     let Some(rt) = runtime() else { return };
     use fp8nsa::inspect::{inspect, ProgramFormat, Variant};
-    use fp8nsa_pjrt::programs::{fp8_linear, ActScheme, LinearShape};
+    use fp8nsa_pjrt::programs::{fp8_linear, LinearShape};
     let shape = LinearShape {
         m: 8,
         n: 96,
@@ -202,7 +202,7 @@ fn inspector_reads_our_compiled_fp8_program() {
         bn: 64,
         bk: 128,
     };
-    let text = fp8_linear(shape, ActScheme::Group, false);
+    let text = fp8_linear(shape, ActQuant::Group, false);
     rt.executable("inspect-test", || text.clone()).unwrap();
     let hlo = rt.optimized_hlo("inspect-test").unwrap();
     for (src, format) in [
@@ -267,12 +267,12 @@ fn exported_tpu_programs_load_and_are_refused_off_tpu() {
     assert_eq!(m.entries.len(), 4);
     let e = m
         .select(
-            fp8nsa_pjrt::TpuKernel::V3,
+            fp8nsa::TpuKernel::V3,
             9,
             256,
             384,
             [128, 128],
-            fp8nsa_pjrt::programs::ActScheme::Group,
+            fp8nsa::ActQuant::Group,
         )
         .unwrap();
     assert_eq!(e.m_bucket, 32);

@@ -4,7 +4,7 @@
 //! - `sm89`: fp8 `mma.sync` (Ada, Hopper and later run it; JIT-compiled for the device).
 //!
 //! Needs nvcc from CUDA >= 12.9 (cuBLASLt block scaling): `CUDA_ROOT`, `CUDA_PATH`,
-//! `CUDA_HOME` or `PATH`. `../shared/gpu/cuda-toolchain.sh` provides one from PyPI wheels.
+//! `CUDA_HOME` or `PATH`. `.ci/cuda-toolchain.sh` provides one from PyPI wheels.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -76,7 +76,7 @@ fn nvcc_version(nvcc: &Path) -> (u32, u32) {
         .unwrap_or_else(|e| {
             panic!(
             "fp8nsa-cuda: cannot run {} ({e}). The `cuda` feature needs nvcc from CUDA >= 12.9: \
-             set CUDA_ROOT, or `source ../shared/gpu/cuda-toolchain.sh`",
+             set CUDA_ROOT, or `source .ci/cuda-toolchain.sh`",
             nvcc.display()
         )
         });

@@ -25,6 +25,13 @@ pub enum Error {
         entry: usize,
         msg: String,
     },
+    /// An `FP8NSA_*` environment setting that does not parse.
+    #[error("{var}: expected {expected}, got {got:?}")]
+    Setting {
+        var: &'static str,
+        expected: &'static str,
+        got: String,
+    },
     #[error("{op}: no kernel for device {device}: {hint}")]
     Unsupported {
         op: &'static str,
@@ -38,6 +45,17 @@ pub enum Error {
     #[cfg(feature = "cuda")]
     #[error(transparent)]
     Cuda(#[from] fp8nsa_cuda::Error),
+}
+
+impl From<fp8nsa_types::Error> for Error {
+    fn from(e: fp8nsa_types::Error) -> Self {
+        match e {
+            fp8nsa_types::Error::Invalid { arg, msg } => Error::Invalid { arg, msg },
+            fp8nsa_types::Error::Setting { var, expected, got } => {
+                Error::Setting { var, expected, got }
+            }
+        }
+    }
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -22,6 +22,7 @@ pub mod nsa;
 pub mod reference;
 mod storage;
 
-pub use backend::{Backend, CudaFp8Kernel, PjrtRuntime, TpuKernel};
+pub use backend::{Backend, PjrtRuntime};
 pub use error::{Error, Result};
 pub use fp8::{ActQuant, Fp8BlockWeight, Fp8Linear};
+pub use fp8nsa_types::{CudaFp8Kernel, Settings, TpuKernel};

@@ -13,6 +13,19 @@ pub enum Error {
     Invalid { arg: &'static str, msg: String },
 }
 
+/// The vocabulary's own checks (shapes, dims, schemes) report the same way as ours.
+impl From<fp8nsa_types::Error> for Error {
+    fn from(e: fp8nsa_types::Error) -> Self {
+        match e {
+            fp8nsa_types::Error::Invalid { arg, msg } => Error::Invalid { arg, msg },
+            fp8nsa_types::Error::Setting { var, .. } => Error::Invalid {
+                arg: var,
+                msg: e.to_string(),
+            },
+        }
+    }
+}
+
 pub type Result<T> = std::result::Result<T, Error>;
 
 pub(crate) fn check_len(arg: &'static str, got: usize, expected: usize) -> Result<()> {

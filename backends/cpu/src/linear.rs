@@ -10,43 +10,12 @@ use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, Result};
 use crate::fp8::e4m3_to_f32;
-pub use crate::quant::ActMode;
 use crate::quant::{quantize_act, QuantizedAct};
 use crate::simd::{dot, simd_dispatch, Arith};
+use fp8nsa_types::{ActQuant, LinearShape};
 
 /// Largest `m` served by the GEMV kernel.
 pub const GEMV_MAX_M: usize = 16;
-
-/// Problem size: `x [m, k]`, `W [n, k]` in `bn x bk` blocks, `y [m, n]`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Fp8LinearShape {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub bn: usize,
-    pub bk: usize,
-}
-
-impl Fp8LinearShape {
-    pub fn n_blocks(&self) -> usize {
-        self.n.div_ceil(self.bn)
-    }
-    pub fn k_blocks(&self) -> usize {
-        self.k.div_ceil(self.bk)
-    }
-    fn validate(&self) -> Result<()> {
-        for (arg, v) in [
-            ("m", self.m),
-            ("n", self.n),
-            ("k", self.k),
-            ("bn", self.bn),
-            ("bk", self.bk),
-        ] {
-            check_positive(arg, v)?;
-        }
-        Ok(())
-    }
-}
 
 /// The kernel a call runs; reported for logging.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -56,7 +25,7 @@ pub enum CpuKernel {
 }
 
 impl CpuKernel {
-    pub fn for_shape(shape: &Fp8LinearShape) -> Self {
+    pub fn for_shape(shape: &LinearShape) -> Self {
         if shape.m <= GEMV_MAX_M {
             CpuKernel::Gemv
         } else {
@@ -80,8 +49,8 @@ pub fn fp8_linear(
     w: &[u8],
     sw: &[f32],
     bias: Option<&[f32]>,
-    shape: Fp8LinearShape,
-    act: ActMode,
+    shape: LinearShape,
+    act: ActQuant,
     out: &mut [f32],
 ) -> Result<CpuKernel> {
     shape.validate()?;
@@ -93,7 +62,7 @@ pub fn fp8_linear(
     if let Some(b) = bias {
         check_len("bias", b.len(), s.n)?;
     }
-    if let ActMode::Block2d { bm } = act {
+    if let ActQuant::Block2d { bm } = act {
         check_positive("bm", bm)?;
     }
     let kernel = CpuKernel::for_shape(&s);
@@ -154,7 +123,7 @@ fn gemv_rows_impl<A: Arith>(
     xq: &QuantizedAct<'_>,
     w: &[u8],
     sw: &[f32],
-    s: Fp8LinearShape,
+    s: LinearShape,
     n0: usize,
     yt: &mut [f32],
 ) {
@@ -195,7 +164,7 @@ fn gemv_rows_impl<A: Arith>(
 }
 
 simd_dispatch!(fn gemv_rows => gemv_rows_impl(
-    xq: &QuantizedAct<'_>, w: &[u8], sw: &[f32], s: Fp8LinearShape, n0: usize, yt: &mut [f32]
+    xq: &QuantizedAct<'_>, w: &[u8], sw: &[f32], s: LinearShape, n0: usize, yt: &mut [f32]
 ));
 
 /// Weight rows per panel and K columns per tile: a 256 x 1024 f32 tile (1 MiB) stays in L2
@@ -210,7 +179,7 @@ const TILE_K: usize = 1024;
 fn dequant_tile_impl<A: Arith>(
     w: &[u8],
     sw: &[f32],
-    s: Fp8LinearShape,
+    s: LinearShape,
     n0: usize,
     c0: usize,
     c1: usize,
@@ -234,10 +203,10 @@ fn dequant_tile_impl<A: Arith>(
 }
 
 simd_dispatch!(fn dequant_tile => dequant_tile_impl(
-    w: &[u8], sw: &[f32], s: Fp8LinearShape, n0: usize, c0: usize, c1: usize, buf: &mut [f32]
+    w: &[u8], sw: &[f32], s: LinearShape, n0: usize, c0: usize, c1: usize, buf: &mut [f32]
 ));
 
-fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: Fp8LinearShape, out: &mut [f32]) {
+fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: LinearShape, out: &mut [f32]) {
     let threads = rayon::current_num_threads();
     // two panels per thread where n allows, 16 to PANEL_ROWS rows each
     let p =

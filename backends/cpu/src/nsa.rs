@@ -1,7 +1,7 @@
 //! NSA selection attention: each query attends only to its selected key spans.
 //!
 //! Layout is token-packed BTHD: `q [Σtq, hq, d]`, `k [Σtk, hkv, d]`, `v [Σtk, hkv, dv]`, with
-//! the sequences described by [`SeqInfo`] (a dense batch is the special case of equal lengths).
+//! the sequences described by [`Seq`] (a dense batch is the special case of equal lengths).
 //! For each (query token, kv head) the kernel takes the row's spans, clamps them to the keys the
 //! query may see (`j <= q_offset + i`, `j < tk`), sorts and merges them (so every key counts once
 //! whatever the selection says), then walks them in order with an online softmax in f32, all G
@@ -11,98 +11,7 @@ use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, Error, Result};
 use crate::simd::{dot, simd_dispatch, Arith};
-
-/// Head counts and head dims.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct AttnDims {
-    pub hq: usize,
-    pub hkv: usize,
-    pub d: usize,
-    pub dv: usize,
-}
-
-/// One sequence of a (possibly packed) batch: its query and key token ranges and the absolute
-/// position of its first query (`q_offset`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct SeqInfo {
-    pub q_start: usize,
-    pub q_len: usize,
-    pub k_start: usize,
-    pub k_len: usize,
-    pub q_offset: usize,
-}
-
-/// The selected keys of every (query token, kv head) row, row = `token * hkv + head`. Positions
-/// are relative to the row's own sequence.
-#[derive(Clone, Copy, Debug)]
-pub enum Spans<'a> {
-    /// `indices [rows, per_row]`: block ids (negative = padding); block `i` is
-    /// `[i * block_size, (i + 1) * block_size)`.
-    Blocks {
-        indices: &'a [i32],
-        per_row: usize,
-        block_size: usize,
-    },
-    /// `ranges [rows, per_row, 2]`: half-open `[start, end)`; `end <= start` is padding.
-    Ranges { ranges: &'a [i32], per_row: usize },
-}
-
-impl Spans<'_> {
-    fn rows(&self) -> usize {
-        match *self {
-            Spans::Blocks {
-                indices, per_row, ..
-            } => indices.len() / per_row.max(1),
-            Spans::Ranges { ranges, per_row } => ranges.len() / (2 * per_row.max(1)),
-        }
-    }
-
-    fn per_row(&self) -> usize {
-        match *self {
-            Spans::Blocks { per_row, .. } | Spans::Ranges { per_row, .. } => per_row,
-        }
-    }
-
-    /// Row `row`'s spans clamped to `[0, limit)`, sorted and merged, into `out`.
-    pub fn row_spans(&self, row: usize, limit: usize, out: &mut Vec<(usize, usize)>) {
-        out.clear();
-        if self.per_row() == 0 {
-            return;
-        }
-        let clamp = |x: i64| x.clamp(0, limit as i64) as usize;
-        match *self {
-            Spans::Blocks {
-                indices,
-                per_row,
-                block_size,
-            } => {
-                for &i in &indices[row * per_row..(row + 1) * per_row] {
-                    if i >= 0 {
-                        let a = i as i64 * block_size as i64;
-                        out.push((clamp(a), clamp(a + block_size as i64)));
-                    }
-                }
-            }
-            Spans::Ranges { ranges, per_row } => {
-                for r in ranges[2 * row * per_row..2 * (row + 1) * per_row].chunks_exact(2) {
-                    out.push((clamp(r[0] as i64), clamp(r[1] as i64)));
-                }
-            }
-        }
-        out.retain(|&(a, b)| b > a);
-        out.sort_unstable();
-        let mut merged = 0;
-        for i in 0..out.len() {
-            if merged > 0 && out[i].0 <= out[merged - 1].1 {
-                out[merged - 1].1 = out[merged - 1].1.max(out[i].1);
-            } else {
-                out[merged] = out[i];
-                merged += 1;
-            }
-        }
-        out.truncate(merged);
-    }
-}
+use fp8nsa_types::{AttnDims, Seq, Spans};
 
 /// Keys per softmax step: scores for this many keys and all G heads are computed before the
 /// running max and sums are updated.
@@ -166,25 +75,12 @@ fn check<T>(
     k: &[T],
     v: &[T],
     dims: AttnDims,
-    seqs: &[SeqInfo],
-    spans: &Spans<'_>,
+    seqs: &[Seq],
+    spans: &Spans<&[i32]>,
     out: &[f32],
     lse: &[f32],
 ) -> Result<(usize, usize)> {
-    for (arg, x) in [
-        ("hq", dims.hq),
-        ("hkv", dims.hkv),
-        ("d", dims.d),
-        ("dv", dims.dv),
-    ] {
-        check_positive(arg, x)?;
-    }
-    if dims.hq % dims.hkv != 0 {
-        return Err(Error::Invalid {
-            arg: "hq",
-            msg: format!("must be a multiple of hkv = {}, got {}", dims.hkv, dims.hq),
-        });
-    }
+    dims.validate()?;
     let tq = q.len() / (dims.hq * dims.d);
     let tk = k.len() / (dims.hkv * dims.d);
     check_len("q", q.len(), tq * dims.hq * dims.d)?;
@@ -226,8 +122,8 @@ pub fn selection_attention<T>(
     k: &[T],
     v: &[T],
     dims: AttnDims,
-    seqs: &[SeqInfo],
-    spans: Spans<'_>,
+    seqs: &[Seq],
+    spans: Spans<&[i32]>,
     scale: f32,
     out: &mut [f32],
     lse: &mut [f32],
@@ -302,7 +198,7 @@ struct RowArgs<'a, T> {
 /// Query heads `heads` of one token; `o [heads, dv]`, `lse [heads]`.
 fn attend_heads<T: Copy + Into<f32>>(
     a: &RowArgs<'_, T>,
-    spans: &Spans<'_>,
+    spans: &Spans<&[i32]>,
     heads: std::ops::Range<usize>,
     o: &mut [f32],
     lse: &mut [f32],
@@ -367,26 +263,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn spans_are_clamped_sorted_and_merged() {
-        let mut out = vec![];
-        let r = [40, 60, -5, 10, 8, 20, 100, 200, 30, 30, 55, 58];
-        Spans::Ranges {
-            ranges: &r,
-            per_row: 6,
-        }
-        .row_spans(0, 50, &mut out);
-        assert_eq!(out, vec![(0, 20), (40, 50)]);
-        let b = [3, -1, 1, 3, 99];
-        Spans::Blocks {
-            indices: &b,
-            per_row: 5,
-            block_size: 16,
-        }
-        .row_spans(0, 60, &mut out);
-        assert_eq!(out, vec![(16, 32), (48, 60)]);
-    }
-
-    #[test]
     fn one_key_gives_its_value_and_empty_rows_give_zero() {
         let dims = AttnDims {
             hq: 2,
@@ -397,7 +273,7 @@ mod tests {
         let q = [1.0f32, 0.0, 0.0, 1.0];
         let k = [0.5f32, 0.5, 9.0, 9.0];
         let v = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
-        let seqs = [SeqInfo {
+        let seqs = [Seq {
             q_start: 0,
             q_len: 1,
             k_start: 0,
@@ -413,7 +289,7 @@ mod tests {
             dims,
             &seqs,
             Spans::Ranges {
-                ranges: &r,
+                ranges: &r[..],
                 per_row: 1,
             },
             1.0,
@@ -431,7 +307,7 @@ mod tests {
             dims,
             &seqs,
             Spans::Ranges {
-                ranges: &r,
+                ranges: &r[..],
                 per_row: 1,
             },
             1.0,

@@ -1,4 +1,4 @@
-//! Weight quantization and dynamic activation quantization (DESIGN.md, numerics contract).
+//! Weight quantization and dynamic activation quantization (docs/numerics.md, "Quantization", "Weights", "Activations").
 
 use std::borrow::Cow;
 
@@ -6,17 +6,7 @@ use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, Result};
 use crate::fp8::{fake_quant_slice, quantize, scale_for_amax};
-
-/// How activations are quantized before the product. The K-group is always the weight's `bk`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ActMode {
-    /// W8A16: activations are used as they are (in f32).
-    None,
-    /// One scale per token per K-group.
-    Group,
-    /// One scale per `bm x bk` block of activations.
-    Block2d { bm: usize },
-}
+use fp8nsa_types::ActQuant;
 
 fn amax(xs: &[f32]) -> f32 {
     xs.iter().fold(0f32, |a, &x| a.max(x.abs()))
@@ -63,7 +53,7 @@ pub fn quantize_weight(
 /// Activations after dynamic quantization.
 ///
 /// `values` holds the fp8 values decoded to f32 (exact), or, when built with `dequantize`, those
-/// values already multiplied by their scale. For [`ActMode::None`] it borrows the input.
+/// values already multiplied by their scale. For [`ActQuant::None`] it borrows the input.
 #[derive(Debug, Clone)]
 pub struct QuantizedAct<'a> {
     pub values: Cow<'a, [f32]>,
@@ -87,7 +77,7 @@ pub fn quantize_act(
     m: usize,
     k: usize,
     bk: usize,
-    mode: ActMode,
+    mode: ActQuant,
     dequantize: bool,
 ) -> Result<QuantizedAct<'_>> {
     for (arg, v) in [("m", m), ("k", k), ("bk", bk)] {
@@ -96,7 +86,7 @@ pub fn quantize_act(
     check_len("x", x.len(), m * k)?;
     let kbs = k.div_ceil(bk);
     let rows_per_scale = match mode {
-        ActMode::None => {
+        ActQuant::None => {
             return Ok(QuantizedAct {
                 values: Cow::Borrowed(x),
                 scales: vec![1.0; kbs],
@@ -104,8 +94,8 @@ pub fn quantize_act(
                 k_blocks: kbs,
             })
         }
-        ActMode::Group => 1,
-        ActMode::Block2d { bm } => {
+        ActQuant::Group => 1,
+        ActQuant::Block2d { bm } => {
             check_positive("bm", bm)?;
             bm.min(m)
         }
@@ -167,7 +157,7 @@ mod tests {
         let (q, s) = quantize_weight(&[0.0; 8], 2, 4, 2, 4).unwrap();
         assert_eq!(s, vec![1e-12 / 448.0]);
         assert!(q.iter().all(|&c| c == 0));
-        let a = quantize_act(&[0.0; 8], 2, 4, 4, ActMode::Group, false).unwrap();
+        let a = quantize_act(&[0.0; 8], 2, 4, 4, ActQuant::Group, false).unwrap();
         assert!(a.values.iter().all(|&v| v == 0.0));
     }
 
@@ -175,6 +165,6 @@ mod tests {
     fn rejects_bad_arguments() {
         assert!(quantize_weight(&[0.0; 8], 2, 4, 0, 4).is_err());
         assert!(quantize_weight(&[0.0; 7], 2, 4, 2, 4).is_err());
-        assert!(quantize_act(&[0.0; 8], 2, 4, 4, ActMode::Block2d { bm: 0 }, false).is_err());
+        assert!(quantize_act(&[0.0; 8], 2, 4, 4, ActQuant::Block2d { bm: 0 }, false).is_err());
     }
 }

@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use fp8nsa_cuda::emu::{execute, HostBuf};
-use fp8nsa_cuda::fp8::{plan_fp8_linear, plan_pad_rows, ActScheme, Fp8Path, MmaTile, WeightLayout};
+use fp8nsa_cuda::fp8::{plan_fp8_linear, plan_pad_rows, Fp8Path, MmaTile, WeightLayout};
 use fp8nsa_cuda::launch::Dtype;
 use fp8nsa_ops::{reference, ActQuant, Fp8BlockWeight};
 use rand::rngs::StdRng;
@@ -84,11 +84,11 @@ struct Case {
     bias: bool,
 }
 
-fn scheme(a: ActQuant) -> ActScheme {
+fn scheme(a: ActQuant) -> ActQuant {
     match a {
-        ActQuant::None => ActScheme::None,
-        ActQuant::Group => ActScheme::Group,
-        ActQuant::Block2d { bm } => ActScheme::Block2d { bm },
+        ActQuant::None => ActQuant::None,
+        ActQuant::Group => ActQuant::Group,
+        ActQuant::Block2d { bm } => ActQuant::Block2d { bm },
     }
 }
 
@@ -270,7 +270,7 @@ fn emulator_reports_bad_launches() {
     let mut plan = plan_fp8_linear(
         &layout,
         1,
-        ActScheme::Group,
+        ActQuant::Group,
         Fp8Path::SmallM { tokens: 1 },
         Dtype::F32,
         false,

@@ -15,6 +15,18 @@ pub enum Error {
     NotOnPlatform { what: String, platform: String },
 }
 
+impl From<fp8nsa_types::Error> for Error {
+    fn from(e: fp8nsa_types::Error) -> Self {
+        match e {
+            fp8nsa_types::Error::Invalid { arg, msg } => Error::Invalid { arg, msg },
+            fp8nsa_types::Error::Setting { var, .. } => Error::Invalid {
+                arg: var,
+                msg: e.to_string(),
+            },
+        }
+    }
+}
+
 pub type Result<T> = std::result::Result<T, Error>;
 
 pub(crate) fn invalid(arg: &'static str, msg: impl Into<String>) -> Error {

@@ -5,23 +5,7 @@
 
 use std::fmt::Write;
 
-/// Dynamic activation quantization of the fp8 linear program (mirrors `ActQuant`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ActScheme {
-    None,
-    Group,
-    Block2d { bm: usize },
-}
-
-/// Shape of an fp8 linear call: `x [m, k]`, `W [n, k]` in `bn x bk` blocks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct LinearShape {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub bn: usize,
-    pub bk: usize,
-}
+pub use fp8nsa_types::{ActQuant, LinearShape};
 
 fn ty(dims: &[usize], elem: &str) -> String {
     let mut s = String::from("tensor<");
@@ -178,25 +162,25 @@ impl Body {
 /// Arguments: `x f32[m, k]`, `wq ui8[n, k]` (e4m3fn bytes), `sw f32[ceil(n/bn), ceil(k/bk)]`,
 /// `bias f32[n]` when `bias`, and `fp8_max f32[]` (= 448) when activations are quantized.
 /// Result `f32[m, n]`.
-pub fn fp8_linear(s: LinearShape, act: ActScheme, bias: bool) -> String {
+pub fn fp8_linear(s: LinearShape, act: ActQuant, bias: bool) -> String {
     let LinearShape { m, n, k, bn, bk } = s;
     let (kb, nb) = (k.div_ceil(bk), n.div_ceil(bn));
     let kp = kb * bk;
     let rows = match act {
-        ActScheme::Block2d { bm } => m.div_ceil(bm) * bm,
+        ActQuant::Block2d { bm } => m.div_ceil(bm) * bm,
         _ => m,
     };
     let mut b = Body::new();
     // activations: pad to whole blocks (zeros change neither amax nor sums), quantize
     let xp = b.pad("%x", &[m, k], &[rows, kp]);
     let (xq, sx_rows) = match act {
-        ActScheme::None => (b.reshape(&xp, &[rows, kp], &[rows, kb, bk]), None),
-        ActScheme::Group => {
+        ActQuant::None => (b.reshape(&xp, &[rows, kp], &[rows, kb, bk]), None),
+        ActQuant::Group => {
             let xr = b.reshape(&xp, &[rows, kp], &[rows, kb, bk]);
             let (q, sc) = quantize(&mut b, &xr, &[rows, kb, bk], &[2], &[0, 1], &[rows, kb]);
             (q, Some(sc))
         }
-        ActScheme::Block2d { bm } => {
+        ActQuant::Block2d { bm } => {
             let mb = rows / bm;
             let full = [mb, bm, kb, bk];
             let xr = b.reshape(&xp, &[rows, kp], &full);
@@ -250,7 +234,7 @@ pub fn fp8_linear(s: LinearShape, act: ActScheme, bias: bool) -> String {
     if bias {
         let _ = write!(extra, ", %bias: {}", f32t(&[n]));
     }
-    if act != ActScheme::None {
+    if act != ActQuant::None {
         extra += ", %fp8_max: tensor<f32>";
     }
     format!(

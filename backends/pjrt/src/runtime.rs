@@ -3,53 +3,12 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 
 use crate::error::{invalid, Error, Result};
-use crate::programs::{self, ActScheme, AttnShape, LinearShape};
+use crate::programs::{self, AttnShape};
 use crate::safe::{Api, Buffer, Client, Device, ElementType, Executable};
-
-/// Environment variable naming the plugin (`.so`) to load.
-pub const PLUGIN_ENV: &str = "FP8NSA_PJRT_PLUGIN";
-/// Environment variable choosing the TPU fp8 kernel variant.
-pub const TPU_KERNEL_ENV: &str = "FP8NSA_TPU_KERNEL";
-
-/// The fp8 linear kernel variants. `V1` is the XLA-native program (any platform); `V2`
-/// (manual async DMA, double buffering) and `V3` (V2 with the scales in SMEM) are Mosaic
-/// kernels that exist for TPUs only.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum TpuKernel {
-    #[default]
-    V1,
-    V2,
-    V3,
-}
-
-impl FromStr for TpuKernel {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "v1" => Ok(TpuKernel::V1),
-            "v2" => Ok(TpuKernel::V2),
-            "v3" => Ok(TpuKernel::V3),
-            other => Err(invalid(
-                "FP8NSA_TPU_KERNEL",
-                format!("expected v1, v2 or v3, got {other:?}"),
-            )),
-        }
-    }
-}
-
-impl TpuKernel {
-    /// From `FP8NSA_TPU_KERNEL` (default v1).
-    pub fn from_env() -> Result<Self> {
-        match std::env::var(TPU_KERNEL_ENV) {
-            Ok(v) => v.parse(),
-            Err(_) => Ok(TpuKernel::V1),
-        }
-    }
-}
+use fp8nsa_types::{ActQuant, LinearShape, Settings, TpuKernel, PJRT_PLUGIN_ENV};
 
 /// The XLA CPU plugin of the `xla-cpu-pjrt` wheel, if Python has it installed.
 pub fn locate_cpu_plugin() -> Option<PathBuf> {
@@ -127,12 +86,12 @@ impl PjrtRuntime {
 
     /// The plugin named by `FP8NSA_PJRT_PLUGIN`, else the installed XLA CPU plugin.
     pub fn from_env() -> Result<Self> {
-        let path = match std::env::var(PLUGIN_ENV) {
-            Ok(p) => PathBuf::from(p),
-            Err(_) => locate_cpu_plugin().ok_or_else(|| Error::Load {
+        let path = match &Settings::global()?.pjrt_plugin {
+            Some(p) => p.clone(),
+            None => locate_cpu_plugin().ok_or_else(|| Error::Load {
                 path: "(none)".into(),
                 message: format!(
-                    "set {PLUGIN_ENV} to a PJRT plugin, or `pip install xla-cpu-pjrt` for the CPU one"
+                    "set {PJRT_PLUGIN_ENV} to a PJRT plugin, or `pip install xla-cpu-pjrt` for the CPU one"
                 ),
             })?,
         };
@@ -248,7 +207,7 @@ impl PjrtRuntime {
         x: &[f32],
         m: usize,
         w: &DeviceWeight,
-        act: ActScheme,
+        act: ActQuant,
         kernel: TpuKernel,
     ) -> Result<Vec<f32>> {
         self.check_kernel(kernel)?;
@@ -265,7 +224,7 @@ impl PjrtRuntime {
             bn: w.block[0],
             bk: w.block[1],
         };
-        if act == (ActScheme::Block2d { bm: 0 }) {
+        if act == (ActQuant::Block2d { bm: 0 }) {
             return Err(invalid("act", "Block2d needs bm >= 1"));
         }
         if kernel != TpuKernel::V1 {
@@ -278,7 +237,7 @@ impl PjrtRuntime {
         if let Some(b) = &w.bias {
             args.push(b);
         }
-        if act != ActScheme::None {
+        if act != ActQuant::None {
             if self.fp8_max.get().is_none() {
                 let _ = self.fp8_max.set(self.upload_f32(&[448.0], &[])?);
             }
@@ -295,7 +254,7 @@ impl PjrtRuntime {
         x: &[f32],
         m: usize,
         w: &DeviceWeight,
-        act: ActScheme,
+        act: ActQuant,
         kernel: TpuKernel,
     ) -> Result<Vec<f32>> {
         let manifest = self

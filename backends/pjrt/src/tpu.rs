@@ -7,8 +7,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use crate::error::{invalid, Error, Result};
-use crate::programs::ActScheme;
-use crate::runtime::TpuKernel;
+use fp8nsa_types::{ActQuant, TpuKernel};
 
 /// One exported program.
 #[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
@@ -36,14 +35,6 @@ pub struct TpuManifest {
     pub dir: PathBuf,
 }
 
-fn variant_name(v: TpuKernel) -> &'static str {
-    match v {
-        TpuKernel::V1 => "v1",
-        TpuKernel::V2 => "v2",
-        TpuKernel::V3 => "v3",
-    }
-}
-
 impl TpuManifest {
     /// Reads `dir/manifest.json`.
     pub fn load(dir: &Path) -> Result<Self> {
@@ -65,19 +56,19 @@ impl TpuManifest {
         n: usize,
         k: usize,
         block: [usize; 2],
-        act: ActScheme,
+        act: ActQuant,
     ) -> Result<&TpuEntry> {
         let (act_name, bm) = match act {
-            ActScheme::Group => ("group", None),
-            ActScheme::Block2d { bm } => ("block2d", Some(bm)),
-            ActScheme::None => {
+            ActQuant::Group => ("group", None),
+            ActQuant::Block2d { bm } => ("block2d", Some(bm)),
+            ActQuant::None => {
                 return Err(invalid(
                     "act",
                     "the TPU kernels quantize activations (Group or Block2d)",
                 ))
             }
         };
-        let name = variant_name(variant);
+        let name = variant.name();
         self.entries
             .iter()
             .filter(|e| {
@@ -131,7 +122,7 @@ mod tests {
     fn picks_the_smallest_bucket_that_holds_the_rows() {
         let m = manifest();
         let pick = |rows| {
-            m.select(TpuKernel::V2, rows, 576, 3884, [128, 128], ActScheme::Group)
+            m.select(TpuKernel::V2, rows, 576, 3884, [128, 128], ActQuant::Group)
                 .map(|e| e.m_bucket)
         };
         assert_eq!(pick(1).unwrap(), 16); // the bf16 bucket of 1 does not serve f32 calls
@@ -139,7 +130,7 @@ mod tests {
         assert_eq!(pick(17).unwrap(), 128);
         let e = pick(129).unwrap_err().to_string();
         assert!(e.contains("export-tpu") && e.contains("576"), "{e}");
-        let b2 = ActScheme::Block2d { bm: 16 };
+        let b2 = ActQuant::Block2d { bm: 16 };
         assert_eq!(
             m.select(TpuKernel::V3, 100, 576, 3884, [128, 128], b2)
                 .unwrap()
@@ -153,18 +144,18 @@ mod tests {
                 576,
                 3884,
                 [128, 128],
-                ActScheme::Block2d { bm: 8 }
+                ActQuant::Block2d { bm: 8 }
             )
             .is_err());
         assert!(m
-            .select(TpuKernel::V1, 1, 576, 3884, [128, 128], ActScheme::Group)
+            .select(TpuKernel::V1, 1, 576, 3884, [128, 128], ActQuant::Group)
             .is_err());
         assert!(m
-            .select(TpuKernel::V2, 1, 576, 3884, [128, 128], ActScheme::None)
+            .select(TpuKernel::V2, 1, 576, 3884, [128, 128], ActQuant::None)
             .is_err());
         assert_eq!(
             m.stablehlo_path(
-                m.select(TpuKernel::V2, 2, 576, 3884, [128, 128], ActScheme::Group)
+                m.select(TpuKernel::V2, 2, 576, 3884, [128, 128], ActQuant::Group)
                     .unwrap()
             ),
             PathBuf::from("/exports/a.stablehlo")

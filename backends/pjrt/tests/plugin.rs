@@ -1,8 +1,9 @@
 //! The binding against the real XLA CPU plugin (`pip install xla-cpu-pjrt`; skipped, saying
 //! so, when it is absent).
 
-use fp8nsa_pjrt::programs::{ActScheme, AttnShape};
-use fp8nsa_pjrt::{locate_cpu_plugin, safe, Error, PjrtRuntime, TpuKernel};
+use fp8nsa_pjrt::programs::AttnShape;
+use fp8nsa_pjrt::{locate_cpu_plugin, safe, Error, PjrtRuntime};
+use fp8nsa_types::{ActQuant, TpuKernel};
 
 /// The leak check counts live objects process-wide: tests of this binary take turns.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -46,7 +47,7 @@ fn w8a16_matches_a_direct_computation() {
         .upload_weight(&codes, &scales, Some(&bias), n, k, block)
         .unwrap();
     let y = rt
-        .fp8_linear(&x, m, &w, ActScheme::None, TpuKernel::V1)
+        .fp8_linear(&x, m, &w, ActQuant::None, TpuKernel::V1)
         .unwrap();
     for r in 0..m {
         for c in 0..n {
@@ -63,11 +64,11 @@ fn w8a16_matches_a_direct_computation() {
         }
     }
     // compiled once, reused
-    rt.fp8_linear(&x, m, &w, ActScheme::None, TpuKernel::V1)
+    rt.fp8_linear(&x, m, &w, ActQuant::None, TpuKernel::V1)
         .unwrap();
     assert_eq!(rt.cached_programs(), 1);
     // every activation scheme compiles and runs
-    for act in [ActScheme::Group, ActScheme::Block2d { bm: 2 }] {
+    for act in [ActQuant::Group, ActQuant::Block2d { bm: 2 }] {
         assert_eq!(
             rt.fp8_linear(&x, m, &w, act, TpuKernel::V1).unwrap().len(),
             m * n
@@ -116,14 +117,14 @@ fn errors_come_back_as_errors() {
         .upload_weight(&[0x38; 6], &[1.0], None, 2, 3, [128, 128])
         .unwrap();
     assert!(rt
-        .fp8_linear(&[1.0; 4], 1, &w, ActScheme::Group, TpuKernel::V1)
+        .fp8_linear(&[1.0; 4], 1, &w, ActQuant::Group, TpuKernel::V1)
         .is_err());
     assert!(rt
         .upload_weight(&[0x38; 6], &[1.0, 2.0], None, 2, 3, [128, 128])
         .is_err());
     for k in [TpuKernel::V2, TpuKernel::V3] {
         let e = rt
-            .fp8_linear(&[1.0; 3], 1, &w, ActScheme::Group, k)
+            .fp8_linear(&[1.0; 3], 1, &w, ActQuant::Group, k)
             .unwrap_err()
             .to_string();
         assert!(e.contains("TPU-only") && e.contains("cpu"), "{e}");
@@ -142,11 +143,11 @@ fn repeated_execution_frees_everything() {
     let w = rt
         .upload_weight(&[0x38; 12], &[1.0], None, 3, 4, [128, 128])
         .unwrap();
-    rt.fp8_linear(&[1.0; 8], 2, &w, ActScheme::Group, TpuKernel::V1)
+    rt.fp8_linear(&[1.0; 8], 2, &w, ActQuant::Group, TpuKernel::V1)
         .unwrap();
     let before = safe::live_objects();
     for _ in 0..100 {
-        rt.fp8_linear(&[1.0; 8], 2, &w, ActScheme::Group, TpuKernel::V1)
+        rt.fp8_linear(&[1.0; 8], 2, &w, ActQuant::Group, TpuKernel::V1)
             .unwrap();
     }
     assert_eq!(

@@ -17,15 +17,12 @@ mod imp {
     use candle_core::cuda::CudaDType;
     use candle_core::{CudaStorage, CustomOp1, DType, Device, DeviceLocation, Layout, Shape};
     use cudarc::driver::{CudaSlice, CudaView};
-    use fp8nsa_cuda::fp8::{
-        self as kernels, pad_rows, ActScheme, Fp8Kernel, WeightLayout, WeightRef,
-    };
+    use fp8nsa_cuda::fp8::{self as kernels, pad_rows, WeightLayout, WeightRef};
+    use fp8nsa_types::{ActQuant, CudaFp8Kernel};
 
     use super::*;
-    use crate::backend::CudaFp8Kernel;
     use crate::cuda::{stream_of, view, with_storage};
     use crate::error::{invalid, Error};
-    use crate::fp8::ActQuant;
 
     /// A buffer of the weight on the device: the layer's own tensor, or a padded copy.
     #[derive(Debug)]
@@ -58,24 +55,6 @@ mod imp {
 
     /// Shared by clones of the layer.
     pub(crate) type CudaWeightCache = Arc<Mutex<Option<Arc<CudaWeight>>>>;
-
-    fn scheme(a: ActQuant) -> ActScheme {
-        match a {
-            ActQuant::None => ActScheme::None,
-            ActQuant::Group => ActScheme::Group,
-            ActQuant::Block2d { bm } => ActScheme::Block2d { bm },
-        }
-    }
-
-    fn kernel(k: CudaFp8Kernel) -> Fp8Kernel {
-        match k {
-            CudaFp8Kernel::Auto => Fp8Kernel::Auto,
-            CudaFp8Kernel::CublasLt => Fp8Kernel::CublasLt,
-            CudaFp8Kernel::Mma => Fp8Kernel::Mma,
-            CudaFp8Kernel::SmallM => Fp8Kernel::SmallM,
-            CudaFp8Kernel::Dequant => Fp8Kernel::Dequant,
-        }
-    }
 
     /// `t` as it is when the layout allows (and it starts on 16 bytes), else a padded copy.
     fn part<T: CudaDType + kernels::PadElement>(
@@ -158,8 +137,8 @@ mod imp {
         let w = prepared(layer, x.device())?;
         let op = CudaOp {
             w,
-            act: scheme(layer.act()),
-            kernel: kernel(layer.cuda_kernel()?),
+            act: layer.act(),
+            kernel: layer.cuda_kernel()?,
             m,
         };
         Ok(x.apply_op1_no_bwd(&op)?)
@@ -167,8 +146,8 @@ mod imp {
 
     struct CudaOp {
         w: Arc<CudaWeight>,
-        act: ActScheme,
-        kernel: Fp8Kernel,
+        act: ActQuant,
+        kernel: CudaFp8Kernel,
         m: usize,
     }
 

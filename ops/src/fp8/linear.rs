@@ -2,7 +2,8 @@ use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Shape, Tensor};
-use fp8nsa_cpu::linear::{fp8_linear, Fp8LinearShape};
+use fp8nsa_cpu::linear::fp8_linear;
+use fp8nsa_types::{LinearShape, Settings};
 
 use super::{ActQuant, Fp8BlockWeight};
 use crate::backend::{use_cuda, Backend, CudaFp8Kernel, TpuKernel};
@@ -122,7 +123,8 @@ impl Fp8Linear {
 
     #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
     pub(crate) fn tpu_kernel(&self) -> Result<TpuKernel> {
-        self.kernel.map_or_else(TpuKernel::from_env, Ok)
+        self.kernel
+            .map_or_else(|| Ok(Settings::global()?.tpu_kernel), Ok)
     }
 
     #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
@@ -132,7 +134,8 @@ impl Fp8Linear {
 
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn cuda_kernel(&self) -> Result<CudaFp8Kernel> {
-        self.cuda_kernel.map_or_else(CudaFp8Kernel::from_env, Ok)
+        self.cuda_kernel
+            .map_or_else(|| Ok(Settings::global()?.cuda_fp8_kernel), Ok)
     }
 
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -239,7 +242,7 @@ impl CustomOp3 for Fp8LinearOp {
                 .into())
             }
         };
-        let shape = Fp8LinearShape {
+        let shape = LinearShape {
             m,
             n: self.n,
             k,
@@ -253,7 +256,7 @@ impl CustomOp3 for Fp8LinearOp {
             scales,
             self.bias.as_deref(),
             shape,
-            self.act.into(),
+            self.act,
             &mut out,
         )
         .map_err(Error::from)?;

@@ -12,30 +12,12 @@ mod imp {
     use std::sync::{Arc, Mutex};
 
     use candle_core::{DType, Device};
-    use fp8nsa_pjrt::{programs::ActScheme, DeviceWeight};
+    use fp8nsa_pjrt::DeviceWeight;
 
     use super::*;
-    use crate::backend::TpuKernel;
-    use crate::fp8::ActQuant;
 
     /// `(runtime, weight on that runtime's device)`.
     pub(crate) type WeightCache = Arc<Mutex<Option<(Arc<PjrtRuntime>, Arc<DeviceWeight>)>>>;
-
-    fn scheme(a: ActQuant) -> ActScheme {
-        match a {
-            ActQuant::None => ActScheme::None,
-            ActQuant::Group => ActScheme::Group,
-            ActQuant::Block2d { bm } => ActScheme::Block2d { bm },
-        }
-    }
-
-    fn kernel(k: TpuKernel) -> fp8nsa_pjrt::TpuKernel {
-        match k {
-            TpuKernel::V1 => fp8nsa_pjrt::TpuKernel::V1,
-            TpuKernel::V2 => fp8nsa_pjrt::TpuKernel::V2,
-            TpuKernel::V3 => fp8nsa_pjrt::TpuKernel::V3,
-        }
-    }
 
     fn weight(layer: &Fp8Linear, rt: &Arc<PjrtRuntime>) -> Result<Arc<DeviceWeight>> {
         let mut slot = layer.device_weight().lock().expect("weight cache");
@@ -71,7 +53,7 @@ mod imp {
             .flatten_all()?
             .to_vec1::<f32>()?;
         let variant = layer.tpu_kernel()?;
-        let y = rt.fp8_linear(&xs, m, &dw, scheme(layer.act()), kernel(variant))?;
+        let y = rt.fp8_linear(&xs, m, &dw, layer.act(), variant)?;
         tracing::debug!(op = "fp8_linear", backend = "pjrt", platform = rt.platform(), kernel = ?variant, m, n, k, act = ?layer.act());
         Ok(Tensor::from_vec(y, (m, n), x.device())?.to_dtype(x.dtype())?)
     }

@@ -2,17 +2,15 @@ use std::sync::Arc;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
-use fp8nsa_cpu::nsa::{selection_attention, AttnDims, SeqInfo};
+use fp8nsa_cpu::nsa::selection_attention;
+use fp8nsa_types::{AttnDims, Seq, Settings};
 
 use super::sdpa::masked_sdpa;
-use super::selection::{HostSelection, Selection};
+use super::selection::{host_selection, validate_host, HostSelection, Selection};
 use crate::backend::{use_cuda, Backend};
 use crate::error::{invalid, shape_err, Error, Result};
 
-/// Default `min_len`: below this many keys the dense fallback is used.
-pub const DEFAULT_MIN_LEN: usize = 2048;
-/// Environment variable overriding [`DEFAULT_MIN_LEN`].
-pub const MIN_LEN_ENV: &str = "FP8NSA_NSA_MIN_LEN";
+pub use fp8nsa_types::{DEFAULT_MIN_LEN, NSA_MIN_LEN_ENV as MIN_LEN_ENV};
 
 /// NSA selection attention: each query attends to the keys its selection names (shared by the G
 /// query heads of a kv head), causally, with an f32 softmax.
@@ -30,7 +28,8 @@ pub const MIN_LEN_ENV: &str = "FP8NSA_NSA_MIN_LEN";
 pub struct SelectionAttention {
     scale: Option<f32>,
     q_offset: Option<usize>,
-    min_len: usize,
+    /// `None`: `FP8NSA_NSA_MIN_LEN` or [`DEFAULT_MIN_LEN`], read when the layer runs.
+    min_len: Option<usize>,
     with_lse: bool,
     backend: Backend,
 }
@@ -45,14 +44,10 @@ impl SelectionAttention {
     /// Scale `1/sqrt(D)`, default `q_offset`, `min_len` from `FP8NSA_NSA_MIN_LEN` or 2048, no
     /// lse.
     pub fn new() -> Self {
-        let min_len = std::env::var(MIN_LEN_ENV)
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .unwrap_or(DEFAULT_MIN_LEN);
         Self {
             scale: None,
             q_offset: None,
-            min_len,
+            min_len: None,
             with_lse: false,
             backend: Backend::Auto,
         }
@@ -79,8 +74,15 @@ impl SelectionAttention {
 
     /// Key count below which the dense fallback runs.
     pub fn min_len(mut self, min_len: usize) -> Self {
-        self.min_len = min_len;
+        self.min_len = Some(min_len);
         self
+    }
+
+    /// The `min_len` in force: the one set, else the settings' (an unparsable
+    /// `FP8NSA_NSA_MIN_LEN` is an error here, not a silent default).
+    fn resolved_min_len(&self) -> Result<usize> {
+        self.min_len
+            .map_or_else(|| Ok(Settings::global()?.nsa_min_len), Ok)
     }
 
     /// Also return the log-sum-exp of the scores.
@@ -117,8 +119,8 @@ impl SelectionAttention {
                 )
             })?,
         };
-        let seqs: Vec<SeqInfo> = (0..b)
-            .map(|i| SeqInfo {
+        let seqs: Vec<Seq> = (0..b)
+            .map(|i| Seq {
                 q_start: i * tq,
                 q_len: tq,
                 k_start: i * tk,
@@ -187,7 +189,7 @@ impl SelectionAttention {
                     )
                 })?,
             };
-            seqs.push(SeqInfo {
+            seqs.push(Seq {
                 q_start: cq[i],
                 q_len,
                 k_start: ck[i],
@@ -204,7 +206,7 @@ impl SelectionAttention {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        seqs: &[SeqInfo],
+        seqs: &[Seq],
         sel: Selection<'_>,
         sel_dims: [usize; 3],
     ) -> Result<(Tensor, Option<Tensor>)> {
@@ -247,13 +249,14 @@ impl SelectionAttention {
         if use_cuda(&backend, q.device(), "SelectionAttention")? {
             return self.run_cuda(q, k, v, seqs, sel, scale, max_tk);
         }
-        let host = HostSelection::from_selection(sel)?;
+        let host = host_selection(sel)?;
         let mut seq_of = vec![0usize; tq];
         for (i, s) in seqs.iter().enumerate() {
             seq_of[s.q_start..s.q_start + s.q_len].fill(i);
         }
         // errors name (batch, token): the sequence and the token within it
-        host.validate(
+        validate_host(
+            &host,
             &|t| {
                 let s = seqs[seq_of[t]];
                 (seq_of[t], t - s.q_start, s.k_len)
@@ -264,8 +267,9 @@ impl SelectionAttention {
             let (o, lse) = super::pjrt::selection(rt, q, k, v, seqs, &host, scale)?;
             return Ok((o.to_dtype(q.dtype())?, self.with_lse.then_some(lse)));
         }
-        let reason = if max_tk < self.min_len {
-            Some(format!("tk = {max_tk} < min_len = {}", self.min_len))
+        let min_len = self.resolved_min_len()?;
+        let reason = if max_tk < min_len {
+            Some(format!("tk = {max_tk} < min_len = {min_len}"))
         } else if !q.device().is_cpu() {
             Some(format!("no selection kernel for {:?}", q.device()))
         } else {
@@ -318,7 +322,7 @@ impl SelectionAttention {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        seqs: &[SeqInfo],
+        seqs: &[Seq],
         sel: Selection<'_>,
         scale: f32,
         max_tk: usize,
@@ -344,14 +348,15 @@ impl SelectionAttention {
                 .transpose()?;
             return Ok((o, lse));
         }
-        let reason = if max_tk < self.min_len {
-            Some(format!("tk = {max_tk} < min_len = {}", self.min_len))
+        let min_len = self.resolved_min_len()?;
+        let reason = if max_tk < min_len {
+            Some(format!("tk = {max_tk} < min_len = {min_len}"))
         } else {
             super::cuda::unsupported(&q, &k, &v, sel.dims()[3])
         };
         if let Some(reason) = reason {
             tracing::debug!(op = "nsa_selection", backend = "cuda-sdpa-fallback", %reason, tq, hq, hkv, d, dv);
-            let host = HostSelection::from_selection(sel)?;
+            let host = host_selection(sel)?;
             let (o, lse) = masked_sdpa(&q, &k, &v, seqs, &host, scale)?;
             return Ok((o.to_dtype(q.dtype())?, self.with_lse.then_some(lse)));
         }
@@ -404,7 +409,7 @@ fn cu_seqlens(arg: &'static str, t: &Tensor, total: usize) -> Result<Vec<usize>>
 #[derive(Clone)]
 struct SelectionOp {
     dims: AttnDims,
-    seqs: Arc<[SeqInfo]>,
+    seqs: Arc<[Seq]>,
     sel: Arc<HostSelection>,
     scale: f32,
 }
@@ -434,7 +439,7 @@ impl CustomOp3 for SelectionOp {
         let tq = ql.dims()[0];
         let mut o = vec![0f32; tq * hq * dv];
         let mut lse = vec![0f32; tq * hq];
-        let spans = self.sel.spans();
+        let spans = self.sel.as_slice();
         let run = |o: &mut [f32], lse: &mut [f32]| -> Result<()> {
             macro_rules! go {
                 ($q:expr, $k:expr, $v:expr) => {

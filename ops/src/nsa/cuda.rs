@@ -3,7 +3,7 @@
 //! so whatever the indices say it reads nothing out of bounds and counts each key once.
 
 use candle_core::Tensor;
-use fp8nsa_cpu::nsa::SeqInfo;
+use fp8nsa_types::Seq;
 
 use super::selection::Selection;
 use crate::error::Result;
@@ -12,7 +12,8 @@ use crate::error::Result;
 mod imp {
     use candle_core::backend::BackendStorage;
     use candle_core::{CudaStorage, CustomOp1, DType, Layout, Shape};
-    use fp8nsa_cuda::nsa::{self as kernels, Dims, Seq};
+    use fp8nsa_cuda::nsa as kernels;
+    use fp8nsa_types::AttnDims;
 
     use super::*;
     use crate::cuda::{stream_of, view, with_storage, Stashed};
@@ -26,7 +27,7 @@ mod imp {
         block_size: Option<usize>,
         per_row: usize,
         seqs: Vec<Seq>,
-        dims: Dims,
+        dims: AttnDims,
         scale: f32,
         lse: Stashed<f32>,
     }
@@ -40,7 +41,7 @@ mod imp {
             let stream = stream_of(qs);
             let q = view::<T>("q", qs, ql)?;
             let tq = ql.dims()[0];
-            let Dims { hq, dv, .. } = self.dims;
+            let AttnDims { hq, dv, .. } = self.dims;
             with_storage("k", &self.k, |ks, kl| {
                 with_storage("v", &self.v, |vs, vl| {
                     with_storage("selection", &self.sel, |ss, sl| {
@@ -139,7 +140,7 @@ mod imp {
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
-        seqs: &[SeqInfo],
+        seqs: &[Seq],
         sel: Selection<'_>,
         scale: f32,
         with_lse: bool,
@@ -157,17 +158,8 @@ mod imp {
             sel: sel_t.to_device(q.device())?.contiguous()?,
             block_size,
             per_row: sel.dims()[3],
-            seqs: seqs
-                .iter()
-                .map(|s| Seq {
-                    q_start: s.q_start,
-                    q_len: s.q_len,
-                    k_start: s.k_start,
-                    k_len: s.k_len,
-                    q_offset: s.q_offset,
-                })
-                .collect(),
-            dims: Dims { hq, hkv, d, dv },
+            seqs: seqs.iter().to_vec(),
+            dims: AttnDims { hq, hkv, d, dv },
             scale,
             lse: Stashed::new((tq, hq)),
         };
@@ -218,7 +210,7 @@ mod imp {
         q: &Tensor,
         _: &Tensor,
         _: &Tensor,
-        _: &[SeqInfo],
+        _: &[Seq],
         _: Selection<'_>,
         _: f32,
         _: bool,

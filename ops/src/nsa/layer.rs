@@ -6,15 +6,11 @@ use super::config::{CompressorKind, NsaConfig};
 use super::sdpa::masked_softmax;
 use super::{BlockSelection, SelectionAttention, SelectionRanges};
 use crate::error::{invalid, shape_err, Error, Result};
+pub use fp8nsa_types::AttnDims;
 
-/// Head layout of the layer: `Hq = G · Hkv` query heads of dim `d`, values of dim `dv`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct NsaDims {
-    pub hq: usize,
-    pub hkv: usize,
-    pub d: usize,
-    pub dv: usize,
-}
+/// The layer's head layout: `Hq = G · Hkv` query heads of dim `d`, values of dim `dv` (the
+/// shared [`AttnDims`], under the name the layer's API has always used).
+pub type NsaDims = AttnDims;
 
 /// Branch gates, per query head: `sigmoid(Linear(x))` (the paper), or fixed weights (e.g. to
 /// run a dense checkpoint through NSA without trained gates).

@@ -32,5 +32,5 @@ mod selection;
 pub use attention::{SelectionAttention, DEFAULT_MIN_LEN, MIN_LEN_ENV};
 pub use compress::{Compressor, MlpCompressor};
 pub use config::{CompressorKind, NsaConfig};
-pub use layer::{Gates, NativeSparseAttention, NsaCache, NsaDims, NsaOutput};
+pub use layer::{AttnDims, Gates, NativeSparseAttention, NsaCache, NsaDims, NsaOutput};
 pub use selection::{BlockSelection, Selection, SelectionRanges};

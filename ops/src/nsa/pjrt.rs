@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use candle_core::Tensor;
-use fp8nsa_cpu::nsa::SeqInfo;
+use fp8nsa_types::Seq;
 
 use super::selection::HostSelection;
 use crate::backend::PjrtRuntime;
@@ -16,7 +16,7 @@ pub(crate) fn selection(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    seqs: &[SeqInfo],
+    seqs: &[Seq],
     sel: &HostSelection,
     scale: f32,
 ) -> Result<(Tensor, Tensor)> {
@@ -74,7 +74,7 @@ pub(crate) fn selection(
     _: &Tensor,
     _: &Tensor,
     _: &Tensor,
-    _: &[SeqInfo],
+    _: &[Seq],
     _: &HostSelection,
     _: f32,
 ) -> Result<(Tensor, Tensor)> {

@@ -2,7 +2,7 @@
 //! device. The mask is the selection (clamped, merged, causal) expanded per query and kv head.
 
 use candle_core::{DType, Device, Tensor, D};
-use fp8nsa_cpu::nsa::SeqInfo;
+use fp8nsa_types::Seq;
 
 use super::selection::HostSelection;
 use crate::error::Result;
@@ -13,7 +13,7 @@ pub(crate) fn masked_sdpa(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    seqs: &[SeqInfo],
+    seqs: &[Seq],
     sel: &HostSelection,
     scale: f32,
 ) -> Result<(Tensor, Tensor)> {
@@ -80,9 +80,9 @@ pub(crate) fn masked_sdpa(
 
 /// The selection of one sequence as an additive mask `[Hkv, Tq, Tk]`: 0 where the query sees
 /// a selected key (clamped, merged, causal), -inf elsewhere.
-pub(crate) fn selection_mask(sel: &HostSelection, s: &SeqInfo, hkv: usize) -> Vec<f32> {
+pub(crate) fn selection_mask(sel: &HostSelection, s: &Seq, hkv: usize) -> Vec<f32> {
     let (tq, tk) = (s.q_len, s.k_len);
-    let spans = sel.spans();
+    let spans = sel.as_slice();
     let mut row = Vec::new();
     let mut mask = vec![f32::NEG_INFINITY; hkv * tq * tk];
     for t in 0..tq {

@@ -1,5 +1,5 @@
 use candle_core::{DType, Device, Tensor};
-use fp8nsa_cpu::nsa::Spans;
+use fp8nsa_types::Spans;
 
 use crate::error::{invalid, shape_err, Error, Result};
 
@@ -84,8 +84,11 @@ impl BlockSelection {
     /// Errors for an index below `-1`, a block that starts at or past `tk`, or a duplicate.
     pub fn validate(&self, tk: usize) -> Result<()> {
         let [_, tq, hkv, _] = self.dims();
-        HostSelection::from_selection(Selection::Blocks(self))?
-            .validate(&|t| (t / tq.max(1), t % tq.max(1), tk), hkv)
+        validate_host(
+            &host_selection(Selection::Blocks(self))?,
+            &|t| (t / tq.max(1), t % tq.max(1), tk),
+            hkv,
+        )
     }
 
     /// The same selection as ranges `[B, Tq, Hkv, S, 2]` (padding becomes `[0, 0)`).
@@ -136,8 +139,11 @@ impl SelectionRanges {
     /// as a partial last block is, so `BlockSelection::to_ranges` always validates.
     pub fn validate(&self, tk: usize) -> Result<()> {
         let [_, tq, hkv, _] = self.dims();
-        HostSelection::from_selection(Selection::Ranges(self))?
-            .validate(&|t| (t / tq.max(1), t % tq.max(1), tk), hkv)
+        validate_host(
+            &host_selection(Selection::Ranges(self))?,
+            &|t| (t / tq.max(1), t % tq.max(1), tk),
+            hkv,
+        )
     }
 }
 
@@ -158,146 +164,47 @@ impl Selection<'_> {
     }
 }
 
-/// A selection read back to the host, rows = `(batch * Tq + token) * Hkv + head`.
-pub(crate) enum HostSelection {
-    Blocks {
-        indices: Vec<i32>,
-        per_row: usize,
-        block_size: usize,
-    },
-    Ranges {
-        ranges: Vec<i32>,
-        per_row: usize,
-    },
+/// A selection copied to the host: the entries of every row, row = `token * hkv + head`.
+pub(crate) type HostSelection = Spans<Vec<i32>>;
+
+/// The selection's entries on the host, whatever device they live on.
+pub(crate) fn host_selection(sel: Selection<'_>) -> Result<HostSelection> {
+    let host = |t: &Tensor| -> Result<Vec<i32>> {
+        Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<i32>()?)
+    };
+    Ok(match sel {
+        Selection::Blocks(s) => Spans::Blocks {
+            indices: host(&s.indices)?,
+            per_row: s.dims()[3],
+            block_size: s.block_size,
+        },
+        Selection::Ranges(s) => Spans::Ranges {
+            ranges: host(&s.ranges)?,
+            per_row: s.dims()[3],
+        },
+    })
 }
 
-impl HostSelection {
-    pub(crate) fn from_selection(sel: Selection<'_>) -> Result<Self> {
-        let host = |t: &Tensor| -> Result<Vec<i32>> {
-            Ok(t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<i32>()?)
-        };
-        Ok(match sel {
-            Selection::Blocks(s) => HostSelection::Blocks {
-                indices: host(&s.indices)?,
-                per_row: s.dims()[3],
-                block_size: s.block_size,
-            },
-            Selection::Ranges(s) => HostSelection::Ranges {
-                ranges: host(&s.ranges)?,
-                per_row: s.dims()[3],
-            },
-        })
+/// Checks every row against the contract (docs/nsa.md, "Selection validity");
+/// `locate(token)` gives the row's `(batch, token in its sequence, keys of its sequence)`, so
+/// the error names where the bad entry is.
+pub(crate) fn validate_host(
+    sel: &HostSelection,
+    locate: &dyn Fn(usize) -> (usize, usize, usize),
+    hkv: usize,
+) -> Result<()> {
+    if sel.per_row() == 0 || hkv == 0 {
+        return Ok(());
     }
-
-    pub(crate) fn spans(&self) -> Spans<'_> {
-        match self {
-            HostSelection::Blocks {
-                indices,
-                per_row,
-                block_size,
-            } => Spans::Blocks {
-                indices,
-                per_row: *per_row,
-                block_size: *block_size,
-            },
-            HostSelection::Ranges { ranges, per_row } => Spans::Ranges {
-                ranges,
-                per_row: *per_row,
-            },
-        }
+    for row in 0..sel.rows() {
+        let (batch, token, tk) = locate(row / hkv);
+        sel.check_row(row, tk).map_err(|issue| Error::Selection {
+            batch,
+            token,
+            head: row % hkv,
+            entry: issue.entry,
+            msg: issue.msg,
+        })?;
     }
-
-    fn per_row(&self) -> usize {
-        match self {
-            HostSelection::Blocks { per_row, .. } | HostSelection::Ranges { per_row, .. } => {
-                *per_row
-            }
-        }
-    }
-
-    /// Validates every row. Tokens are numbered over all sequences; `locate(token)` gives its
-    /// (batch, token within the sequence, key count of the sequence); `hkv` kv heads per token.
-    pub(crate) fn validate(
-        &self,
-        locate: &dyn Fn(usize) -> (usize, usize, usize),
-        hkv: usize,
-    ) -> Result<()> {
-        let per_row = self.per_row();
-        if per_row == 0 || hkv == 0 {
-            return Ok(());
-        }
-        let rows = match self {
-            HostSelection::Blocks { indices, .. } => indices.len() / per_row,
-            HostSelection::Ranges { ranges, .. } => ranges.len() / (2 * per_row),
-        };
-        let mut spans: Vec<(i64, i64, usize)> = Vec::with_capacity(per_row);
-        for row in 0..rows {
-            let head = row % hkv;
-            let (batch, token, tk) = locate(row / hkv);
-            let tk = tk as i64;
-            let err = |entry: usize, msg: String| Error::Selection {
-                batch,
-                token,
-                head,
-                entry,
-                msg,
-            };
-            spans.clear();
-            match self {
-                HostSelection::Blocks {
-                    indices,
-                    block_size,
-                    ..
-                } => {
-                    let bs = *block_size as i64;
-                    for (e, &i) in indices[row * per_row..(row + 1) * per_row]
-                        .iter()
-                        .enumerate()
-                    {
-                        if i == -1 {
-                            continue;
-                        }
-                        if i < -1 {
-                            return Err(err(e, format!("block index {i}: only -1 pads")));
-                        }
-                        if i as i64 * bs >= tk {
-                            return Err(err(
-                                e,
-                                format!(
-                                    "block {i} starts at key {}, past tk = {tk}",
-                                    i as i64 * bs
-                                ),
-                            ));
-                        }
-                        spans.push((i as i64 * bs, (i as i64 + 1) * bs, e));
-                    }
-                }
-                HostSelection::Ranges { ranges, .. } => {
-                    let row_r = &ranges[2 * row * per_row..2 * (row + 1) * per_row];
-                    for (e, r) in row_r.chunks_exact(2).enumerate() {
-                        let (a, b) = (r[0] as i64, r[1] as i64);
-                        if b <= a {
-                            continue;
-                        }
-                        if a < 0 || a >= tk {
-                            return Err(err(
-                                e,
-                                format!("range [{a}, {b}) starts outside [0, tk = {tk})"),
-                            ));
-                        }
-                        spans.push((a, b, e));
-                    }
-                }
-            }
-            spans.sort_unstable();
-            for w in spans.windows(2) {
-                let ((a0, b0, e0), (a1, _, e1)) = (w[0], w[1]);
-                if a1 < b0 {
-                    let what = if a0 == a1 { "duplicates" } else { "overlaps" };
-                    return Err(err(e1.max(e0), format!("{what} entry {}", e1.min(e0))));
-                }
-            }
-        }
-        Ok(())
-    }
+    Ok(())
 }

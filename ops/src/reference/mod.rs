@@ -1,5 +1,5 @@
-//! f64 reference implementations: the literal formulas of DESIGN.md, written to be obviously
-//! right rather than fast. Every backend is tested against these.
+//! f64 reference implementations: the literal formulas of docs/numerics.md and docs/nsa.md,
+//! written to be obviously right rather than fast. Every backend is tested against these.
 
 mod fp8;
 mod nsa;

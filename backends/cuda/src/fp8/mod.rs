@@ -3,7 +3,8 @@
 //!
 //! ```no_run
 //! use cudarc::driver::CudaContext;
-//! use fp8nsa_cuda::fp8::{fp8_linear, ActScheme, Fp8Kernel, PreparedWeight};
+//! use fp8nsa_cuda::fp8::{fp8_linear, PreparedWeight};
+//! use fp8nsa_types::{ActQuant, CudaFp8Kernel};
 //!
 //! let stream = CudaContext::new(0)?.default_stream();
 //! let (m, n, k) = (7, 576, 3884);
@@ -13,8 +14,8 @@
 //! let (wd, ws) = (w.data_view(), w.scales_view());
 //! let x = stream.clone_htod(&vec![1f32; m * k])?;
 //! let mut y = stream.alloc_zeros::<f32>(m * n)?;
-//! let path = fp8_linear(&stream, &x.as_view(), &w.as_ref(&wd, &ws), None, m, ActScheme::Group,
-//!     Fp8Kernel::Auto, &mut y.as_view_mut())?;
+//! let path = fp8_linear(&stream, &x.as_view(), &w.as_ref(&wd, &ws), None, m, ActQuant::Group,
+//!     CudaFp8Kernel::Auto, &mut y.as_view_mut())?;
 //! println!("ran {path}");
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -30,60 +31,12 @@ pub use plan::{
     plan, Fp8Path, MmaTile, CUBLASLT_MIN_M, MAX_SPLITS, SMALL_M_MAX, SMALL_M_PREFERRED,
 };
 
+use fp8nsa_types::{ActQuant, CudaFp8Kernel, LinearShape};
+
 use crate::context::{gpu, grid_for, DeviceInfo, Gpu};
 use crate::element::Element;
 use crate::error::{invalid, Result};
 use crate::launch::{self, Buf, DevBuf, Dtype, KArg, Kernel, Plan, Step, Val};
-
-/// Dynamic activation quantization (the contract's `ActQuant`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ActScheme {
-    /// W8A16: activations used as they are.
-    None,
-    /// One scale per token per K-group of the weight's `bk`.
-    Group,
-    /// One scale per `bm x bk` block.
-    Block2d { bm: usize },
-}
-
-/// Which kernel to run. `Auto` picks per call (see [`plan`]); the others force one and are an
-/// error where it does not apply.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Fp8Kernel {
-    #[default]
-    Auto,
-    CublasLt,
-    Mma,
-    SmallM,
-    Dequant,
-}
-
-impl std::str::FromStr for Fp8Kernel {
-    type Err = crate::Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Ok(Fp8Kernel::Auto),
-            "cublaslt" => Ok(Fp8Kernel::CublasLt),
-            "mma" => Ok(Fp8Kernel::Mma),
-            "small-m" | "smallm" | "gemv" => Ok(Fp8Kernel::SmallM),
-            "dequant" => Ok(Fp8Kernel::Dequant),
-            other => Err(invalid(
-                "FP8NSA_CUDA_FP8_KERNEL",
-                format!("expected auto, cublaslt, mma, small-m or dequant, got {other:?}"),
-            )),
-        }
-    }
-}
-
-/// `m x n x k` with `bn x bk` weight blocks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Fp8Shape {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub bn: usize,
-    pub bk: usize,
-}
 
 /// Kernel names, one function per kernel template (the plans and the PTX test share them).
 pub(crate) mod names {
@@ -387,11 +340,11 @@ fn act_step(
     k: usize,
     ld: usize,
     bk: usize,
-    act: ActScheme,
+    act: ActQuant,
     out: ActOut,
 ) -> Kernel {
     let bm = match act {
-        ActScheme::Block2d { bm } => bm,
+        ActQuant::Block2d { bm } => bm,
         _ => 1,
     };
     let tiles = m.div_ceil(bm) * k.div_ceil(bk);
@@ -440,7 +393,7 @@ fn act_step(
             i32v(bk),
             i64v(rs),
             i64v(cs),
-            KArg::Val(Val::I32(i32::from(act == ActScheme::None))),
+            KArg::Val(Val::I32(i32::from(act == ActQuant::None))),
         ],
     }
 }
@@ -462,7 +415,7 @@ fn bias_step(x: Dtype, m: usize, n: usize) -> Kernel {
 pub fn plan_fp8_linear(
     w: &WeightLayout,
     m: usize,
-    act: ActScheme,
+    act: ActQuant,
     path: Fp8Path,
     x: Dtype,
     has_bias: bool,
@@ -500,7 +453,7 @@ pub fn plan_fp8_linear(
                 k,
                 ld,
                 128,
-                ActScheme::Group,
+                ActQuant::Group,
                 ActOut::Codes {
                     xq,
                     sx,
@@ -540,7 +493,7 @@ pub fn plan_fp8_linear(
         Fp8Path::Mma { tile, splits } => {
             let kb = k.div_ceil(bk);
             let bm_act = match act {
-                ActScheme::Block2d { bm } => bm,
+                ActQuant::Block2d { bm } => bm,
                 _ => 1,
             };
             let xq = plan.tmp(m * ld, false);
@@ -692,7 +645,7 @@ pub fn plan_fp8_linear(
 /// `out[m, n] = x[m, k] . W^T (+ bias)` per the numerics contract, in x's dtype, on `stream`.
 /// `bias`, when given, is `[n]` f32. Returns the path that ran. Every element of `out` is
 /// written. A forced `kernel` that does not apply is an error saying why; with
-/// `Fp8Kernel::Auto` a cuBLASLt refusal at run time falls back to our tensor-core kernel.
+/// `CudaFp8Kernel::Auto` a cuBLASLt refusal at run time falls back to our tensor-core kernel.
 #[allow(clippy::too_many_arguments)]
 pub fn fp8_linear<T: Element>(
     stream: &Arc<CudaStream>,
@@ -700,8 +653,8 @@ pub fn fp8_linear<T: Element>(
     w: &WeightRef<'_>,
     bias: Option<&CudaView<'_, f32>>,
     m: usize,
-    act: ActScheme,
-    kernel: Fp8Kernel,
+    act: ActQuant,
+    kernel: CudaFp8Kernel,
     out: &mut CudaViewMut<'_, T>,
 ) -> Result<Fp8Path> {
     let lay = w.layout;
@@ -729,7 +682,7 @@ pub fn fp8_linear<T: Element>(
         ));
     }
     let g = gpu(stream)?;
-    let shape = Fp8Shape {
+    let shape = LinearShape {
         m,
         n,
         k,
@@ -739,8 +692,8 @@ pub fn fp8_linear<T: Element>(
     let dtype = Dtype::of::<T>();
     let lt_key = (n, m.next_multiple_of(cublaslt::TOKEN_ALIGN), lay.ld, dtype);
     // Auto's cuBLASLt pick falls back to our kernel when cuBLASLt refuses the problem
-    let may_fall_back = |path: Fp8Path| path == Fp8Path::CublasLt && kernel == Fp8Kernel::Auto;
-    let fallback = || plan(&g.info, &shape, act, Fp8Kernel::Mma);
+    let may_fall_back = |path: Fp8Path| path == Fp8Path::CublasLt && kernel == CudaFp8Kernel::Auto;
+    let fallback = || plan(&g.info, &shape, act, CudaFp8Kernel::Mma);
     let mut path = plan(&g.info, &shape, act, kernel)?;
     if may_fall_back(path) && g.lt_refused(lt_key) {
         path = fallback()?;
@@ -807,7 +760,7 @@ pub fn fp8_linear<T: Element>(
 pub fn check_linear_args(
     w: &WeightLayout,
     m: usize,
-    act: ActScheme,
+    act: ActQuant,
     x_len: usize,
     out_len: usize,
     bias_len: Option<usize>,
@@ -839,7 +792,7 @@ pub fn check_linear_args(
             return Err(invalid("bias", format!("expected [{n}], got {b} values")));
         }
     }
-    if let ActScheme::Block2d { bm: 0 } = act {
+    if let ActQuant::Block2d { bm: 0 } = act {
         return Err(invalid("act", "Block2d row block must be at least 1"));
     }
     if m.div_ceil(MmaTile::M16.rows()) > 65535 {

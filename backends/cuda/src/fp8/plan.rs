@@ -3,7 +3,8 @@
 
 use std::fmt;
 
-use super::{ActScheme, Fp8Kernel, Fp8Shape};
+use fp8nsa_types::{ActQuant, CudaFp8Kernel, LinearShape};
+
 use crate::context::DeviceInfo;
 use crate::error::{unsupported, Result};
 
@@ -92,7 +93,7 @@ pub(crate) struct Applicability {
     pub(crate) cublaslt: std::result::Result<(), String>,
 }
 
-pub(crate) fn applicability(info: &DeviceInfo, s: &Fp8Shape, act: ActScheme) -> Applicability {
+pub(crate) fn applicability(info: &DeviceInfo, s: &LinearShape, act: ActQuant) -> Applicability {
     let small_m = if s.m > SMALL_M_MAX {
         Err(format!("M = {} > {SMALL_M_MAX}", s.m))
     } else if s.bk % 16 != 0 {
@@ -105,7 +106,7 @@ pub(crate) fn applicability(info: &DeviceInfo, s: &Fp8Shape, act: ActScheme) -> 
             "compute capability {}.{} has no fp8 tensor cores (needs 8.9+)",
             info.cc.0, info.cc.1
         ))
-    } else if act == ActScheme::None {
+    } else if act == ActQuant::None {
         Err("activations are not quantized (ActQuant::None)".to_string())
     } else if s.bk % 128 != 0 {
         Err(format!("block K = {} is not a multiple of 128", s.bk))
@@ -122,7 +123,7 @@ pub(crate) fn applicability(info: &DeviceInfo, s: &Fp8Shape, act: ActScheme) -> 
             "weight blocks {}x{} (cuBLASLt takes 128x128)",
             s.bn, s.bk
         ))
-    } else if act != ActScheme::Group {
+    } else if act != ActQuant::Group {
         Err(format!(
             "activation scheme {act:?} (cuBLASLt takes 1x128 groups)"
         ))
@@ -139,7 +140,7 @@ pub(crate) fn applicability(info: &DeviceInfo, s: &Fp8Shape, act: ActScheme) -> 
 }
 
 /// The K split of the tensor-core kernel: enough blocks for two waves, whole K-blocks per split.
-pub(crate) fn mma_splits(info: &DeviceInfo, s: &Fp8Shape, tile: MmaTile) -> (usize, usize) {
+pub(crate) fn mma_splits(info: &DeviceInfo, s: &LinearShape, tile: MmaTile) -> (usize, usize) {
     let kb = s.k.div_ceil(s.bk);
     let tiles = s.n.div_ceil(128) * s.m.div_ceil(tile.rows());
     let target = 2 * info.sms as usize;
@@ -162,9 +163,14 @@ fn mma_tile(m: usize) -> MmaTile {
     }
 }
 
-/// The path for one call. `Fp8Kernel::Auto` picks the best that applies; a named kernel that
+/// The path for one call. `CudaFp8Kernel::Auto` picks the best that applies; a named kernel that
 /// does not apply is an error saying why.
-pub fn plan(info: &DeviceInfo, s: &Fp8Shape, act: ActScheme, kernel: Fp8Kernel) -> Result<Fp8Path> {
+pub fn plan(
+    info: &DeviceInfo,
+    s: &LinearShape,
+    act: ActQuant,
+    kernel: CudaFp8Kernel,
+) -> Result<Fp8Path> {
     let a = applicability(info, s, act);
     let mma = || {
         let tile = mma_tile(s.m);
@@ -183,7 +189,7 @@ pub fn plan(info: &DeviceInfo, s: &Fp8Shape, act: ActScheme, kernel: Fp8Kernel) 
         ))
     };
     match kernel {
-        Fp8Kernel::Auto => Ok(
+        CudaFp8Kernel::Auto => Ok(
             if a.small_m.is_ok() && (s.m <= SMALL_M_PREFERRED || a.mma.is_err()) {
                 small()
             } else if a.cublaslt.is_ok() && s.m >= CUBLASLT_MIN_M {
@@ -194,19 +200,19 @@ pub fn plan(info: &DeviceInfo, s: &Fp8Shape, act: ActScheme, kernel: Fp8Kernel) 
                 Fp8Path::Dequant
             },
         ),
-        Fp8Kernel::CublasLt => match &a.cublaslt {
+        CudaFp8Kernel::CublasLt => match &a.cublaslt {
             Ok(()) => Ok(Fp8Path::CublasLt),
             Err(why) => refuse("the cuBLASLt block-scaled GEMM", why),
         },
-        Fp8Kernel::Mma => match &a.mma {
+        CudaFp8Kernel::Mma => match &a.mma {
             Ok(()) => Ok(mma()),
             Err(why) => refuse("the fp8 tensor-core kernel", why),
         },
-        Fp8Kernel::SmallM => match &a.small_m {
+        CudaFp8Kernel::SmallM => match &a.small_m {
             Ok(()) => Ok(small()),
             Err(why) => refuse("the small-M kernel", why),
         },
-        Fp8Kernel::Dequant => Ok(Fp8Path::Dequant),
+        CudaFp8Kernel::Dequant => Ok(Fp8Path::Dequant),
     }
 }
 
@@ -224,8 +230,8 @@ mod tests {
         }
     }
 
-    fn shape(m: usize, n: usize, k: usize, b: [usize; 2]) -> Fp8Shape {
-        Fp8Shape {
+    fn shape(m: usize, n: usize, k: usize, b: [usize; 2]) -> LinearShape {
+        LinearShape {
             m,
             n,
             k,
@@ -245,8 +251,8 @@ mod tests {
             plan(
                 &d,
                 &shape(1, 7168, 2048, b128),
-                ActScheme::Group,
-                Fp8Kernel::Auto
+                ActQuant::Group,
+                CudaFp8Kernel::Auto
             )
             .unwrap(),
             Fp8Path::SmallM { tokens: 1 }
@@ -255,8 +261,8 @@ mod tests {
         let p = plan(
             &d,
             &shape(16, 2112, 7168, b128),
-            ActScheme::Group,
-            Fp8Kernel::Auto,
+            ActQuant::Group,
+            CudaFp8Kernel::Auto,
         )
         .unwrap();
         match p {
@@ -271,20 +277,20 @@ mod tests {
             plan(
                 &d,
                 &shape(4096, 2112, 7168, b128),
-                ActScheme::Group,
-                Fp8Kernel::Auto
+                ActQuant::Group,
+                CudaFp8Kernel::Auto
             )
             .unwrap(),
             Fp8Path::CublasLt
         );
         // other block shapes and Block2d: our kernel
         for (b, act) in [
-            ([256, 256], ActScheme::Group),
-            ([64, 128], ActScheme::Group),
-            ([128, 128], ActScheme::Block2d { bm: 128 }),
+            ([256, 256], ActQuant::Group),
+            ([64, 128], ActQuant::Group),
+            ([128, 128], ActQuant::Block2d { bm: 128 }),
         ] {
             assert_eq!(
-                plan(&d, &shape(4096, 7168, 2048, b), act, Fp8Kernel::Auto).unwrap(),
+                plan(&d, &shape(4096, 7168, 2048, b), act, CudaFp8Kernel::Auto).unwrap(),
                 Fp8Path::Mma {
                     tile: MmaTile::M128,
                     splits: 1
@@ -296,8 +302,8 @@ mod tests {
             plan(
                 &d,
                 &shape(512, 576, 3884, b128),
-                ActScheme::None,
-                Fp8Kernel::Auto
+                ActQuant::None,
+                CudaFp8Kernel::Auto
             )
             .unwrap(),
             Fp8Path::Dequant
@@ -306,8 +312,8 @@ mod tests {
             plan(
                 &d,
                 &shape(7, 576, 3884, b128),
-                ActScheme::None,
-                Fp8Kernel::Auto
+                ActQuant::None,
+                CudaFp8Kernel::Auto
             )
             .unwrap(),
             Fp8Path::SmallM { tokens: 8 }
@@ -319,27 +325,27 @@ mod tests {
         let a100 = dev((8, 0));
         let s = shape(512, 576, 3884, [128, 128]);
         assert_eq!(
-            plan(&a100, &s, ActScheme::Group, Fp8Kernel::Auto).unwrap(),
+            plan(&a100, &s, ActQuant::Group, CudaFp8Kernel::Auto).unwrap(),
             Fp8Path::Dequant
         );
         assert_eq!(
             plan(
                 &a100,
                 &shape(16, 576, 3884, [128, 128]),
-                ActScheme::Group,
-                Fp8Kernel::Auto
+                ActQuant::Group,
+                CudaFp8Kernel::Auto
             )
             .unwrap(),
             Fp8Path::SmallM { tokens: 16 }
         );
-        let err = plan(&a100, &s, ActScheme::Group, Fp8Kernel::Mma).unwrap_err();
+        let err = plan(&a100, &s, ActQuant::Group, CudaFp8Kernel::Mma).unwrap_err();
         assert!(err.to_string().contains("8.0"), "{err}");
         let l40 = dev((8, 9));
         assert!(matches!(
-            plan(&l40, &s, ActScheme::Group, Fp8Kernel::Auto).unwrap(),
+            plan(&l40, &s, ActQuant::Group, CudaFp8Kernel::Auto).unwrap(),
             Fp8Path::Mma { .. }
         ));
-        let err = plan(&l40, &s, ActScheme::Group, Fp8Kernel::CublasLt).unwrap_err();
+        let err = plan(&l40, &s, ActQuant::Group, CudaFp8Kernel::CublasLt).unwrap_err();
         assert!(err.to_string().contains("sm_90"), "{err}");
     }
 
@@ -349,44 +355,44 @@ mod tests {
         let cases = [
             (
                 shape(64, 576, 3884, [256, 256]),
-                ActScheme::Group,
-                Fp8Kernel::CublasLt,
+                ActQuant::Group,
+                CudaFp8Kernel::CublasLt,
                 "256x256",
             ),
             (
                 shape(64, 576, 3884, [128, 128]),
-                ActScheme::Block2d { bm: 64 },
-                Fp8Kernel::CublasLt,
+                ActQuant::Block2d { bm: 64 },
+                CudaFp8Kernel::CublasLt,
                 "Block2d",
             ),
             (
                 shape(64, 584, 3884, [128, 128]),
-                ActScheme::Group,
-                Fp8Kernel::CublasLt,
+                ActQuant::Group,
+                CudaFp8Kernel::CublasLt,
                 "multiple of 16",
             ),
             (
                 shape(64, 576, 3884, [128, 96]),
-                ActScheme::Group,
-                Fp8Kernel::Mma,
+                ActQuant::Group,
+                CudaFp8Kernel::Mma,
                 "multiple of 128",
             ),
             (
                 shape(64, 576, 3884, [128, 128]),
-                ActScheme::None,
-                Fp8Kernel::Mma,
+                ActQuant::None,
+                CudaFp8Kernel::Mma,
                 "None",
             ),
             (
                 shape(17, 576, 3884, [128, 128]),
-                ActScheme::Group,
-                Fp8Kernel::SmallM,
+                ActQuant::Group,
+                CudaFp8Kernel::SmallM,
                 "M = 17",
             ),
             (
                 shape(8, 576, 3884, [128, 100]),
-                ActScheme::Group,
-                Fp8Kernel::SmallM,
+                ActQuant::Group,
+                CudaFp8Kernel::SmallM,
                 "multiple of 16",
             ),
         ];
@@ -399,8 +405,8 @@ mod tests {
             plan(
                 &d,
                 &shape(3, 5, 7, [1, 1]),
-                ActScheme::Group,
-                Fp8Kernel::Dequant
+                ActQuant::Group,
+                CudaFp8Kernel::Dequant
             )
             .unwrap(),
             Fp8Path::Dequant

@@ -7,10 +7,11 @@
 //!
 //! ```no_run
 //! use cudarc::driver::CudaContext;
-//! use fp8nsa_cuda::nsa::{selection_attention, Dims, Selection, Seq};
+//! use fp8nsa_cuda::nsa::{selection_attention, Selection};
+//! use fp8nsa_types::{AttnDims, Seq};
 //!
 //! let stream = CudaContext::new(0)?.default_stream();
-//! let dims = Dims { hq: 16, hkv: 1, d: 128, dv: 128 };
+//! let dims = AttnDims { hq: 16, hkv: 1, d: 128, dv: 128 };
 //! let (tq, tk) = (1, 4096);
 //! let q = stream.alloc_zeros::<half::bf16>(tq * 16 * 128)?;
 //! let k = stream.alloc_zeros::<half::bf16>(tk * 128)?;
@@ -36,6 +37,8 @@ pub use plan::{
     MAX_PER_ROW, MAX_SPLITS, VALUE_DIMS,
 };
 
+use fp8nsa_types::{AttnDims, Seq, Spans};
+
 use crate::context::gpu;
 use crate::element::Element;
 use crate::error::{invalid, unsupported, Result};
@@ -58,40 +61,9 @@ pub(crate) mod names {
     }
 }
 
-/// Head counts and head dims.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Dims {
-    pub hq: usize,
-    pub hkv: usize,
-    pub d: usize,
-    pub dv: usize,
-}
-
-/// One sequence of the token-packed batch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Seq {
-    pub q_start: usize,
-    pub q_len: usize,
-    pub k_start: usize,
-    pub k_len: usize,
-    /// Absolute position of the first query; query i sees key j iff j <= q_offset + i.
-    pub q_offset: usize,
-}
-
-/// The selection as it lies on the device, rows `token * hkv + kv_head`.
-pub enum Selection<'a> {
-    /// `indices [rows, per_row]` i32 block ids, negative = padding.
-    Blocks {
-        indices: CudaView<'a, i32>,
-        per_row: usize,
-        block_size: usize,
-    },
-    /// `ranges [rows, per_row, 2]` i32 half-open `[start, end)`; `end <= start` is padding.
-    Ranges {
-        ranges: CudaView<'a, i32>,
-        per_row: usize,
-    },
-}
+/// The selection as it lies on the device, rows `token * hkv + kv_head`: the shared
+/// [`Spans`] with its i32 entries in device memory.
+pub type Selection<'a> = Spans<CudaView<'a, i32>>;
 
 /// The token partition as the kernel reads it: `cu_q`, `cu_k` (B + 1 offsets) and each
 /// sequence's `q_offset`, checked; plus the totals.
@@ -172,7 +144,7 @@ impl SelKind {
 /// `dtype`, 8 `lse` f32. Errors for what the kernel does not take (`Error::Unsupported`).
 pub fn plan_selection(
     info: &crate::DeviceInfo,
-    dims: Dims,
+    dims: AttnDims,
     seqs: &SeqArrays,
     kind: SelKind,
     dtype: Dtype,
@@ -184,7 +156,7 @@ pub fn plan_selection(
             "f32 inputs (the kernel takes bf16 and f16)",
         ));
     }
-    let Dims { hq, hkv, d, dv } = dims;
+    let AttnDims { hq, hkv, d, dv } = dims;
     if hkv == 0 || hq % hkv != 0 {
         return Err(invalid(
             "hq",
@@ -289,7 +261,7 @@ pub fn selection_attention<T: Element>(
     v: &CudaView<'_, T>,
     sel: &Selection<'_>,
     seqs: &[Seq],
-    dims: Dims,
+    dims: AttnDims,
     scale: f32,
     o: &mut CudaViewMut<'_, T>,
     lse: &mut CudaViewMut<'_, f32>,
@@ -309,7 +281,7 @@ pub fn selection_attention<T: Element>(
         ),
         Selection::Ranges { ranges, per_row } => (SelKind::Ranges { per_row: *per_row }, ranges),
     };
-    let Dims { hq, hkv, d, dv } = dims;
+    let AttnDims { hq, hkv, d, dv } = dims;
     let (tq, tk) = (arrays.total_q, arrays.total_k);
     for (arg, got, want) in [
         ("q", q.len(), tq * hq * d),

@@ -1,6 +1,6 @@
 """TPU fp8 block-linear kernels (JAX Pallas), variants v1, v2, v3.
 
-All three compute the contract of the project's DESIGN.md (shared/DESIGN.md):
+All three compute the contract of docs/numerics.md ("Output"):
     y[m, n] = sum_kb sx[m, kb] * Sw[n/bn, kb] * sum_{k in kb} xq[m, k] * W[n, k]
 with f32 accumulation and both scales applied to each K-block's partial sum before it is added.
 

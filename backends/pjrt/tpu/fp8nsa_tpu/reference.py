@@ -1,4 +1,4 @@
-"""float64 numpy reference of the fp8 block-linear numerics contract (shared/DESIGN.md).
+"""float64 numpy reference of the fp8 block-linear numerics contract (docs/numerics.md, "Output").
 
 Independent of the kernels on purpose: no padding, edge blocks handled by slicing, one loop over
 K-blocks with both scales applied to each block's partial sum before it is added.

@@ -1,0 +1,125 @@
+//! Kernel and backend choices: what a caller (or the environment) may force.
+
+use std::str::FromStr;
+
+use crate::error::Error;
+
+/// Where an op runs when the caller leaves it to the environment (`FP8NSA_BACKEND`).
+///
+/// ```
+/// use fp8nsa_types::BackendKind;
+/// assert_eq!("PJRT".parse::<BackendKind>(), Ok(BackendKind::Pjrt));
+/// assert!("tpu".parse::<BackendKind>().is_err());
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    /// The tensor's device.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+    Pjrt,
+}
+
+impl FromStr for BackendKind {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(BackendKind::Auto),
+            "cpu" => Ok(BackendKind::Cpu),
+            "cuda" => Ok(BackendKind::Cuda),
+            "pjrt" => Ok(BackendKind::Pjrt),
+            _ => Err(Error::Setting {
+                var: crate::BACKEND_ENV,
+                expected: "cpu, cuda, pjrt or auto",
+                got: s.into(),
+            }),
+        }
+    }
+}
+
+/// The fp8 linear kernel variants on PJRT: `V1` is the XLA-native program (any platform);
+/// `V2` (manual async DMA, double buffering) and `V3` (V2 with the scales in SMEM) are
+/// TPU-only Mosaic kernels, and asking for them elsewhere is an error naming the platform.
+///
+/// ```
+/// use fp8nsa_types::TpuKernel;
+/// assert_eq!(" V3 ".parse::<TpuKernel>(), Ok(TpuKernel::V3));
+/// assert_eq!(TpuKernel::V2.name(), "v2");
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum TpuKernel {
+    #[default]
+    V1,
+    V2,
+    V3,
+}
+
+impl TpuKernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            TpuKernel::V1 => "v1",
+            TpuKernel::V2 => "v2",
+            TpuKernel::V3 => "v3",
+        }
+    }
+}
+
+impl FromStr for TpuKernel {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "v1" => Ok(TpuKernel::V1),
+            "v2" => Ok(TpuKernel::V2),
+            "v3" => Ok(TpuKernel::V3),
+            _ => Err(Error::Setting {
+                var: crate::TPU_KERNEL_ENV,
+                expected: "v1, v2 or v3",
+                got: s.into(),
+            }),
+        }
+    }
+}
+
+/// Which CUDA fp8 GEMM path `Fp8Linear` runs. `Auto` picks per call: the small-M kernel for
+/// decode, cuBLASLt block scaling on sm_90 for 128x128 blocks, our fp8 tensor-core kernel for
+/// other block shapes and sm_89, dequantize + cuBLAS otherwise. A forced path that does not
+/// apply to a call is an error saying why.
+///
+/// ```
+/// use fp8nsa_types::CudaFp8Kernel;
+/// assert_eq!("".parse::<CudaFp8Kernel>(), Ok(CudaFp8Kernel::Auto));
+/// assert_eq!("gemv".parse::<CudaFp8Kernel>(), Ok(CudaFp8Kernel::SmallM));
+/// assert!("wgmma".parse::<CudaFp8Kernel>().is_err());
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CudaFp8Kernel {
+    #[default]
+    Auto,
+    /// cuBLASLt `VEC128_32F` x `BLK128x128_32F` (sm_90, 128x128 blocks, `ActQuant::Group`).
+    CublasLt,
+    /// Our fp8 `mma.sync` kernel (sm_89+, block K a multiple of 128, quantized activations).
+    Mma,
+    /// Our small-M kernel (decode).
+    SmallM,
+    /// Dequantize the weight, then cuBLAS in the input dtype.
+    Dequant,
+}
+
+impl FromStr for CudaFp8Kernel {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(CudaFp8Kernel::Auto),
+            "cublaslt" => Ok(CudaFp8Kernel::CublasLt),
+            "mma" => Ok(CudaFp8Kernel::Mma),
+            "small-m" | "smallm" | "gemv" => Ok(CudaFp8Kernel::SmallM),
+            "dequant" => Ok(CudaFp8Kernel::Dequant),
+            _ => Err(Error::Setting {
+                var: crate::CUDA_FP8_KERNEL_ENV,
+                expected: "auto, cublaslt, mma, small-m or dequant",
+                got: s.into(),
+            }),
+        }
+    }
+}

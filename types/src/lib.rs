@@ -1,0 +1,36 @@
+//! fp8nsa-types: the one vocabulary of fp8nsa, below every other crate.
+//!
+//! Each concept the layers, the backends and the tools talk about has exactly one type here,
+//! and each environment setting exactly one parser ([`Settings`]). Nothing here knows Candle,
+//! CUDA or PJRT, so every backend takes these types directly.
+//!
+//! ```
+//! use fp8nsa_types::{ActQuant, LinearShape, Spans};
+//!
+//! let shape = LinearShape { m: 7, n: 576, k: 3884, bn: 128, bk: 128 };
+//! assert_eq!((shape.n_blocks(), shape.k_blocks()), (5, 31));
+//! assert!(ActQuant::Block2d { bm: 0 }.validate().is_err());
+//!
+//! // Two overlapping ranges and one past the visible keys, normalized for a query at key 9.
+//! let sel = Spans::Ranges { ranges: &[0, 4, 2, 6, 8, 20][..], per_row: 3 };
+//! let mut spans = Vec::new();
+//! sel.row_spans(0, 10, &mut spans);
+//! assert_eq!(spans, [(0, 6), (8, 10)]);
+//! ```
+
+mod act;
+mod error;
+mod kernel;
+mod selection;
+mod settings;
+mod shape;
+
+pub use act::ActQuant;
+pub use error::{Error, Result};
+pub use kernel::{BackendKind, CudaFp8Kernel, TpuKernel};
+pub use selection::{EntryIssue, Spans};
+pub use settings::{
+    Settings, BACKEND_ENV, CUDA_FP8_KERNEL_ENV, DEFAULT_MIN_LEN, NSA_MIN_LEN_ENV, PJRT_PLUGIN_ENV,
+    TPU_KERNEL_ENV,
+};
+pub use shape::{AttnDims, LinearShape, Seq};
