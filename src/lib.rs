@@ -7,10 +7,11 @@
 //! - [`nsa`]: NSA selection attention over selected key blocks or arbitrary ranges, with a dense
 //!   masked-SDPA fallback.
 //! - [`reference`]: the f64 reference every backend is tested against.
-//! - [`inspect`]: checks on compiled programs (fp8 operands, native fp8 dot, async copies,
-//!   memory spaces, double buffering, scales in SMEM): the `fp8nsa inspect` command.
-//! - [`convert`]: quantizing a safetensors checkpoint to that format (the `fp8nsa quantize`
-//!   command).
+//! - [`types`]: the vocabulary every backend shares (shapes, sequences, selections as spans,
+//!   kernel choices, [`Settings`] parsed once from the environment).
+//!
+//! This crate only re-exports. The `fp8nsa` command (demo, `quantize`, `inspect`,
+//! `export-tpu`) lives in `fp8nsa-cli`, program inspection in `fp8nsa-inspect`.
 //!
 //! ```
 //! use candle_core::{DType, Device, Module, Tensor};
@@ -32,15 +33,11 @@
 //!
 //! Set `RUST_LOG=fp8nsa=debug` (with a `tracing` subscriber) to see which kernel each call ran.
 
-pub mod convert;
-mod error;
-pub mod inspect;
-
-pub use error::{Error, Result};
 pub use fp8nsa_ops::Error as OpsError;
 pub use fp8nsa_ops::{
     ActQuant, Backend, CudaFp8Kernel, Fp8BlockWeight, Fp8Linear, PjrtRuntime, Settings, TpuKernel,
 };
+pub use fp8nsa_ops::{Error, Result};
 /// The shared vocabulary (shapes, sequences, selections as spans, kernel choices, settings)
 /// that every backend takes directly.
 pub use fp8nsa_types as types;

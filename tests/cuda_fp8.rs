@@ -5,13 +5,11 @@
 //!
 //! `FP8NSA_REQUIRE_GPU=1 cargo test --release --features cuda --test cuda_fp8`
 
-mod common;
-
 use candle_core::{DType, Device, Module, Tensor};
-use common::*;
 use cudarc::driver::CudaStream;
 use fp8nsa::cuda::fp8::{self as kernels, Fp8Path, PreparedWeight};
 use fp8nsa::{reference, ActQuant, CudaFp8Kernel, Fp8BlockWeight, Fp8Linear};
+use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
 use std::sync::Arc;
 

@@ -8,12 +8,10 @@
 //!
 //! `FP8NSA_REQUIRE_GPU=1 cargo test --release --features cuda --test cuda_nsa`
 
-mod common;
-
 use candle_core::{DType, Device, Tensor};
-use common::*;
 use fp8nsa::nsa::{BlockSelection, Selection, SelectionAttention, SelectionRanges};
 use fp8nsa::reference;
+use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::Rng;

@@ -1,11 +1,9 @@
 //! CPU `Fp8Linear` against the f64 reference on the contract's sweep, plus quantization bounds,
 //! errors and loading from the Hugging Face layout.
 
-mod common;
-
 use candle_core::{DType, Device, Module, Tensor};
-use common::*;
 use fp8nsa::{reference, ActQuant, Fp8BlockWeight, Fp8Linear};
+use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
 use rand::Rng;
 

@@ -1,16 +1,14 @@
 //! The full NSA layer against the f64 reference, plus the properties that pin its math.
 
-mod common;
-
 use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
-use common::*;
 use fp8nsa::nsa::{
     BlockSelection, Compressor, Gates, NativeSparseAttention, NsaCache, NsaConfig, NsaDims,
     SelectionAttention, SelectionRanges,
 };
 use fp8nsa::reference;
+use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
 
 fn qkv(rng: &mut StdRng, tq: usize, tk: usize, dims: NsaDims) -> (Tensor, Tensor, Tensor) {

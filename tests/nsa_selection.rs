@@ -1,11 +1,9 @@
 //! NSA selection attention: the CPU kernel and the dense fallback against the f64 reference.
 
-mod common;
-
 use candle_core::{DType, Device, Tensor};
-use common::*;
 use fp8nsa::nsa::{BlockSelection, Selection, SelectionAttention, SelectionRanges};
 use fp8nsa::reference;
+use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 
@@ -583,7 +581,7 @@ fn the_path_taken_is_logged() {
     let x = qkv(&mut rng, 1, 40, 40, 4, 2, 16, 16, DType::F32);
     let sel = block_selection(&mut rng, 1, 40, 2, 40, 8, 2);
     for (min_len, want) in [(0, "cpu"), (usize::MAX, "sdpa-fallback")] {
-        let (r, backends) = common::trace::logged("backend", || {
+        let (r, backends) = fp8nsa_test_support::trace::logged("backend", || {
             SelectionAttention::new()
                 .min_len(min_len)
                 .forward(&x.q, &x.k, &x.v, &sel)

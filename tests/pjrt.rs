@@ -2,40 +2,22 @@
 //! xla-cpu-pjrt`), against the CPU backend and the f64 reference.
 #![cfg(feature = "pjrt")]
 
-mod common;
-
 use std::sync::{Arc, OnceLock};
 
 use candle_core::{DType, Device, Module, Tensor};
-use common::*;
 use fp8nsa::nsa::{BlockSelection, SelectionAttention, SelectionRanges};
 use fp8nsa::{reference, ActQuant, Backend, Fp8BlockWeight, Fp8Linear, PjrtRuntime, TpuKernel};
+use fp8nsa_test_support::*;
 
 fn runtime() -> Option<Arc<PjrtRuntime>> {
     static RT: OnceLock<Option<Arc<PjrtRuntime>>> = OnceLock::new();
-    RT.get_or_init(|| match fp8nsa_pjrt_plugin() {
-        Some(p) => Some(Arc::new(PjrtRuntime::load(&p).expect("plugin loads"))),
-        None => {
-            eprintln!("SKIPPED: XLA CPU PJRT plugin not found (pip install xla-cpu-pjrt)");
-            None
-        }
+    RT.get_or_init(|| {
+        let plugin = resource::pjrt_plugin()?;
+        Some(Arc::new(
+            PjrtRuntime::load(&plugin.to_string_lossy()).expect("plugin loads"),
+        ))
     })
     .clone()
-}
-
-fn fp8nsa_pjrt_plugin() -> Option<String> {
-    std::env::var("FP8NSA_PJRT_PLUGIN").ok().or_else(|| {
-        let out = std::process::Command::new("python3")
-            .args([
-                "-c",
-                "import sysconfig; print(sysconfig.get_paths()['purelib'])",
-            ])
-            .output()
-            .ok()?;
-        let p = std::path::PathBuf::from(String::from_utf8_lossy(&out.stdout).trim())
-            .join("xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so");
-        p.is_file().then(|| p.to_string_lossy().into_owned())
-    })
 }
 
 #[test]
@@ -193,7 +175,7 @@ fn pjrt_errors_are_errors() {
 #[test]
 fn inspector_reads_our_compiled_fp8_program() {
     let Some(rt) = runtime() else { return };
-    use fp8nsa::inspect::{inspect, ProgramFormat, Variant};
+    use fp8nsa_inspect::{inspect, ProgramFormat, Variant};
     use fp8nsa_pjrt::programs::{fp8_linear, LinearShape};
     let shape = LinearShape {
         m: 8,
@@ -233,77 +215,6 @@ fn inspector_reads_our_compiled_fp8_program() {
 
 /// `fp8nsa export-tpu` writes programs and a manifest the runtime loads; on a non-TPU plugin
 /// the Pallas variants are refused with the platform's name. Skipped without jax.
-#[test]
-fn exported_tpu_programs_load_and_are_refused_off_tpu() {
-    let Some(rt) = runtime() else { return };
-    let has_jax = std::process::Command::new("python3")
-        .args(["-c", "import jax"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !has_jax {
-        eprintln!("SKIPPED: jax is not installed (backends/pjrt/tpu/run_tests.sh installs it)");
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fp8nsa"))
-        .args(["export-tpu", "--out"])
-        .arg(dir.path())
-        .args([
-            "--shapes",
-            "256,384",
-            "--buckets",
-            "8,32",
-            "--variants",
-            "v2,v3",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let m = fp8nsa_pjrt::tpu::TpuManifest::load(dir.path()).unwrap();
-    assert_eq!(m.entries.len(), 4);
-    let e = m
-        .select(
-            fp8nsa::TpuKernel::V3,
-            9,
-            256,
-            384,
-            [128, 128],
-            fp8nsa::ActQuant::Group,
-        )
-        .unwrap();
-    assert_eq!(e.m_bucket, 32);
-    let report =
-        fp8nsa::inspect::inspect(&std::fs::read_to_string(dir.path().join(&e.mlir)).unwrap());
-    assert!(report.satisfies(fp8nsa::inspect::Variant::V3));
-    // the CPU plugin runs v1 only
-    let rt2 = PjrtRuntime::load(&fp8nsa_pjrt_plugin().unwrap())
-        .unwrap()
-        .with_tpu_programs(dir.path())
-        .unwrap();
-    let w = Fp8BlockWeight::quantize(
-        &Tensor::ones((256, 384), DType::F32, &Device::Cpu).unwrap(),
-        [128, 128],
-    )
-    .unwrap();
-    let layer = Fp8Linear::new(w, None, ActQuant::Group)
-        .unwrap()
-        .with_backend(Backend::Pjrt(Arc::new(rt2)));
-    let x = Tensor::ones((9, 384), DType::F32, &Device::Cpu).unwrap();
-    let err = layer
-        .clone()
-        .with_tpu_kernel(TpuKernel::V3)
-        .forward(&x)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("\"cpu\""), "{err}");
-    assert!(layer.with_tpu_kernel(TpuKernel::V1).forward(&x).is_ok());
-    drop(rt);
-}
-
 /// What runs on a TPU: every variant against the reference. Needs FP8NSA_PJRT_PLUGIN naming
 /// libtpu and FP8NSA_TPU_EXPORTS an `export-tpu` folder with shape 576,3884 and bucket >= 7.
 #[test]

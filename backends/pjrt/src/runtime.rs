@@ -10,20 +10,10 @@ use crate::programs::{self, AttnShape};
 use crate::safe::{Api, Buffer, Client, Device, ElementType, Executable};
 use fp8nsa_types::{ActQuant, LinearShape, Settings, TpuKernel, PJRT_PLUGIN_ENV};
 
-/// The XLA CPU plugin of the `xla-cpu-pjrt` wheel, if Python has it installed.
+/// The XLA CPU plugin of the `xla-cpu-pjrt` wheel, if pip installed it where
+/// [`fp8nsa_types::python_site_dirs`] looks.
 pub fn locate_cpu_plugin() -> Option<PathBuf> {
-    let script = "import site, sysconfig\n\
-                  paths = [sysconfig.get_paths()['purelib'], site.getusersitepackages()]\n\
-                  paths += site.getsitepackages() if hasattr(site, 'getsitepackages') else []\n\
-                  print('\\n'.join(paths))";
-    let out = std::process::Command::new("python3")
-        .args(["-c", script])
-        .output()
-        .ok()?;
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(|d| PathBuf::from(d).join("xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so"))
-        .find(|p| p.is_file())
+    fp8nsa_types::find_python_package_file(fp8nsa_types::XLA_CPU_PLUGIN)
 }
 
 /// An fp8 weight resident on the device: uploaded once, used by every call.

@@ -1,18 +1,15 @@
 //! The binding against the real XLA CPU plugin (`pip install xla-cpu-pjrt`; skipped, saying
-//! so, when it is absent).
+//! so, when it is absent, and failing then under `FP8NSA_REQUIRE_PJRT=1`, as in CI).
 
 use fp8nsa_pjrt::programs::AttnShape;
-use fp8nsa_pjrt::{locate_cpu_plugin, safe, Error, PjrtRuntime};
+use fp8nsa_pjrt::{safe, Error, PjrtRuntime};
 use fp8nsa_types::{ActQuant, TpuKernel};
 
 /// The leak check counts live objects process-wide: tests of this binary take turns.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn runtime() -> Option<PjrtRuntime> {
-    let Some(p) = locate_cpu_plugin() else {
-        eprintln!("SKIPPED: XLA CPU PJRT plugin not found (pip install xla-cpu-pjrt)");
-        return None;
-    };
+    let p = fp8nsa_test_support::resource::pjrt_plugin()?;
     Some(PjrtRuntime::load(&p.to_string_lossy()).expect("plugin loads"))
 }
 

@@ -1,17 +1,20 @@
 //! Reading XLA HLO text.
 
-use super::*;
+use std::collections::HashMap;
+
+use crate::program::{Inst, Scope};
+use crate::text::{matching, split_top};
 
 pub(crate) struct HloLine<'s> {
-    pub(crate) root: bool,
-    pub(crate) name: &'s str,
-    pub(crate) ty: &'s str,
-    pub(crate) op: &'s str,
-    pub(crate) args: &'s str,
-    pub(crate) attrs: &'s str,
+    root: bool,
+    name: &'s str,
+    ty: &'s str,
+    op: &'s str,
+    args: &'s str,
+    attrs: &'s str,
 }
 
-pub(crate) fn is_hlo_name_char(c: char) -> bool {
+fn is_hlo_name_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-')
 }
 
@@ -61,7 +64,7 @@ pub(crate) fn parse_hlo_inst(line: &str) -> Option<HloLine<'_>> {
 }
 
 /// `[ENTRY] %name (params) -> type {`: the computation's name.
-pub(crate) fn parse_hlo_header(t: &str) -> Option<(String, bool)> {
+fn parse_hlo_header(t: &str) -> Option<(String, bool)> {
     if !t.ends_with('{') || t.starts_with("HloModule") {
         return None;
     }
@@ -75,7 +78,7 @@ pub(crate) fn parse_hlo_header(t: &str) -> Option<(String, bool)> {
 }
 
 /// Values of `key=` in an HLO attribute list: `calls=%f` or `calls={%a, %b}`.
-pub(crate) fn hlo_attr_names(attrs: &str, key: &str) -> Vec<String> {
+fn hlo_attr_names(attrs: &str, key: &str) -> Vec<String> {
     let mut out = vec![];
     let mut from = 0;
     while let Some(at) = attrs[from..].find(key).map(|a| a + from) {
@@ -99,7 +102,7 @@ pub(crate) fn hlo_attr_names(attrs: &str, key: &str) -> Vec<String> {
     out
 }
 
-pub(crate) fn hlo_inst(h: &HloLine<'_>, line: usize, scope: usize) -> Inst {
+fn hlo_inst(h: &HloLine<'_>, line: usize, scope: usize) -> Inst {
     let mut operands = vec![];
     let mut operand_tys = vec![];
     for piece in split_top(h.args, b',') {
@@ -182,9 +185,9 @@ pub(crate) fn hlo_arrays(ty: &str) -> Vec<HloArray> {
 }
 
 /// Real shapes nest tuples two or three deep; the bound keeps hostile input linear.
-pub(crate) const MAX_TUPLE_DEPTH: usize = 8;
+const MAX_TUPLE_DEPTH: usize = 8;
 
-pub(crate) fn tuple_arrays(ty: &str, depth: usize) -> Vec<HloArray> {
+fn tuple_arrays(ty: &str, depth: usize) -> Vec<HloArray> {
     let ty = ty.trim();
     if ty.starts_with('(') {
         let inner = match matching(ty, 0) {

@@ -1,6 +1,11 @@
 //! The parsed program: instructions grouped in scopes (HLO computations, MLIR functions).
 
-use super::*;
+use std::collections::{HashMap, HashSet, VecDeque};
+
+use super::{evidence, Buffer, BufferRole, ProgramFormat, ROOT_STEPS, TRACE_LIMIT};
+use crate::hlo::{hlo_arrays, parse_hlo};
+use crate::mlir::{custom_call_target, parse_mlir, shaped};
+use crate::text::{elem_type, is_fp8, is_wide_float, strip_comments};
 
 pub(crate) struct Inst {
     /// 1-based.
@@ -52,7 +57,7 @@ impl Scope {
     }
 
     /// Mosaic puts the scratch buffers last; `scratch_operands = N` says how many.
-    pub(crate) fn scratch_operands(&self) -> usize {
+    fn scratch_operands(&self) -> usize {
         let Some(at) = self.attrs.find("scratch_operands") else {
             return 0;
         };
@@ -71,10 +76,10 @@ pub(crate) struct Program<'a> {
     pub(crate) insts: Vec<Inst>,
     pub(crate) scopes: Vec<Scope>,
     /// Per scope: value name -> defining instruction.
-    pub(crate) defs: Vec<HashMap<String, usize>>,
-    pub(crate) scope_ids: HashMap<String, usize>,
+    defs: Vec<HashMap<String, usize>>,
+    scope_ids: HashMap<String, usize>,
     /// Computation name -> instructions that call it.
-    pub(crate) callers: HashMap<String, Vec<usize>>,
+    callers: HashMap<String, Vec<usize>>,
 }
 
 impl<'a> Program<'a> {
@@ -115,11 +120,11 @@ impl<'a> Program<'a> {
         evidence(line, self.raw.get(line - 1).copied().unwrap_or(""))
     }
 
-    pub(crate) fn def(&self, scope: usize, name: &str) -> Option<usize> {
+    fn def(&self, scope: usize, name: &str) -> Option<usize> {
         self.defs.get(scope)?.get(name).copied()
     }
 
-    pub(crate) fn type_of(&self, scope: usize, name: &str) -> Option<&str> {
+    fn type_of(&self, scope: usize, name: &str) -> Option<&str> {
         if let Some(d) = self.def(scope, name) {
             return Some(&self.insts[d].result_ty);
         }
@@ -182,7 +187,7 @@ impl<'a> Program<'a> {
 
     /// Instructions whose values flow into `n`: its operands, the root of a computation it
     /// calls, and, for a parameter of a called computation, the caller's operand.
-    pub(crate) fn preds(&self, n: usize) -> Vec<usize> {
+    fn preds(&self, n: usize) -> Vec<usize> {
         let inst = &self.insts[n];
         let mut out = vec![];
         for c in &inst.calls {
@@ -263,7 +268,7 @@ impl<'a> Program<'a> {
     }
 
     /// HLO: the ENTRY parameters, and values placed in a non-default memory space.
-    pub(crate) fn hlo_buffers(&self) -> Vec<Buffer> {
+    fn hlo_buffers(&self) -> Vec<Buffer> {
         let mut out = vec![];
         for inst in &self.insts {
             let entry = self.scopes[inst.scope].entry;
@@ -298,7 +303,7 @@ impl<'a> Program<'a> {
 
     /// MLIR: the entry function's shaped arguments (the last `scratch_operands` are
     /// scratch), and allocations in any function.
-    pub(crate) fn mlir_buffers(&self) -> Vec<Buffer> {
+    fn mlir_buffers(&self) -> Vec<Buffer> {
         let mut out = vec![];
         if let Some(scope) = self.scopes.iter().find(|s| s.entry) {
             let first_scratch = scope.args.len().saturating_sub(scope.scratch_operands());

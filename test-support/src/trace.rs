@@ -1,6 +1,6 @@
 //! Which path really ran: the values of one field of the `tracing` events a closure emits
 //! (`backend` for NSA, `kernel` for fp8), captured by a thread-local subscriber. Shared by the
-//! GPU tests and benches (`#[path]`).
+//! CPU and GPU tests.
 
 use std::fmt::Debug;
 use std::sync::{Arc, Mutex};

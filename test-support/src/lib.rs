@@ -1,7 +1,22 @@
-//! Test data: fresh random inputs each run (the seed is printed; FP8NSA_TEST_SEED replays one),
-//! with block magnitudes spread over 1e-3..1e3 so per-block scales are heterogeneous.
-#![allow(dead_code)]
+//! What fp8nsa's test suites share.
+//!
+//! - Test data: fresh random inputs each run (the seed is printed; `FP8NSA_TEST_SEED` replays
+//!   one), with block magnitudes spread over 1e-3..1e3 so per-block scales are heterogeneous
+//!   (docs/numerics.md, "Tolerances").
+//! - Error metrics: relative Frobenius error and `calc_diff`.
+//! - [`trace::logged`]: the values a `tracing` field took during a call.
+//! - [`resource`]: the real parts a suite runs on (the XLA CPU PJRT plugin, the SmolLM2 GGUF,
+//!   jax, a GPU); a missing one skips the suite, saying so, unless its `FP8NSA_REQUIRE_*` flag
+//!   is set, as CI sets it: then it fails.
+//!
+//! ```
+//! use fp8nsa_test_support::{hetero, rel_frobenius, rng, tensor};
+//! let mut r = rng("doc");
+//! let x = tensor(hetero(&mut r, 4, 256, 1, 128), &[4, 256]);
+//! assert_eq!(rel_frobenius(&x, &x), 0.0);
+//! ```
 
+pub mod resource;
 pub mod trace;
 
 use candle_core::{DType, Device, Tensor};

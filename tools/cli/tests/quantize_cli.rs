@@ -1,15 +1,13 @@
 //! `fp8nsa quantize`: convert a checkpoint, load it back with `Fp8BlockWeight::load`.
 
-mod common;
-
 use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
 
 use candle_core::{DType, Device, Tensor};
-use common::*;
-use fp8nsa::convert::{quantize_checkpoint, QuantizeOptions};
 use fp8nsa::Fp8BlockWeight;
+use fp8nsa_cli::convert::{quantize_checkpoint, QuantizeOptions};
+use fp8nsa_test_support::*;
 
 /// A small Llama-like checkpoint (f32 and bf16, shapes not multiples of 128) and its config.
 fn write_checkpoint(dir: &Path, rng: &mut rand::rngs::StdRng) -> HashMap<String, Tensor> {

@@ -1,6 +1,7 @@
 //! Types and text scanning: element types, memory spaces, brackets, strings, comments.
 
-use super::*;
+use crate::hlo::hlo_arrays;
+use crate::mlir::shaped;
 
 /// The element type of an MLIR shaped type, an HLO array (a tuple's first element), or a
 /// scalar type as written.
@@ -94,7 +95,7 @@ pub(crate) fn space_label(s: Option<&str>) -> String {
 /// brackets `( [ { <` open around it (a closing bracket is reported at the outer depth);
 /// stops when `f` returns false. The `>` of `->` and the `<` of `<=` are not brackets.
 /// Returns the depth at the end.
-pub(crate) fn walk(s: &str, mut f: impl FnMut(usize, u8, i32) -> bool) -> i32 {
+fn walk(s: &str, mut f: impl FnMut(usize, u8, i32) -> bool) -> i32 {
     let b = s.as_bytes();
     let mut depth = 0i32;
     let mut in_str = false;

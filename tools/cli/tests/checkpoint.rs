@@ -2,8 +2,8 @@
 //! are picked up from `quantization_config`, `modules_to_not_convert` stays dense.
 
 use candle_core::{DType, Tensor};
-use fp8nsa::convert::{quantize_checkpoint, QuantizeOptions};
 use fp8nsa::models::{Llama, LlamaConfig, ModelOptions, Weights};
+use fp8nsa_cli::convert::{quantize_checkpoint, QuantizeOptions};
 
 fn write_hf(dir: &std::path::Path, cfg: &LlamaConfig) {
     let w = Weights::random(cfg, 5).unwrap();

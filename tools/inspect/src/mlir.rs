@@ -1,8 +1,10 @@
 //! Reading MLIR: StableHLO and Mosaic TPU.
 
-use super::*;
+use super::MAX_SIGNATURE_LINES;
+use crate::program::{Arg, Inst, Scope};
+use crate::text::{depth, find_top, matching, split_top, value_names};
 
-pub(crate) fn is_func_start(t: &str) -> bool {
+fn is_func_start(t: &str) -> bool {
     t.starts_with("func.func") || t.starts_with("func ") || t.starts_with("func @")
 }
 
@@ -55,7 +57,7 @@ pub(crate) fn parse_mlir(code: &[String]) -> (Vec<Inst>, Vec<Scope>) {
 
 /// Reads `func.func @name(%arg0: type {attrs}, ...) -> results attributes {...} {` (over as
 /// many lines as it spans); returns the scope and the index of the first body line.
-pub(crate) fn parse_func(code: &[String], start: usize) -> (Scope, usize) {
+fn parse_func(code: &[String], start: usize) -> (Scope, usize) {
     let mut joined = String::new();
     let mut starts = vec![];
     let mut end = start;
@@ -103,7 +105,7 @@ pub(crate) fn parse_func(code: &[String], start: usize) -> (Scope, usize) {
 }
 
 /// `%name: type {attrs}`.
-pub(crate) fn parse_arg(piece: &str, line: usize) -> Option<Arg> {
+fn parse_arg(piece: &str, line: usize) -> Option<Arg> {
     let rest = piece.strip_prefix('%')?;
     let colon = find_top(rest, ":")?;
     let name = rest[..colon].trim().to_string();
@@ -122,7 +124,7 @@ pub(crate) fn parse_arg(piece: &str, line: usize) -> Option<Arg> {
 }
 
 /// One MLIR operation line: `%r = dialect.op operands attrs : type-signature`.
-pub(crate) fn parse_mlir_inst(t: &str) -> Option<Inst> {
+fn parse_mlir_inst(t: &str) -> Option<Inst> {
     let mut t = t.trim();
     if t.is_empty() || t.starts_with('}') || t.starts_with('^') || t.starts_with("module") {
         return None;
@@ -168,7 +170,7 @@ pub(crate) fn parse_mlir_inst(t: &str) -> Option<Inst> {
 
 /// Operand and result types of `(a, b) -> r`, `a, b, c -> r`, `a to b`, or `a, b` (the last
 /// is the result) / `t` (operands and result alike).
-pub(crate) fn parse_sig(sig: &str) -> (Vec<String>, Vec<String>) {
+fn parse_sig(sig: &str) -> (Vec<String>, Vec<String>) {
     let split = find_top(sig, "->")
         .map(|p| (p, 2))
         .or_else(|| find_top(sig, " to ").map(|p| (p, 4)));
@@ -184,7 +186,7 @@ pub(crate) fn parse_sig(sig: &str) -> (Vec<String>, Vec<String>) {
     }
 }
 
-pub(crate) fn type_list(s: &str) -> Vec<String> {
+fn type_list(s: &str) -> Vec<String> {
     let s = s.trim();
     let s = if s.starts_with('(') && matching(s, 0) == Some(s.len() - 1) {
         &s[1..s.len() - 1]
@@ -235,7 +237,7 @@ pub(crate) fn shaped(ty: &str) -> Option<Shaped> {
 }
 
 /// `#tpu.memory_space<vmem>`, `memory_space = vmem`, `mhlo.memory_kind = "pinned_host"`.
-pub(crate) fn memory_space_in(s: &str) -> Option<String> {
+fn memory_space_in(s: &str) -> Option<String> {
     if let Some(a) = s.find("memory_space<") {
         let v = &s[a + "memory_space<".len()..];
         return v.find('>').map(|e| v[..e].trim().to_string());

@@ -4,7 +4,7 @@
 //! `quantization_config`. This is the library side of `fp8nsa quantize`.
 //!
 //! ```no_run
-//! use fp8nsa::convert::{quantize_checkpoint, QuantizeOptions};
+//! use fp8nsa_cli::convert::{quantize_checkpoint, QuantizeOptions};
 //! let report = quantize_checkpoint(
 //!     "model/".as_ref(),
 //!     "model-fp8/".as_ref(),
@@ -12,7 +12,7 @@
 //!     &mut |_name, _bytes| {},
 //! )?;
 //! println!("{} tensors converted", report.converted.len());
-//! # Ok::<(), fp8nsa::Error>(())
+//! # Ok::<(), fp8nsa_cli::Error>(())
 //! ```
 
 use std::borrow::Cow;
@@ -24,7 +24,9 @@ use regex_lite::Regex;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
-use crate::{Error, Fp8BlockWeight, Result};
+use fp8nsa::Fp8BlockWeight;
+
+use crate::{Error, Result};
 
 /// The Hugging Face index of a sharded checkpoint.
 const INDEX_FILE: &str = "model.safetensors.index.json";

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(transparent)]
-    Ops(#[from] fp8nsa_ops::Error),
+    Ops(#[from] fp8nsa::Error),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error("{path}: {source}")]

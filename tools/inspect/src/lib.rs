@@ -8,7 +8,7 @@
 //! variant ([`Variant`]) must show; [`Report::render`] prints both.
 //!
 //! ```
-//! use fp8nsa::inspect::{inspect, ProgramFormat, Variant};
+//! use fp8nsa_inspect::{inspect, ProgramFormat, Variant};
 //!
 //! let hlo = "HloModule m
 //! ENTRY %main (a: u8[2,3], b: f8e4m3fn[3,4]) -> f32[2,4] {
@@ -32,12 +32,10 @@ mod mlir;
 mod program;
 mod text;
 
-use hlo::*;
-use mlir::*;
-use program::*;
-use text::*;
+use hlo::parse_hlo_inst;
+use program::Program;
+use text::{is_fp8, space_class, space_label, strip_comments, Space};
 
-use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::str::FromStr;
 

@@ -1,0 +1,76 @@
+//! `fp8nsa export-tpu` end to end: the Pallas kernels exported for the tpu platform (jax, no TPU
+//! needed), the manifest selecting a program, the inspector on its Mosaic, and the CPU plugin
+//! refusing the TPU-only variants with an error naming its platform.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Module, Tensor};
+use fp8nsa::{ActQuant, Backend, Fp8BlockWeight, Fp8Linear, PjrtRuntime, TpuKernel};
+use fp8nsa_test_support::resource;
+
+#[test]
+fn exported_tpu_programs_load_and_are_refused_off_tpu() {
+    let Some(plugin) = resource::pjrt_plugin() else {
+        return;
+    };
+    if !resource::jax() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_fp8nsa"))
+        .args(["export-tpu", "--out"])
+        .arg(dir.path())
+        .args([
+            "--shapes",
+            "256,384",
+            "--buckets",
+            "8,32",
+            "--variants",
+            "v2,v3",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let m = fp8nsa_pjrt::tpu::TpuManifest::load(dir.path()).unwrap();
+    assert_eq!(m.entries.len(), 4);
+    let e = m
+        .select(
+            fp8nsa::TpuKernel::V3,
+            9,
+            256,
+            384,
+            [128, 128],
+            fp8nsa::ActQuant::Group,
+        )
+        .unwrap();
+    assert_eq!(e.m_bucket, 32);
+    let report =
+        fp8nsa_inspect::inspect(&std::fs::read_to_string(dir.path().join(&e.mlir)).unwrap());
+    assert!(report.satisfies(fp8nsa_inspect::Variant::V3));
+    // the CPU plugin runs v1 only
+    let rt2 = PjrtRuntime::load(&plugin.to_string_lossy())
+        .unwrap()
+        .with_tpu_programs(dir.path())
+        .unwrap();
+    let w = Fp8BlockWeight::quantize(
+        &Tensor::ones((256, 384), DType::F32, &Device::Cpu).unwrap(),
+        [128, 128],
+    )
+    .unwrap();
+    let layer = Fp8Linear::new(w, None, ActQuant::Group)
+        .unwrap()
+        .with_backend(Backend::Pjrt(Arc::new(rt2)));
+    let x = Tensor::ones((9, 384), DType::F32, &Device::Cpu).unwrap();
+    let err = layer
+        .clone()
+        .with_tpu_kernel(TpuKernel::V3)
+        .forward(&x)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("\"cpu\""), "{err}");
+    assert!(layer.with_tpu_kernel(TpuKernel::V1).forward(&x).is_ok());
+}
