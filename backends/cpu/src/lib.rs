@@ -20,6 +20,7 @@ mod error;
 pub mod fp8;
 pub mod linear;
 pub mod nsa;
+pub mod nsa_select;
 pub mod quant;
 mod simd;
 

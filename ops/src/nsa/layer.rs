@@ -6,6 +6,7 @@ use super::config::{CompressorKind, NsaConfig};
 use super::sdpa::masked_softmax;
 use super::{BlockSelection, SelectionAttention, SelectionRanges};
 use crate::error::{invalid, shape_err, Error, Result};
+use fp8nsa_cpu::nsa_select::{self, NsaParams, QueryRows};
 pub use fp8nsa_types::AttnDims;
 
 /// The layer's head layout: `Hq = G · Hkv` query heads of dim `d`, values of dim `dv` (the
@@ -518,6 +519,22 @@ impl NativeSparseAttention {
         })
     }
 
+    /// The block geometry and budget, as the host helpers of `fp8nsa_cpu::nsa_select` take it.
+    fn params(&self) -> NsaParams {
+        let c = &self.cfg;
+        NsaParams {
+            compress_block: c.compress_block,
+            compress_stride: c.compress_stride,
+            select_block: c.select_block,
+            num_selected: c.num_selected,
+            num_initial: c.num_initial,
+            num_local: c.num_local,
+            window: c.window,
+        }
+    }
+
+    /// The sliding window as one range per (batch, query, kv head), docs/nsa.md "Sliding
+    /// window" (computed by `nsa_select::window_ranges`).
     fn window_ranges(
         &self,
         b: usize,
@@ -526,16 +543,14 @@ impl NativeSparseAttention {
         dev: &Device,
     ) -> Result<SelectionRanges> {
         let hkv = self.dims.hkv;
-        let mut r = Vec::with_capacity(b * tq * hkv * 2);
-        for _ in 0..b {
-            for t in 0..tq {
-                let p = q_offset + t;
-                let start = (p + 1).saturating_sub(self.cfg.window);
-                for _ in 0..hkv {
-                    r.extend([start as i32, (p + 1) as i32]);
-                }
-            }
-        }
+        let rows = QueryRows {
+            b,
+            tq,
+            hkv,
+            q_offset,
+        };
+        let mut r = vec![0i32; b * tq * hkv * 2];
+        nsa_select::window_ranges(self.params(), rows, &mut r)?;
         SelectionRanges::new(Tensor::from_vec(r, (b, tq, hkv, 1, 2), dev)?)
     }
 
@@ -554,6 +569,7 @@ impl NativeSparseAttention {
         let (b, tq, _, _) = q.dims4()?;
         let n_c = ck.dims()[1];
         let nb = tk.div_ceil(self.cfg.select_block);
+        let params = self.params();
         let mut importance = vec![0f32; b * tq * hkv * nb];
         let mut outs = Vec::with_capacity(b);
         for bi in 0..b {
@@ -583,11 +599,8 @@ impl NativeSparseAttention {
                     .transpose(0, 1)?
                     .contiguous()?;
                 // a query at position p sees compressed block i iff the block ends at or before p
-                let mut mask = vec![f32::NEG_INFINITY; tc * n_c];
-                for t in 0..tc {
-                    let vis = self.cfg.compressed_len(q_offset + t0 + t + 1).min(n_c);
-                    mask[t * n_c..t * n_c + vis].fill(0.0);
-                }
+                let mut mask = vec![0f32; tc * n_c];
+                nsa_select::compressed_mask(params, q_offset + t0, tc, n_c, &mut mask)?;
                 let mask = Tensor::from_vec(mask, (1, 1, tc, n_c), q.device())?;
                 let scores = (qs.matmul(&kb.t()?)? * self.scale as f64)?
                     .reshape((hkv, g, tc, n_c))?
@@ -600,19 +613,17 @@ impl NativeSparseAttention {
                     .permute((2, 0, 1, 3))?
                     .reshape((tc, hq, dv))?;
                 chunks.push(o);
-                // group-summed probabilities [hkv, tc, n_c] -> block importance
+                // group-summed probabilities [hkv, tc, n_c], as rows [tc, hkv] like
+                // importance [b, tq, hkv, nb] -> block importance
                 let p: Vec<f32> = probs
                     .sum(1)?
+                    .transpose(0, 1)?
                     .flatten_all()?
                     .to_device(&Device::Cpu)?
                     .to_vec1()?;
-                for h in 0..hkv {
-                    for t in 0..tc {
-                        let row = &p[(h * tc + t) * n_c..(h * tc + t + 1) * n_c];
-                        let at = ((bi * tq + t0 + t) * hkv + h) * nb;
-                        self.remap(row, &mut importance[at..at + nb]);
-                    }
-                }
+                let at = (bi * tq + t0) * hkv * nb;
+                let out = &mut importance[at..at + tc * hkv * nb];
+                nsa_select::remap(params, tc * hkv, n_c, nb, &p, out)?;
             }
             outs.push(Tensor::cat(&chunks, 0)?);
         }
@@ -622,29 +633,9 @@ impl NativeSparseAttention {
         Ok((o_cmp, importance, selection))
     }
 
-    /// Paper eq. 9 for 0-based blocks: compressed block `i` covers keys
-    /// `[i·stride, i·stride + l)`, so selection block `j` collects
-    /// `Σ_{m < l'/stride} Σ_{n < l/stride} p[(l'/stride)·j + m − n]`, which weighs each
-    /// compressed block by the keys it shares with selection block `j`.
-    fn remap(&self, p: &[f32], out: &mut [f32]) {
-        let s = self.cfg.compress_stride;
-        let (ratio, span) = (self.cfg.select_block / s, self.cfg.compress_block / s);
-        for (j, o) in out.iter_mut().enumerate() {
-            let mut acc = 0f32;
-            for m in 0..ratio {
-                for n in 0..span {
-                    let i = (ratio * j + m) as isize - n as isize;
-                    if i >= 0 && (i as usize) < p.len() {
-                        acc += p[i as usize];
-                    }
-                }
-            }
-            *o = acc;
-        }
-    }
-
-    /// Top-n blocks per row among those at or before the query, with the initial and local
-    /// blocks forced; ties go to the lower block index. `-1` pads.
+    /// The top-n blocks per (batch, query, kv head), docs/nsa.md "Top-n selection" (computed
+    /// by `nsa_select::top_n`: forced initial and local blocks, ties to the lower index, sorted,
+    /// `-1` pads).
     fn top_n(
         &self,
         importance: &[f32],
@@ -655,33 +646,14 @@ impl NativeSparseAttention {
         dev: &Device,
     ) -> Result<BlockSelection> {
         let (hkv, n) = (self.dims.hkv, self.cfg.num_selected);
-        let mut idx = Vec::with_capacity(b * tq * hkv * n);
-        let mut cand: Vec<usize> = Vec::with_capacity(nb);
-        let mut row: Vec<i32> = Vec::with_capacity(n);
-        for bi in 0..b {
-            for t in 0..tq {
-                let cur = (q_offset + t) / self.cfg.select_block;
-                for h in 0..hkv {
-                    let imp = &importance[((bi * tq + t) * hkv + h) * nb..][..nb];
-                    let forced =
-                        |j: usize| j < self.cfg.num_initial || j + self.cfg.num_local > cur;
-                    row.clear();
-                    row.extend((0..=cur).filter(|&j| forced(j)).map(|j| j as i32));
-                    cand.clear();
-                    cand.extend((0..=cur).filter(|&j| !forced(j)));
-                    let budget = n.saturating_sub(row.len()).min(cand.len());
-                    if budget > 0 && budget < cand.len() {
-                        cand.select_nth_unstable_by(budget - 1, |&a, &c| {
-                            imp[c].total_cmp(&imp[a]).then(a.cmp(&c))
-                        });
-                    }
-                    row.extend(cand[..budget].iter().map(|&j| j as i32));
-                    row.sort_unstable();
-                    row.resize(n, -1);
-                    idx.extend_from_slice(&row);
-                }
-            }
-        }
+        let rows = QueryRows {
+            b,
+            tq,
+            hkv,
+            q_offset,
+        };
+        let mut idx = vec![0i32; b * tq * hkv * n];
+        nsa_select::top_n(self.params(), rows, nb, importance, &mut idx)?;
         BlockSelection::new(
             Tensor::from_vec(idx, (b, tq, hkv, n), dev)?,
             self.cfg.select_block,
