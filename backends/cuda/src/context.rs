@@ -5,7 +5,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::ThreadId;
 
+use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::CudaSlice;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::Ptx;
 
@@ -30,7 +32,7 @@ pub struct DeviceInfo {
 #[derive(Default)]
 pub(crate) struct StreamState {
     pub(crate) blas: Option<Arc<cudarc::cublas::CudaBlas>>,
-    pub(crate) lt: Option<Arc<crate::fp8::cublaslt::LtState>>,
+    pub(crate) lt: Option<Arc<LtState>>,
 }
 
 pub(crate) struct Gpu {
@@ -45,7 +47,7 @@ pub(crate) struct Gpu {
 }
 
 /// A cuBLASLt problem: (n, m padded to the token alignment, k stride, output type).
-pub(crate) type LtProblem = (usize, usize, usize, crate::launch::Dtype);
+pub(crate) type LtProblem = (usize, usize, usize, crate::step::Dtype);
 
 /// Keyed by (stream handle, thread).
 type StreamStates = HashMap<(usize, ThreadId), Arc<Mutex<StreamState>>>;
@@ -196,4 +198,47 @@ impl Gpu {
 /// Launch geometry helper: `n` items in blocks of `threads`, capped grid (grid-stride loops).
 pub(crate) fn grid_for(n: usize, threads: u32) -> u32 {
     (n.div_ceil(threads as usize)).clamp(1, 65535 * 16) as u32
+}
+
+/// Workspace per stream, the size NVIDIA's samples use on Hopper.
+pub(crate) const WORKSPACE_BYTES: usize = 32 << 20;
+/// (n, mp, k, output type, alignments of A, B, D): what the heuristic's choice depends on.
+type AlgoKey = (usize, usize, usize, sys::cudaDataType, [u32; 3]);
+
+/// A cuBLASLt handle with its reused workspace and the algorithms found per problem.
+pub(crate) struct LtState {
+    pub(crate) handle: sys::cublasLtHandle_t,
+    pub(crate) workspace: CudaSlice<u8>,
+    pub(crate) algos: Mutex<HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>>,
+}
+
+// SAFETY: the handle is a plain pointer owned by this struct; it is only used while the
+// stream-state mutex of its (stream, thread) is held, never concurrently.
+unsafe impl Send for LtState {}
+// SAFETY: as above.
+unsafe impl Sync for LtState {}
+
+impl Drop for LtState {
+    fn drop(&mut self) {
+        // SAFETY: the handle was created by create_handle and is destroyed once.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
+impl Gpu {
+    /// `stream`'s cuBLASLt handle, workspace and algorithm cache, created on first use.
+    pub(crate) fn lt(&self, stream: &Arc<CudaStream>) -> Result<Arc<LtState>> {
+        let st = self.stream_state(stream);
+        let mut s = st.lock().expect("stream state");
+        if let Some(l) = &s.lt {
+            return Ok(l.clone());
+        }
+        let l = Arc::new(LtState {
+            handle: lt::create_handle()?,
+            workspace: stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?,
+            algos: Mutex::default(),
+        });
+        s.lt = Some(l.clone());
+        Ok(l)
+    }
 }

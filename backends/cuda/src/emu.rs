@@ -19,9 +19,9 @@
 
 use std::ffi::{c_char, c_void, CString};
 
-use crate::error::{invalid, Result};
-use crate::launch::{
-    struct_words, BlockScaledGemm, Buf, Dtype, Gemm, KArg, Kernel, Plan, Step, Val,
+use crate::error::Result;
+use crate::step::{
+    self, BlockScaledGemm, Bufs, DevBuf, Dtype, Gemm, Kernel, KernelArgs, Machine, Plan, Tmp,
 };
 
 extern "C" {
@@ -104,6 +104,13 @@ impl HostBuf {
     pub fn addr(&self) -> u64 {
         self.ptr as u64
     }
+
+    fn dev(&self) -> DevBuf {
+        DevBuf {
+            ptr: self.ptr as u64,
+            bytes: self.bytes,
+        }
+    }
 }
 
 impl Drop for HostBuf {
@@ -115,42 +122,45 @@ impl Drop for HostBuf {
 
 /// Runs `plan` over `args` (the plan builder's argument order) on the emulator.
 pub fn execute(plan: &Plan, args: &mut [&mut HostBuf]) -> Result<()> {
-    let tmps: Vec<HostBuf> = plan
-        .tmps
-        .iter()
-        .map(|t| {
-            if t.zeroed {
-                HostBuf::zeroed(t.bytes)
-            } else {
-                HostBuf::new(t.bytes)
-            }
+    let bufs: Vec<DevBuf> = args.iter().map(|b| b.dev()).collect();
+    step::run(&Emulator, plan, &bufs)
+}
+
+/// The CPU emulator as a [`Machine`]: kernels on fibers, library steps as host formulas.
+struct Emulator;
+
+impl Machine for Emulator {
+    type Tmp = HostBuf;
+
+    fn alloc(&self, t: &Tmp) -> Result<HostBuf> {
+        Ok(if t.zeroed {
+            HostBuf::zeroed(t.bytes)
+        } else {
+            HostBuf::new(t.bytes)
         })
-        .collect();
-    let buf = |b: Buf| -> &HostBuf {
-        match b {
-            Buf::Arg(i) => &*args[i],
-            Buf::Tmp(i) => &tmps[i],
-        }
-    };
-    for step in &plan.steps {
-        match step {
-            Step::Kernel(k) => launch(k, &|b| buf(b).addr())?,
-            Step::Gemm(g) => host_gemm(g, &|b| buf(b))?,
-            Step::BlockScaledGemm(g) => host_block_scaled(g, &|b| buf(b))?,
-            Step::Copy { src, dst, bytes } => {
-                let (s, d) = (buf(*src), buf(*dst));
-                if s.len() < *bytes || d.len() < *bytes {
-                    return Err(invalid(
-                        "plan",
-                        format!("copy of {bytes} bytes overruns its buffers"),
-                    ));
-                }
-                // SAFETY: both hold `bytes` (checked); distinct buffers of one plan.
-                unsafe { std::ptr::copy(s.ptr, d.ptr, *bytes) };
-            }
-        }
     }
-    Ok(())
+
+    fn buf(&self, t: &HostBuf) -> DevBuf {
+        t.dev()
+    }
+
+    fn kernel(&self, k: &Kernel, args: &mut KernelArgs) -> Result<()> {
+        launch(k, args)
+    }
+
+    fn gemm(&self, g: &Gemm, bufs: &Bufs<'_>) -> Result<()> {
+        host_gemm(g, bufs)
+    }
+
+    fn block_scaled_gemm(&self, g: &BlockScaledGemm, bufs: &Bufs<'_>) -> Result<()> {
+        host_block_scaled(g, bufs)
+    }
+
+    fn copy(&self, dst: u64, src: u64, bytes: usize) -> Result<()> {
+        // SAFETY: both hold `bytes` (checked by `step::run`); emulator memory of one plan.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes) };
+        Ok(())
+    }
 }
 
 /// Whether the emulator holds kernel `name`.
@@ -160,37 +170,8 @@ pub fn has_kernel(name: &str) -> bool {
     unsafe { fp8nsa_emu_has_kernel(c.as_ptr()) == 1 }
 }
 
-enum ArgStore {
-    U64(u64),
-    I32(i32),
-    I64(i64),
-    F32(f32),
-    Words(Vec<u64>),
-}
-
-fn launch(k: &Kernel, resolve: &dyn Fn(Buf) -> u64) -> Result<()> {
-    let mut store: Vec<ArgStore> = k
-        .args
-        .iter()
-        .map(|a| match a {
-            KArg::Val(Val::Ptr(b, off)) => ArgStore::U64(resolve(*b) + *off as u64),
-            KArg::Val(Val::Null) => ArgStore::U64(0),
-            KArg::Val(Val::I32(v)) => ArgStore::I32(*v),
-            KArg::Val(Val::I64(v)) => ArgStore::I64(*v),
-            KArg::Val(Val::F32(v)) => ArgStore::F32(*v),
-            KArg::Struct(fields) => ArgStore::Words(struct_words(fields, resolve)),
-        })
-        .collect();
-    let mut ptrs: Vec<*mut c_void> = store
-        .iter_mut()
-        .map(|s| match s {
-            ArgStore::U64(v) => v as *mut u64 as *mut c_void,
-            ArgStore::I32(v) => v as *mut i32 as *mut c_void,
-            ArgStore::I64(v) => v as *mut i64 as *mut c_void,
-            ArgStore::F32(v) => v as *mut f32 as *mut c_void,
-            ArgStore::Words(w) => w.as_mut_ptr() as *mut c_void,
-        })
-        .collect();
+fn launch(k: &Kernel, args: &mut KernelArgs) -> Result<()> {
+    let mut ptrs = args.pointers();
     let name = CString::new(k.name.as_str()).expect("kernel names have no NUL");
     let mut err = vec![0u8; 1024];
     let workers = std::thread::available_parallelism()
@@ -224,8 +205,8 @@ fn launch(k: &Kernel, resolve: &dyn Fn(Buf) -> u64) -> Result<()> {
     Ok(())
 }
 
-fn read(b: &HostBuf, dtype: Dtype, i: usize) -> f64 {
-    let p = b.ptr;
+fn read(b: DevBuf, dtype: Dtype, i: usize) -> f64 {
+    let p = b.ptr as *const u8;
     // SAFETY: callers index within the plan's sizes; HostBuf faults past its end.
     unsafe {
         match dtype {
@@ -238,8 +219,8 @@ fn read(b: &HostBuf, dtype: Dtype, i: usize) -> f64 {
     }
 }
 
-fn write(b: &HostBuf, dtype: Dtype, i: usize, v: f64) {
-    let p = b.ptr;
+fn write(b: DevBuf, dtype: Dtype, i: usize, v: f64) {
+    let p = b.ptr as *mut u8;
     // SAFETY: as in `read`.
     unsafe {
         match dtype {
@@ -255,8 +236,8 @@ fn write(b: &HostBuf, dtype: Dtype, i: usize, v: f64) {
 }
 
 /// cuBLAS's column-major GEMM, C = op(A) op(B), alpha 1, beta 0.
-fn host_gemm<'a>(g: &Gemm, buf: &dyn Fn(Buf) -> &'a HostBuf) -> Result<()> {
-    let (a, b, c) = (buf(g.a), buf(g.b), buf(g.c));
+fn host_gemm(g: &Gemm, bufs: &Bufs<'_>) -> Result<()> {
+    let (a, b, c) = (bufs.get(g.a), bufs.get(g.b), bufs.get(g.c));
     for j in 0..g.n {
         for i in 0..g.m {
             let mut acc = 0f64;
@@ -287,6 +268,23 @@ fn host_gemm<'a>(g: &Gemm, buf: &dyn Fn(Buf) -> &'a HostBuf) -> Result<()> {
     Ok(())
 }
 
+/// The buffer's contents as `T`s.
+fn vec_of<T: Copy>(b: DevBuf) -> Vec<T> {
+    let n = b.bytes / std::mem::size_of::<T>();
+    let mut v = Vec::with_capacity(n);
+    // SAFETY: the buffer holds `bytes` readable bytes (an argument's or a temporary's
+    // emulator memory), copied into fresh capacity of n * size_of::<T>() <= bytes.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            b.ptr as *const u8,
+            v.as_mut_ptr() as *mut u8,
+            n * std::mem::size_of::<T>(),
+        );
+        v.set_len(n);
+    }
+    v
+}
+
 /// e4m3fn to f64.
 fn e4m3(b: u8) -> f64 {
     let s = if b & 0x80 != 0 { -1.0 } else { 1.0 };
@@ -305,20 +303,18 @@ fn e4m3(b: u8) -> f64 {
 /// cuBLASLt's block-scaled GEMM as its documentation defines it: weight scales `BLK128x128_32F`
 /// (K-block index contiguous, rows of L4 = round_up(ceil(K/128), 4)), activation scales
 /// `VEC128_32F` (token index contiguous), D column-major N x Mp.
-fn host_block_scaled<'a>(g: &BlockScaledGemm, buf: &dyn Fn(Buf) -> &'a HostBuf) -> Result<()> {
+fn host_block_scaled(g: &BlockScaledGemm, bufs: &Bufs<'_>) -> Result<()> {
     let (w, ws, x, xs, d) = (
-        buf(g.w),
-        buf(g.w_scales),
-        buf(g.x),
-        buf(g.x_scales),
-        buf(g.d),
+        bufs.get(g.w),
+        bufs.get(g.w_scales),
+        bufs.get(g.x),
+        bufs.get(g.x_scales),
+        bufs.get(g.d),
     );
     let l = g.k.div_ceil(128);
     let l4 = l.next_multiple_of(4);
-    let wv = w.to_vec::<u8>();
-    let xv = x.to_vec::<u8>();
-    let wsv = ws.to_vec::<f32>();
-    let xsv = xs.to_vec::<f32>();
+    let (wv, xv) = (vec_of::<u8>(w), vec_of::<u8>(x));
+    let (wsv, xsv) = (vec_of::<f32>(ws), vec_of::<f32>(xs));
     for col in 0..g.mp {
         for row in 0..g.n {
             let mut acc = 0f64;

@@ -17,6 +17,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod blas;
 mod context;
 mod element;
 #[cfg(feature = "emu")]
@@ -28,6 +29,7 @@ pub mod nsa;
 pub mod ptx;
 #[cfg(test)]
 mod ptx_tests;
+pub mod step;
 
 pub use context::{device_info, DeviceInfo};
 pub use element::Element;

@@ -5,7 +5,7 @@
 use candle_core::{DType, Device, Tensor};
 use fp8nsa_cuda::emu::{execute, HostBuf};
 use fp8nsa_cuda::fp8::{plan_fp8_linear, plan_pad_rows, Fp8Path, MmaTile, WeightLayout};
-use fp8nsa_cuda::launch::Dtype;
+use fp8nsa_cuda::step::Dtype;
 use fp8nsa_ops::{reference, ActQuant, Fp8BlockWeight};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -265,7 +265,7 @@ fn tiles_rows_and_splits() {
 /// not a multiple of 32 for a kernel with warp collectives) is reported as an error.
 #[test]
 fn emulator_reports_bad_launches() {
-    use fp8nsa_cuda::launch::{Kernel, Step};
+    use fp8nsa_cuda::step::{Kernel, Step};
     let layout = WeightLayout::new([16, 128], [128, 128]).unwrap();
     let mut plan = plan_fp8_linear(
         &layout,
@@ -294,7 +294,7 @@ fn emulator_reports_bad_launches() {
 /// the tiles): with its grid cut to one block, every path still matches the reference.
 #[test]
 fn activation_tiles_beyond_the_grid() {
-    use fp8nsa_cuda::launch::{Kernel, Step};
+    use fp8nsa_cuda::step::{Kernel, Step};
     let mut rng = rng("emu_act_stride");
     let (m, n, k, block) = (37, 64, 700, [64, 128]);
     let w = Tensor::from_vec(hetero(&mut rng, n, k, 64, 128), (n, k), &Device::Cpu).unwrap();

@@ -6,8 +6,8 @@
 use candle_core::{DType, Device, Tensor};
 use fp8nsa_cuda::emu::{execute, HostBuf};
 use fp8nsa_cuda::fp8::device_info_for;
-use fp8nsa_cuda::launch::Dtype;
 use fp8nsa_cuda::nsa::{plan_selection, SelKind, SeqArrays};
+use fp8nsa_cuda::step::Dtype;
 use fp8nsa_ops::nsa::{BlockSelection, SelectionRanges};
 use fp8nsa_ops::reference;
 use fp8nsa_types::{AttnDims, Seq};

@@ -42,7 +42,8 @@ use fp8nsa_types::{AttnDims, Seq, Spans};
 use crate::context::gpu;
 use crate::element::Element;
 use crate::error::{invalid, unsupported, Result};
-use crate::launch::{self, Buf, DevBuf, Dtype, KArg, Kernel, Plan, Val};
+use crate::launch;
+use crate::step::{Buf, DevBuf, Dtype, KArg, Kernel, Plan, Val};
 
 /// Kernel names (the launcher and the PTX test share them).
 pub(crate) mod names {

@@ -8,25 +8,19 @@
 //! prepared weight has this layout); activation scales `[L][Mp]`, token index contiguous;
 //! the token count Mp is padded to a multiple of 16.
 
-use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaStream, DevicePtr};
 
-use crate::context::Gpu;
+use crate::context::{Gpu, WORKSPACE_BYTES};
 use crate::error::{Error, Result};
-use crate::launch::{BlockScaledGemm, Buf, Dtype};
+use crate::step::{BlockScaledGemm, Buf, Dtype};
 
-/// Workspace per stream, the size NVIDIA's samples use on Hopper.
-const WORKSPACE_BYTES: usize = 32 << 20;
 /// Token counts are padded to this for cuBLASLt (docs: multiple of 4; 8 seen in practice).
 pub(crate) const TOKEN_ALIGN: usize = 16;
-
-/// (n, mp, k, output type, alignments of A, B, D): what the heuristic's choice depends on.
-type AlgoKey = (usize, usize, usize, sys::cudaDataType, [u32; 3]);
 
 /// The alignment cuBLASLt may assume of a buffer: its address's largest power of two, <= 256.
 fn alignment(ptr: u64) -> u32 {
@@ -35,41 +29,6 @@ fn alignment(ptr: u64) -> u32 {
     } else {
         (1u64 << ptr.trailing_zeros().min(8)) as u32
     }
-}
-
-/// A cuBLASLt handle with its reused workspace and the algorithms found per problem.
-pub(crate) struct LtState {
-    handle: sys::cublasLtHandle_t,
-    workspace: CudaSlice<u8>,
-    algos: Mutex<HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>>,
-}
-
-// SAFETY: the handle is a plain pointer owned by this struct; it is only used while the
-// stream-state mutex of its (stream, thread) is held, never concurrently.
-unsafe impl Send for LtState {}
-// SAFETY: as above.
-unsafe impl Sync for LtState {}
-
-impl Drop for LtState {
-    fn drop(&mut self) {
-        // SAFETY: the handle was created by create_handle and is destroyed once.
-        let _ = unsafe { lt::destroy_handle(self.handle) };
-    }
-}
-
-pub(crate) fn state(gpu: &Gpu, stream: &Arc<CudaStream>) -> Result<Arc<LtState>> {
-    let st = gpu.stream_state(stream);
-    let mut s = st.lock().expect("stream state");
-    if let Some(l) = &s.lt {
-        return Ok(l.clone());
-    }
-    let l = Arc::new(LtState {
-        handle: lt::create_handle()?,
-        workspace: stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?,
-        algos: Mutex::default(),
-    });
-    s.lt = Some(l.clone());
-    Ok(l)
 }
 
 /// Destroys the cuBLASLt objects of one call on every exit path.
@@ -119,7 +78,7 @@ pub(crate) fn matmul(
     resolve: &dyn Fn(Buf) -> u64,
 ) -> Result<()> {
     use sys::cublasLtMatmulDescAttributes_t as A;
-    let st = state(gpu, stream)?;
+    let st = gpu.lt(stream)?;
     let (n, mp, k) = (c.n, c.mp, c.k);
     let out_type = match c.out {
         Dtype::F32 => sys::cudaDataType::CUDA_R_32F,

@@ -1,0 +1,360 @@
+//! The launch plan of one fp8 linear call, built from the path the planner chose: activation
+//! quantization, the GEMM step (our kernels, cuBLASLt or cuBLAS), split-K reduction and bias.
+//! Pure: nothing here touches a device.
+
+use fp8nsa_types::ActQuant;
+
+use crate::context::grid_for;
+use crate::step::{self, Buf, Dtype, KArg, Kernel, Plan, Step, Val};
+
+use super::names;
+use super::plan::Fp8Path;
+use super::weight::WeightLayout;
+
+pub(super) fn val(b: Buf) -> KArg {
+    KArg::Val(Val::Ptr(b, 0))
+}
+
+pub(super) fn i32v(v: usize) -> KArg {
+    KArg::Val(Val::I32(v as i32))
+}
+
+pub(super) fn i64v(v: usize) -> KArg {
+    KArg::Val(Val::I64(v as i64))
+}
+
+/// A grid-stride elementwise launch over `n` items.
+pub(super) fn elementwise(module: &'static str, name: String, n: usize, args: Vec<KArg>) -> Kernel {
+    Kernel {
+        module,
+        name,
+        grid: (grid_for(n, 256), 1, 1),
+        block: 256,
+        smem: 0,
+        args,
+    }
+}
+
+/// Where the activation kernel writes.
+enum ActOut {
+    /// e4m3 codes `[rows, ld]` and scales with (row-block, k-block) strides.
+    Codes {
+        xq: Buf,
+        sx: Buf,
+        rs: usize,
+        cs: usize,
+    },
+    /// Quantize-dequantized (or plain, for `None`) values `[m, ld]` in f32.
+    F32(Buf),
+    /// The same in the input type.
+    Same(Buf),
+}
+
+/// The activation kernel on `x [m, k]` (argument 0): one warp per scale tile, 8 per block.
+fn act_step(
+    x: Dtype,
+    m: usize,
+    k: usize,
+    ld: usize,
+    bk: usize,
+    act: ActQuant,
+    out: ActOut,
+) -> Kernel {
+    let bm = match act {
+        ActQuant::Block2d { bm } => bm,
+        _ => 1,
+    };
+    let tiles = m.div_ceil(bm) * k.div_ceil(bk);
+    let null = KArg::Val(Val::Null);
+    let (name, xq, xd, sx, rs, cs) = match out {
+        ActOut::Codes { xq, sx, rs, cs } => (
+            names::act(x.suffix(), false),
+            val(xq),
+            null.clone(),
+            val(sx),
+            rs,
+            cs,
+        ),
+        ActOut::F32(b) => (
+            names::act(x.suffix(), false),
+            null.clone(),
+            val(b),
+            null,
+            0,
+            0,
+        ),
+        ActOut::Same(b) => (
+            names::act(x.suffix(), true),
+            null.clone(),
+            val(b),
+            null,
+            0,
+            0,
+        ),
+    };
+    Kernel {
+        module: names::QUANT_MODULE,
+        name,
+        grid: (grid_for(tiles, 8), 1, 1),
+        block: 256,
+        smem: 0,
+        args: vec![
+            val(Buf::Arg(0)),
+            xq,
+            xd,
+            sx,
+            i32v(m),
+            i32v(k),
+            i32v(ld),
+            i32v(bm),
+            i32v(bk),
+            i64v(rs),
+            i64v(cs),
+            KArg::Val(Val::I32(i32::from(act == ActQuant::None))),
+        ],
+    }
+}
+
+/// `y[m, n] += bias[n]` on argument 4 (after cuBLAS / cuBLASLt).
+fn bias_step(x: Dtype, m: usize, n: usize) -> Kernel {
+    elementwise(
+        names::QUANT_MODULE,
+        names::elementwise("add_bias", x.suffix()),
+        m * n,
+        vec![val(Buf::Arg(4)), val(Buf::Arg(3)), i32v(m), i32v(n)],
+    )
+}
+
+/// The plan of one `fp8_linear` call on `path`. Arguments: 0 `x [m, k]` in `x`'s dtype,
+/// 1 codes `[n, ld]`, 2 scales `[ceil(n/bn), scale_ld]`, 3 bias `[n]` f32 (read only when
+/// `has_bias`), 4 out `[m, n]` in `x`'s dtype. `out_aligned`: argument 4 starts on 16 bytes
+/// (cuBLASLt writes straight into it then).
+pub fn plan_fp8_linear(
+    w: &WeightLayout,
+    m: usize,
+    act: ActQuant,
+    path: Fp8Path,
+    x: Dtype,
+    has_bias: bool,
+    out_aligned: bool,
+) -> Plan {
+    let WeightLayout {
+        n,
+        k,
+        bn,
+        bk,
+        ld,
+        scale_ld,
+    } = *w;
+    let bias = if has_bias {
+        val(Buf::Arg(3))
+    } else {
+        KArg::Val(Val::Null)
+    };
+    let field = |a: &KArg| match a {
+        KArg::Val(v) => *v,
+        KArg::Struct(_) => unreachable!("scalar"),
+    };
+    let mut plan = Plan::default();
+    match path {
+        Fp8Path::CublasLt => {
+            let mp = m.next_multiple_of(crate::blas::cublaslt::TOKEN_ALIGN);
+            let l = k.div_ceil(128);
+            // the activation kernel writes rows and scales of the m tokens; padding tokens need
+            // zeros (only then is the memset paid)
+            let xq = plan.tmp(mp * ld, mp != m);
+            let sx = plan.tmp(4 * l * mp, mp != m);
+            plan.kernel(act_step(
+                x,
+                m,
+                k,
+                ld,
+                128,
+                ActQuant::Group,
+                ActOut::Codes {
+                    xq,
+                    sx,
+                    rs: 1,
+                    cs: mp,
+                },
+            ));
+            let direct = mp == m && out_aligned;
+            let d = if direct {
+                Buf::Arg(4)
+            } else {
+                plan.tmp(mp * n * x.size(), false)
+            };
+            plan.steps
+                .push(Step::BlockScaledGemm(step::BlockScaledGemm {
+                    out: x,
+                    n,
+                    mp,
+                    k: ld,
+                    w: Buf::Arg(1),
+                    w_scales: Buf::Arg(2),
+                    x: xq,
+                    x_scales: sx,
+                    d,
+                }));
+            if !direct {
+                plan.steps.push(Step::Copy {
+                    src: d,
+                    dst: Buf::Arg(4),
+                    bytes: m * n * x.size(),
+                });
+            }
+            if has_bias {
+                plan.kernel(bias_step(x, m, n));
+            }
+        }
+        Fp8Path::Mma { tile, splits } => {
+            let kb = k.div_ceil(bk);
+            let bm_act = match act {
+                ActQuant::Block2d { bm } => bm,
+                _ => 1,
+            };
+            let xq = plan.tmp(m * ld, false);
+            let sx = plan.tmp(4 * m.div_ceil(bm_act) * kb, false);
+            plan.kernel(act_step(
+                x,
+                m,
+                k,
+                ld,
+                bk,
+                act,
+                ActOut::Codes {
+                    xq,
+                    sx,
+                    rs: kb,
+                    cs: 1,
+                },
+            ));
+            let per = kb.div_ceil(splits.max(1));
+            let splits = kb.div_ceil(per);
+            let ws = (splits > 1).then(|| plan.tmp(4 * splits * m * n, false));
+            let params = vec![
+                Val::Ptr(xq, 0),
+                Val::Ptr(sx, 0),
+                Val::Ptr(Buf::Arg(1), 0),
+                Val::Ptr(Buf::Arg(2), 0),
+                if splits == 1 { field(&bias) } else { Val::Null },
+                Val::Ptr(Buf::Arg(4), 0),
+                ws.map_or(Val::Null, |b| Val::Ptr(b, 0)),
+                Val::I64(ld as i64),
+                Val::I64(ld as i64),
+                Val::I64(kb as i64),
+                Val::I64(1),
+                Val::I64(scale_ld as i64),
+                Val::I32(m as i32),
+                Val::I32(n as i32),
+                Val::I32(k as i32),
+                Val::I32(bm_act as i32),
+                Val::I32(bn as i32),
+                Val::I32(bk as i32),
+                Val::I32(per as i32),
+                Val::I32(splits as i32),
+            ];
+            plan.kernel(Kernel {
+                module: names::GEMM_MODULE,
+                name: names::gemm(tile, x.suffix()),
+                grid: (
+                    n.div_ceil(128) as u32,
+                    m.div_ceil(tile.rows()) as u32,
+                    splits as u32,
+                ),
+                block: tile.warps() * 32,
+                smem: tile.smem_bytes(),
+                args: vec![KArg::Struct(params)],
+            });
+            if let Some(ws) = ws {
+                plan.kernel(elementwise(
+                    names::QUANT_MODULE,
+                    names::elementwise("splitk_reduce", x.suffix()),
+                    m * n,
+                    vec![
+                        val(ws),
+                        bias,
+                        val(Buf::Arg(4)),
+                        i32v(m),
+                        i32v(n),
+                        i32v(splits),
+                    ],
+                ));
+            }
+        }
+        Fp8Path::SmallM { tokens } => {
+            let xd = plan.tmp(4 * m * ld, false);
+            plan.kernel(act_step(x, m, k, ld, bk, act, ActOut::F32(xd)));
+            let rows = match tokens {
+                1..=4 => 8,
+                8 => 4,
+                _ => 2,
+            };
+            let threads = k.div_ceil(16).next_multiple_of(32).clamp(32, 256) as u32;
+            let params = vec![
+                Val::Ptr(xd, 0),
+                Val::Ptr(Buf::Arg(1), 0),
+                Val::Ptr(Buf::Arg(2), 0),
+                field(&bias),
+                Val::Ptr(Buf::Arg(4), 0),
+                Val::I64(ld as i64),
+                Val::I64(ld as i64),
+                Val::I64(scale_ld as i64),
+                Val::I32(m as i32),
+                Val::I32(n as i32),
+                Val::I32(k as i32),
+                Val::I32(bn as i32),
+                Val::I32(bk as i32),
+            ];
+            plan.kernel(Kernel {
+                module: names::GEMV_MODULE,
+                name: names::gemv(tokens, x.suffix()),
+                grid: (n.div_ceil(rows) as u32, 1, 1),
+                block: threads,
+                smem: 0,
+                args: vec![KArg::Struct(params)],
+            });
+        }
+        Fp8Path::Dequant => {
+            let wd = plan.tmp(n * k * x.size(), false);
+            plan.kernel(elementwise(
+                names::QUANT_MODULE,
+                names::elementwise("dequant", x.suffix()),
+                n * k,
+                vec![
+                    val(Buf::Arg(1)),
+                    val(Buf::Arg(2)),
+                    val(wd),
+                    i32v(n),
+                    i32v(k),
+                    i32v(ld),
+                    i32v(bn),
+                    i32v(bk),
+                    i64v(scale_ld),
+                ],
+            ));
+            // the activations as the contract sees them: quantize-dequantized, or x itself
+            let xs = plan.tmp(m * ld * x.size(), false);
+            plan.kernel(act_step(x, m, k, ld, bk, act, ActOut::Same(xs)));
+            // column-major: y^T [n, m] = W [k, n]^T . x^T [k, m]
+            plan.steps.push(Step::Gemm(step::Gemm {
+                dtype: x,
+                trans_a: true,
+                trans_b: false,
+                m: n,
+                n: m,
+                k,
+                a: wd,
+                lda: k,
+                b: xs,
+                ldb: ld,
+                c: Buf::Arg(4),
+                ldc: n,
+            }));
+            if has_bias {
+                plan.kernel(bias_step(x, m, n));
+            }
+        }
+    }
+    plan
+}
