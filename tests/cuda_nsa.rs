@@ -9,7 +9,9 @@
 //! `FP8NSA_REQUIRE_GPU=1 cargo test --release --features cuda --test cuda_nsa`
 
 use candle_core::{DType, Device, Tensor};
-use fp8nsa::nsa::{BlockSelection, Selection, SelectionAttention, SelectionRanges};
+use fp8nsa::nsa::{
+    BlockSelection, NsaPath, SdpaReason, Selection, SelectionAttention, SelectionRanges,
+};
 use fp8nsa::reference;
 use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
@@ -164,23 +166,29 @@ fn check<'s>(
     let (want, want_lse) = reference::nsa_selection(&x.q, &x.k, &x.v, sel, None, q_offset).unwrap();
     let g = to(x, dev);
     let gpu_sel = on_device(sel, dev);
-    let kernel = if kernel_takes(x) {
-        "cuda"
-    } else {
-        "cuda-sdpa-fallback"
+    let takes = kernel_takes(x);
+    let kernel = move |p: &NsaPath| {
+        if takes {
+            *p == NsaPath::CudaKernel
+        } else {
+            matches!(p, NsaPath::Sdpa(SdpaReason::NoKernel(_)))
+        }
     };
-    for (path, min_len, sel, expect) in [
-        ("kernel", 0, sel.into(), kernel),
-        ("kernel, selection on the GPU", 0, gpu_sel.get(), kernel),
-        ("fallback", usize::MAX, gpu_sel.get(), "cuda-sdpa-fallback"),
-    ] {
+    let fallback = |p: &NsaPath| matches!(p, NsaPath::Sdpa(SdpaReason::BelowMinLen { .. }));
+    let cases: [(&str, usize, Selection<'_>, &dyn Fn(&NsaPath) -> bool); 3] = [
+        ("kernel", 0, sel.into(), &kernel),
+        ("kernel, selection on the GPU", 0, gpu_sel.get(), &kernel),
+        ("fallback", usize::MAX, gpu_sel.get(), &fallback),
+    ];
+    for (path, min_len, sel, expect) in cases {
         let mut att = SelectionAttention::new().min_len(min_len).with_lse(true);
         if let Some(o) = q_offset {
             att = att.q_offset(o);
         }
-        let (r, backends) = trace::logged("backend", || att.forward(&g.q, &g.k, &g.v, sel));
-        let (o, lse) = r.unwrap_or_else(|e| panic!("{what} {path}: {e}"));
-        assert_eq!(backends, [expect], "{what} {path}: the path that ran");
+        let (o, lse, ran) = att
+            .forward_with_path(&g.q, &g.k, &g.v, sel)
+            .unwrap_or_else(|e| panic!("{what} {path}: {e}"));
+        assert!(expect(&ran), "{what} {path}: the path that ran was {ran:?}");
         assert!(o.device().is_cuda(), "{what} {path}");
         assert_eq!(
             (o.dims(), o.dtype()),
@@ -443,11 +451,17 @@ fn shape_and_argument_errors() {
     // Tq > Tk without an explicit offset
     let long = to(&qkv(&mut rng, 1, 20, 16, 4, 2, 64, 64, DType::BF16), &dev);
     let sel20 = block_selection(&mut rng, 1, 20, 2, 16, 4, 2);
-    let e = att
-        .forward(&long.q, &long.k, &long.v, &sel20)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("q_offset"), "{e}");
+    let e = att.forward(&long.q, &long.k, &long.v, &sel20).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            fp8nsa::Error::Invalid {
+                arg: "q_offset",
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert!(att
         .clone()
         .q_offset(0)
@@ -598,15 +612,20 @@ fn varlen_matches_each_sequence_alone() {
         Tensor::new(v, &dev).unwrap()
     };
     let (cq, ck) = (cu(|l| l.0), cu(|l| l.1));
-    for (min_len, expect) in [(0, "cuda"), (usize::MAX, "cuda-sdpa-fallback")] {
-        let (r, backends) = trace::logged("backend", || {
-            SelectionAttention::new()
-                .min_len(min_len)
-                .with_lse(true)
-                .forward_varlen(&q, &k, &v, &cq, &ck, &sel)
-        });
-        let (o, lse) = r.unwrap();
-        assert_eq!(backends, [expect], "varlen min_len={min_len}");
+    for min_len in [0, usize::MAX] {
+        let (o, lse, ran) = SelectionAttention::new()
+            .min_len(min_len)
+            .with_lse(true)
+            .forward_varlen_with_path(&q, &k, &v, &cq, &ck, &sel)
+            .unwrap();
+        if min_len == 0 {
+            assert_eq!(ran, NsaPath::CudaKernel, "varlen min_len={min_len}");
+        } else {
+            assert!(
+                matches!(ran, NsaPath::Sdpa(SdpaReason::BelowMinLen { .. })),
+                "varlen min_len={min_len}: {ran:?}"
+            );
+        }
         let mut start = 0;
         for ((x, s), (tq, _)) in parts.iter().zip(lens) {
             if tq == 0 {

@@ -2,7 +2,7 @@
 //! errors and loading from the Hugging Face layout.
 
 use candle_core::{DType, Device, Module, Tensor};
-use fp8nsa::{reference, ActQuant, Fp8BlockWeight, Fp8Linear};
+use fp8nsa::{reference, ActQuant, Error, Fp8BlockWeight, Fp8Linear};
 use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -288,10 +288,10 @@ fn nan_input_propagates_and_zero_rows_stay_zero() {
     assert!(y[1].iter().all(|v| v.is_nan()));
 }
 
-fn err_text<T: std::fmt::Debug>(r: Result<T, impl std::fmt::Display>) -> String {
+fn err_of<T: std::fmt::Debug>(r: Result<T, Error>) -> Error {
     match r {
         Ok(v) => panic!("expected an error, got {v:?}"),
-        Err(e) => e.to_string(),
+        Err(e) => e,
     }
 }
 
@@ -303,75 +303,147 @@ fn bad_inputs_are_errors_that_name_the_argument() {
     let layer = Fp8Linear::new(wq.clone(), None, ActQuant::Group).unwrap();
 
     // K mismatch
-    let e = err_text(layer.forward_t(&Tensor::ones((2, 15), DType::F32, &dev).unwrap()));
-    assert!(e.contains("x") && e.contains("16"), "{e}");
+    let x15 = Tensor::ones((2, 15), DType::F32, &dev).unwrap();
+    let e = err_of(layer.forward_t(&x15));
+    assert!(
+        matches!(&e, Error::Shape { arg: "x", expected, got }
+            if got == &[2, 15] && expected.contains("16")),
+        "{e}"
+    );
     // wrong input dtype
-    let e = err_text(layer.forward_t(&Tensor::ones((2, 16), DType::U32, &dev).unwrap()));
-    assert!(e.contains("x") && e.contains("dtype"), "{e}");
+    let e = err_of(layer.forward_t(&Tensor::ones((2, 16), DType::U32, &dev).unwrap()));
+    assert!(
+        matches!(
+            e,
+            Error::DType {
+                arg: "x",
+                got: DType::U32,
+                ..
+            }
+        ),
+        "{e}"
+    );
     // empty input
-    let e = err_text(layer.forward_t(&Tensor::ones((0, 16), DType::F32, &dev).unwrap()));
-    assert!(e.contains("x") && e.contains("at least one row"), "{e}");
-    // the Module impl returns the same errors through candle's type
-    assert!(layer
-        .forward(&Tensor::ones((2, 15), DType::F32, &dev).unwrap())
-        .is_err());
+    let e = err_of(layer.forward_t(&Tensor::ones((0, 16), DType::F32, &dev).unwrap()));
+    assert!(
+        matches!(&e, Error::Shape { arg: "x", expected, got }
+            if got == &[0, 16] && expected.contains("at least one row")),
+        "{e}"
+    );
+    // the Module impl returns the same errors through candle's type (as text: see
+    // `wrapped_message`)
+    let typed = err_of(layer.forward_t(&x15));
+    let through_candle = layer.forward(&x15).unwrap_err();
+    assert_eq!(
+        wrapped_message(&through_candle),
+        Some(typed.to_string()),
+        "{through_candle}"
+    );
     // bias shape
-    let e = err_text(Fp8Linear::new(
+    let e = err_of(Fp8Linear::new(
         wq.clone(),
         Some(Tensor::ones(7, DType::F32, &dev).unwrap()),
         ActQuant::Group,
     ));
-    assert!(e.contains("bias") && e.contains("[8]"), "{e}");
+    assert!(
+        matches!(&e, Error::Shape { arg: "bias", expected, got }
+            if expected == "[8]" && got == &[7]),
+        "{e}"
+    );
     // zero activation row block
-    let e = err_text(Fp8Linear::new(
+    let e = err_of(Fp8Linear::new(
         wq.clone(),
         None,
         ActQuant::Block2d { bm: 0 },
     ));
-    assert!(e.contains("bm"), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::Invalid {
+                arg: "act (Block2d bm)",
+                ..
+            }
+        ),
+        "{e}"
+    );
 
     // quantize: zero block, wrong rank, empty, non-float
-    let e = err_text(Fp8BlockWeight::quantize(&w, [0, 8]));
-    assert!(e.contains("block"), "{e}");
-    let e = err_text(Fp8BlockWeight::quantize(&w.flatten_all().unwrap(), [4, 8]));
-    assert!(e.contains("w") && e.contains("[N, K]"), "{e}");
-    let e = err_text(Fp8BlockWeight::quantize(
+    let e = err_of(Fp8BlockWeight::quantize(&w, [0, 8]));
+    assert!(matches!(e, Error::Invalid { arg: "block", .. }), "{e}");
+    let e = err_of(Fp8BlockWeight::quantize(&w.flatten_all().unwrap(), [4, 8]));
+    assert!(
+        matches!(&e, Error::Shape { arg: "w", expected, got }
+            if expected.starts_with("[N, K]") && got == &[128]),
+        "{e}"
+    );
+    let e = err_of(Fp8BlockWeight::quantize(
         &Tensor::ones((0, 16), DType::F32, &dev).unwrap(),
         [4, 8],
     ));
-    assert!(e.contains("w"), "{e}");
-    let e = err_text(Fp8BlockWeight::quantize(
+    assert!(
+        matches!(&e, Error::Shape { arg: "w", got, .. } if got == &[0, 16]),
+        "{e}"
+    );
+    let e = err_of(Fp8BlockWeight::quantize(
         &Tensor::ones((8, 16), DType::U8, &dev).unwrap(),
         [4, 8],
     ));
-    assert!(e.contains("dtype"), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::DType {
+                arg: "w",
+                got: DType::U8,
+                ..
+            }
+        ),
+        "{e}"
+    );
 
     // from_parts: scale shape, scale dtype, data dtype, zero block
     let data = wq.data().clone();
-    let e = err_text(Fp8BlockWeight::from_parts(
+    let e = err_of(Fp8BlockWeight::from_parts(
         data.clone(),
         Tensor::ones((2, 3), DType::F32, &dev).unwrap(),
         [4, 8],
     ));
-    assert!(e.contains("scales") && e.contains("[2, 2]"), "{e}");
-    let e = err_text(Fp8BlockWeight::from_parts(
+    assert!(
+        matches!(&e, Error::Shape { arg: "scales", expected, got }
+            if expected.starts_with("[2, 2]") && got == &[2, 3]),
+        "{e}"
+    );
+    let e = err_of(Fp8BlockWeight::from_parts(
         data.clone(),
         Tensor::ones((2, 2), DType::F16, &dev).unwrap(),
         [4, 8],
     ));
-    assert!(e.contains("scales") && e.contains("f32"), "{e}");
-    let e = err_text(Fp8BlockWeight::from_parts(
+    assert!(
+        matches!(
+            e,
+            Error::DType {
+                arg: "scales",
+                expected: "f32",
+                got: DType::F16
+            }
+        ),
+        "{e}"
+    );
+    let e = err_of(Fp8BlockWeight::from_parts(
         w.clone(),
         wq.scales().clone(),
         [4, 8],
     ));
-    assert!(e.contains("data") && e.contains("u8"), "{e}");
-    let e = err_text(Fp8BlockWeight::from_parts(
+    assert!(
+        matches!(&e, Error::DType { arg: "data", expected, got: DType::F32 }
+            if expected.starts_with("u8")),
+        "{e}"
+    );
+    let e = err_of(Fp8BlockWeight::from_parts(
         data.clone(),
         wq.scales().clone(),
         [4, 0],
     ));
-    assert!(e.contains("block"), "{e}");
+    assert!(matches!(e, Error::Invalid { arg: "block", .. }), "{e}");
     // and the matching parts are accepted, as U8 or F8E4M3
     assert!(Fp8BlockWeight::from_parts(data.clone(), wq.scales().clone(), [4, 8]).is_ok());
     let f8: Vec<float8::F8E4M3> = data
@@ -440,9 +512,12 @@ fn loads_hugging_face_layout_from_safetensors() {
     // a wrong block size for the file's scales is an error, not a panic
     let map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
     let vb = candle_nn::VarBuilder::from_tensors(map, DType::F32, &Device::Cpu);
-    let e = err_text(Fp8BlockWeight::load(
+    let e = err_of(Fp8BlockWeight::load(
         vb.pp("model.layers.0.mlp.up_proj"),
         [64, 64],
     ));
-    assert!(e.contains("scales"), "{e}");
+    assert!(
+        matches!(&e, Error::Shape { arg: "scales", got, .. } if got == &[2, 3]),
+        "{e}"
+    );
 }

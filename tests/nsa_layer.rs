@@ -523,9 +523,12 @@ fn config_deserializes_and_validates() {
         serde_json::from_str(r#"{"select_block": 128, "compressor": "mlp"}"#).unwrap();
     assert_eq!(cfg.compressor, fp8nsa::nsa::CompressorKind::Mlp);
     cfg.validate().unwrap();
-    let bad = |c: NsaConfig, needle: &str| {
-        let e = c.validate().unwrap_err().to_string();
-        assert!(e.contains(needle), "{e}");
+    let bad = |c: NsaConfig, field: &str| {
+        let e = c.validate().unwrap_err();
+        assert!(
+            matches!(e, fp8nsa::Error::Invalid { arg, .. } if arg == field),
+            "{field}: {e}"
+        );
     };
     bad(
         NsaConfig {
@@ -576,34 +579,43 @@ fn bad_shapes_are_errors() {
     let x = Tensor::zeros((1, 8, 4), DType::F32, &Device::Cpu).unwrap();
     let (q, k, v) = qkv(&mut rng, 8, 8, dims);
     let k3 = Tensor::zeros((1, 8, 3, 16), DType::F32, &Device::Cpu).unwrap();
-    assert!(nsa
-        .forward(&x, &q, &k3, &v)
-        .unwrap_err()
-        .to_string()
-        .contains("k"));
+    let e = nsa.forward(&x, &q, &k3, &v).unwrap_err();
+    assert!(
+        matches!(&e, fp8nsa::Error::Shape { arg: "k", got, .. } if got == &[1, 8, 3, 16]),
+        "{e}"
+    );
     let (q9, _, _) = qkv(&mut rng, 9, 8, dims);
-    assert!(nsa.forward(&x, &q9, &k, &v).is_err());
+    let e = nsa.forward(&x, &q9, &k, &v).unwrap_err();
+    assert!(matches!(e, fp8nsa::Error::Invalid { arg: "q", .. }), "{e}");
     let bad_dims = NsaDims {
         hq: 3,
         hkv: 2,
         d: 16,
         dv: 16,
     };
-    assert!(NativeSparseAttention::new(
+    let e = NativeSparseAttention::new(
         small_cfg(),
         bad_dims,
         Compressor::MeanPool,
-        Gates::Fixed([1.0; 3])
+        Gates::Fixed([1.0; 3]),
     )
-    .is_err());
+    .unwrap_err();
+    assert!(
+        matches!(e, fp8nsa::Error::Invalid { arg: "dims", .. }),
+        "{e}"
+    );
     // the cache refuses keys of another shape
     let mut cache = NsaCache::new();
     nsa.forward_step(&x, &q, &k, &v, &mut cache).unwrap();
     let (q1, _, _) = qkv(&mut rng, 1, 1, dims);
     let k1 = Tensor::zeros((1, 1, 2, 8), DType::F32, &Device::Cpu).unwrap();
-    assert!(nsa
+    let e = nsa
         .forward_step(&x.narrow(1, 0, 1).unwrap(), &q1, &k1, &k1, &mut cache)
-        .is_err());
+        .unwrap_err();
+    assert!(
+        matches!(&e, fp8nsa::Error::Shape { arg: "k", got, .. } if got == &[1, 1, 2, 8]),
+        "{e}"
+    );
     let _ = SelectionAttention::new();
 }
 
@@ -631,15 +643,23 @@ fn a_failed_step_leaves_the_cache_as_it_was() {
     let one = |t: &Tensor| t.narrow(1, 0, 1).unwrap();
     // q of the wrong head count: rejected after k/v were appended, so they must be rolled back
     let bad_q = Tensor::zeros((1, 1, 3, 16), DType::F32, &Device::Cpu).unwrap();
-    assert!(nsa
+    let e = nsa
         .forward_step(&one(&x), &bad_q, &one(&k), &one(&v), &mut cache)
-        .is_err());
+        .unwrap_err();
+    assert!(
+        matches!(&e, fp8nsa::Error::Shape { arg: "q", got, .. } if got == &[1, 1, 3, 16]),
+        "{e}"
+    );
     assert_eq!((cache.len(), cache.compressed_len()), (len, n_c));
     // v of another dtype than the cache: rejected before anything is appended
     let v16 = one(&v).to_dtype(DType::F16).unwrap();
-    assert!(nsa
+    let e = nsa
         .forward_step(&one(&x), &one(&q), &one(&k), &v16, &mut cache)
-        .is_err());
+        .unwrap_err();
+    assert!(
+        matches!(e, fp8nsa::Error::Shape { arg: "k_new", .. }),
+        "{e}"
+    );
     assert_eq!(cache.len(), len);
     // and the cache still works
     nsa.forward_step(&one(&x), &one(&q), &one(&k), &one(&v), &mut cache)
@@ -648,7 +668,11 @@ fn a_failed_step_leaves_the_cache_as_it_was() {
     // zero new tokens on an empty cache: an error, not a panic
     let none = |t: &Tensor| t.narrow(1, 0, 0).unwrap();
     let mut empty = NsaCache::new();
-    assert!(nsa
+    let e = nsa
         .forward_step(&none(&x), &none(&q), &none(&k), &none(&v), &mut empty)
-        .is_err());
+        .unwrap_err();
+    assert!(
+        matches!(e, fp8nsa::Error::Invalid { arg: "k_new", .. }),
+        "{e}"
+    );
 }

@@ -1,8 +1,10 @@
 //! NSA selection attention: the CPU kernel and the dense fallback against the f64 reference.
 
 use candle_core::{DType, Device, Tensor};
-use fp8nsa::nsa::{BlockSelection, Selection, SelectionAttention, SelectionRanges};
-use fp8nsa::reference;
+use fp8nsa::nsa::{
+    BlockSelection, NsaPath, SdpaReason, Selection, SelectionAttention, SelectionRanges,
+};
+use fp8nsa::{reference, Error};
 use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -380,10 +382,10 @@ fn varlen_three_sequences_match_each_sequence_alone() {
     }
 }
 
-fn err_of<T: std::fmt::Debug>(r: Result<T, fp8nsa::OpsError>) -> String {
+fn err_of<T: std::fmt::Debug>(r: Result<T, Error>) -> Error {
     match r {
         Ok(v) => panic!("expected an error, got {v:?}"),
-        Err(e) => e.to_string(),
+        Err(e) => e,
     }
 }
 
@@ -396,38 +398,53 @@ fn validation_errors_name_the_entry() {
     // duplicate block in batch 0, token 1, entry 2
     let e = err_of(blocks(vec![0, 1, -1, 3, 1, 3], 3).validate(64));
     assert!(
-        e.contains("batch 0")
-            && e.contains("token 1")
-            && e.contains("entry 2")
-            && e.contains("duplicate"),
+        matches!(&e, Error::Selection { batch: 0, token: 1, head: 0, entry: 2, msg }
+            if msg.starts_with("duplicates")),
         "{e}"
     );
     // block past tk
     let e = err_of(blocks(vec![0, 4, 1, 2], 2).validate(64));
     assert!(
-        e.contains("token 0") && e.contains("entry 1") && e.contains("past tk"),
+        matches!(&e, Error::Selection { batch: 0, token: 0, head: 0, entry: 1, msg }
+            if msg.contains("past tk")),
         "{e}"
     );
     // partial last block is in range
     blocks(vec![0, 4, 1, 2], 2).validate(65).unwrap();
     // negative other than -1
     let e = err_of(blocks(vec![-2, 0, 1, 2], 2).validate(64));
-    assert!(e.contains("only -1 pads"), "{e}");
+    assert!(
+        matches!(&e, Error::Selection { batch: 0, token: 0, head: 0, entry: 0, msg }
+            if msg.contains("only -1 pads")),
+        "{e}"
+    );
     let ranges = |v: Vec<i32>, r: usize| {
         SelectionRanges::new(Tensor::from_vec(v, (1, 1, 2, r, 2), &dev).unwrap()).unwrap()
     };
     // overlap in kv head 1
     let e = err_of(ranges(vec![0, 10, 20, 30, 0, 10, 5, 12], 2).validate(64));
-    assert!(e.contains("kv head 1") && e.contains("overlaps"), "{e}");
+    assert!(
+        matches!(&e, Error::Selection { batch: 0, token: 0, head: 1, entry: 1, msg }
+            if msg.starts_with("overlaps")),
+        "{e}"
+    );
     // out of range: a range must start on a key (its end is clamped to tk, like a partial
     // last block)
     let e = err_of(ranges(vec![64, 70, 0, 0, 0, 1, 2, 3], 2).validate(64));
-    assert!(e.contains("outside"), "{e}");
+    assert!(
+        matches!(&e, Error::Selection { batch: 0, token: 0, head: 0, entry: 0, msg }
+            if msg.contains("outside")),
+        "{e}"
+    );
     ranges(vec![60, 70, 0, 0, 0, 1, 2, 3], 2)
         .validate(64)
         .unwrap();
     let e = err_of(ranges(vec![-3, 5, 0, 0, 0, 1, 2, 3], 2).validate(64));
-    assert!(e.contains("outside"), "{e}");
+    assert!(
+        matches!(&e, Error::Selection { batch: 0, token: 0, head: 0, entry: 0, msg }
+            if msg.contains("outside")),
+        "{e}"
+    );
     // padding in any form is fine
     ranges(vec![9, 2, 70, 70, -5, -9, 0, 64], 2)
         .validate(64)
@@ -437,31 +454,58 @@ fn validation_errors_name_the_entry() {
     for min_len in [0, usize::MAX] {
         let att = SelectionAttention::new().min_len(min_len);
         let e = err_of(att.forward(&x.q, &x.k, &x.v, &blocks(vec![0, 0, 1, 2], 2)));
-        assert!(e.contains("duplicates"), "{e}");
+        assert!(
+            matches!(&e, Error::Selection { batch: 0, token: 0, head: 0, entry: 1, msg }
+                if msg.starts_with("duplicates")),
+            "min_len {min_len}: {e}"
+        );
     }
     // constructors
     let e = err_of(BlockSelection::new(
         Tensor::zeros((1, 2, 1, 3), DType::I64, &dev).unwrap(),
         16,
     ));
-    assert!(e.contains("indices") && e.contains("i32"), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::DType {
+                arg: "indices",
+                expected: "i32",
+                got: DType::I64
+            }
+        ),
+        "{e}"
+    );
     let e = err_of(BlockSelection::new(
         Tensor::zeros((2, 1, 3), DType::I32, &dev).unwrap(),
         16,
     ));
     assert!(
-        e.contains("indices") && e.contains("[B, Tq, Hkv, S]"),
+        matches!(&e, Error::Shape { arg: "indices", expected, got }
+            if expected == "[B, Tq, Hkv, S]" && got == &[2, 1, 3]),
         "{e}"
     );
     let e = err_of(BlockSelection::new(
         Tensor::zeros((1, 2, 1, 3), DType::I32, &dev).unwrap(),
         0,
     ));
-    assert!(e.contains("block_size"), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::Invalid {
+                arg: "block_size",
+                ..
+            }
+        ),
+        "{e}"
+    );
     let e = err_of(SelectionRanges::new(
         Tensor::zeros((1, 2, 1, 3, 3), DType::I32, &dev).unwrap(),
     ));
-    assert!(e.contains("ranges"), "{e}");
+    assert!(
+        matches!(&e, Error::Shape { arg: "ranges", got, .. } if got == &[1, 2, 1, 3, 3]),
+        "{e}"
+    );
 }
 
 #[test]
@@ -473,21 +517,58 @@ fn shape_and_argument_errors() {
     let att = SelectionAttention::new();
     // selection rows do not match q
     let wrong = block_selection(&mut rng, 1, 3, 2, 16, 4, 2);
-    assert!(err_of(att.forward(&x.q, &x.k, &x.v, &wrong)).contains("selection"));
+    let e = err_of(att.forward(&x.q, &x.k, &x.v, &wrong));
+    assert!(
+        matches!(&e, Error::Shape { arg: "selection", got, .. } if got[..3] == [1, 3, 2]),
+        "{e}"
+    );
     // Hq not a multiple of Hkv
     let q3 = Tensor::zeros((1, 4, 3, 8), DType::F32, &dev).unwrap();
-    assert!(err_of(att.forward(&q3, &x.k, &x.v, &sel)).contains("Hkv"));
+    let e = err_of(att.forward(&q3, &x.k, &x.v, &sel));
+    assert!(
+        matches!(&e, Error::Shape { arg: "q", expected, .. } if expected.contains("Hkv")),
+        "{e}"
+    );
     // head dim mismatch, mixed dtypes, integer dtype
     let k7 = Tensor::zeros((1, 16, 2, 7), DType::F32, &dev).unwrap();
-    assert!(err_of(att.forward(&x.q, &k7, &x.v, &sel)).contains("k"));
+    let e = err_of(att.forward(&x.q, &k7, &x.v, &sel));
+    assert!(
+        matches!(&e, Error::Shape { arg: "k", got, .. } if got == &[1, 16, 2, 7]),
+        "{e}"
+    );
     let kb = x.k.to_dtype(DType::BF16).unwrap();
-    assert!(err_of(att.forward(&x.q, &kb, &x.v, &sel)).contains("dtype"));
+    let e = err_of(att.forward(&x.q, &kb, &x.v, &sel));
+    assert!(
+        matches!(&e, Error::Invalid { arg: "k", msg } if msg.contains("dtype")),
+        "{e}"
+    );
     let qi = Tensor::zeros((1, 4, 4, 8), DType::U32, &dev).unwrap();
-    assert!(err_of(att.forward(&qi, &x.k, &x.v, &sel)).contains("dtype"));
+    let e = err_of(att.forward(&qi, &x.k, &x.v, &sel));
+    assert!(
+        matches!(
+            e,
+            Error::DType {
+                arg: "q",
+                got: DType::U32,
+                ..
+            }
+        ),
+        "{e}"
+    );
     // Tq > Tk without an explicit offset
     let long = qkv(&mut rng, 1, 20, 16, 4, 2, 8, 8, DType::F32);
     let sel20 = block_selection(&mut rng, 1, 20, 2, 16, 4, 2);
-    assert!(err_of(att.forward(&long.q, &long.k, &long.v, &sel20)).contains("q_offset"));
+    let e = err_of(att.forward(&long.q, &long.k, &long.v, &sel20));
+    assert!(
+        matches!(
+            e,
+            Error::Invalid {
+                arg: "q_offset",
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert!(att
         .clone()
         .q_offset(0)
@@ -500,17 +581,32 @@ fn shape_and_argument_errors() {
         x.v.squeeze(0).unwrap(),
     );
     let cu = |v: Vec<u32>| Tensor::new(v, &dev).unwrap();
+    let e = err_of(att.forward_varlen(&q, &k, &v, &cu(vec![0, 3]), &cu(vec![0, 16]), &sel));
     assert!(
-        err_of(att.forward_varlen(&q, &k, &v, &cu(vec![0, 3]), &cu(vec![0, 16]), &sel))
-            .contains("cu_seqlens_q")
+        matches!(
+            e,
+            Error::Invalid {
+                arg: "cu_seqlens_q",
+                ..
+            }
+        ),
+        "{e}"
     );
+    let e = err_of(att.forward_varlen(&q, &k, &v, &cu(vec![0, 4]), &cu(vec![0, 9, 16]), &sel));
     assert!(
-        err_of(att.forward_varlen(&q, &k, &v, &cu(vec![0, 4]), &cu(vec![0, 9, 16]), &sel))
-            .contains("cu_seqlens_k")
+        matches!(&e, Error::Shape { arg: "cu_seqlens_k", got, .. } if got == &[3]),
+        "{e}"
     );
+    let e = err_of(att.forward_varlen(&q, &k, &v, &cu(vec![1, 4]), &cu(vec![0, 16]), &sel));
     assert!(
-        err_of(att.forward_varlen(&q, &k, &v, &cu(vec![1, 4]), &cu(vec![0, 16]), &sel))
-            .contains("cu_seqlens_q")
+        matches!(
+            e,
+            Error::Invalid {
+                arg: "cu_seqlens_q",
+                ..
+            }
+        ),
+        "{e}"
     );
     assert!(att
         .forward_varlen(&q, &k, &v, &cu(vec![0, 4]), &cu(vec![0, 16]), &sel)
@@ -566,27 +662,49 @@ fn no_keys_or_no_selected_entries_give_empty_rows_on_every_path() {
             0.0
         );
     }
-    assert!(BlockSelection::new(
+    let e = err_of(BlockSelection::new(
         Tensor::zeros((1, 1, 1, 1), DType::I32, &dev).unwrap(),
-        1 << 40
-    )
-    .is_err());
+        1 << 40,
+    ));
+    assert!(
+        matches!(
+            e,
+            Error::Invalid {
+                arg: "block_size",
+                ..
+            }
+        ),
+        "{e}"
+    );
 }
 
-/// The path each call takes is logged (`tracing`, field `backend`): the kernel, or the dense
-/// fallback below `min_len`. The GPU tests read the path the same way.
+/// Each call returns the path it took (the kernel, or the dense fallback below `min_len`, with
+/// the reason), and logs the same (`tracing`, field `backend`) for people reading logs.
 #[test]
-fn the_path_taken_is_logged() {
-    let mut rng = rng("path_logged");
+fn the_path_taken_is_returned_and_logged() {
+    let mut rng = rng("path_taken");
     let x = qkv(&mut rng, 1, 40, 40, 4, 2, 16, 16, DType::F32);
     let sel = block_selection(&mut rng, 1, 40, 2, 40, 8, 2);
-    for (min_len, want) in [(0, "cpu"), (usize::MAX, "sdpa-fallback")] {
+    let below = NsaPath::Sdpa(SdpaReason::BelowMinLen {
+        tk: 40,
+        min_len: usize::MAX,
+    });
+    for (min_len, want, logged) in [
+        (0, NsaPath::CpuKernel, "cpu"),
+        (usize::MAX, below, "sdpa-fallback"),
+    ] {
+        let att = SelectionAttention::new().min_len(min_len);
         let (r, backends) = fp8nsa_test_support::trace::logged("backend", || {
-            SelectionAttention::new()
-                .min_len(min_len)
-                .forward(&x.q, &x.k, &x.v, &sel)
+            att.forward_with_path(&x.q, &x.k, &x.v, &sel)
         });
-        r.unwrap();
-        assert_eq!(backends, [want], "min_len {min_len}");
+        let (o, _, path) = r.unwrap();
+        assert_eq!(path, want, "min_len {min_len}");
+        assert_eq!(backends, [logged], "min_len {min_len}");
+        let (plain, _) = att.forward(&x.q, &x.k, &x.v, &sel).unwrap();
+        assert_eq!(
+            rms_ratio(&o, &plain),
+            0.0,
+            "forward and forward_with_path agree"
+        );
     }
 }

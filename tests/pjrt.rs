@@ -135,16 +135,24 @@ fn selection_attention_through_pjrt_matches_cpu() {
         16,
     )
     .unwrap();
-    assert!(on(Backend::Pjrt(rt)).forward(&q1, &k, &v, &dup).is_err());
+    let e = on(Backend::Pjrt(rt))
+        .forward(&q1, &k, &v, &dup)
+        .unwrap_err();
+    assert!(
+        matches!(&e, fp8nsa::Error::Selection { batch: 0, token: 0, head: 0, entry: 1, msg }
+            if msg.starts_with("duplicates")),
+        "{e}"
+    );
 }
 
 #[test]
 fn pjrt_errors_are_errors() {
     let Some(rt) = runtime() else { return };
-    let e = PjrtRuntime::load("/nonexistent/libtpu.so")
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("/nonexistent/libtpu.so"), "{e}");
+    let e = PjrtRuntime::load("/nonexistent/libtpu.so").unwrap_err();
+    assert!(
+        matches!(&e, fp8nsa_pjrt::Error::Load { path, .. } if path == "/nonexistent/libtpu.so"),
+        "{e}"
+    );
     let w = Fp8BlockWeight::quantize(
         &Tensor::ones((8, 16), DType::F32, &Device::Cpu).unwrap(),
         [4, 8],
@@ -154,17 +162,35 @@ fn pjrt_errors_are_errors() {
         .unwrap()
         .with_backend(Backend::Pjrt(rt.clone()));
     // wrong K is caught before anything reaches the plugin
-    assert!(layer
-        .forward(&Tensor::ones((2, 15), DType::F32, &Device::Cpu).unwrap())
-        .is_err());
+    let e = layer
+        .forward_t(&Tensor::ones((2, 15), DType::F32, &Device::Cpu).unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(&e, fp8nsa::Error::Shape { arg: "x", got, .. } if got == &[2, 15]),
+        "{e}"
+    );
+    let x = Tensor::ones((2, 16), DType::F32, &Device::Cpu).unwrap();
     for k in [TpuKernel::V2, TpuKernel::V3] {
-        let e = layer
-            .clone()
-            .with_tpu_kernel(k)
-            .forward(&Tensor::ones((2, 16), DType::F32, &Device::Cpu).unwrap())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("TPU-only") && e.contains("\"cpu\""), "{e}");
+        let tpu = layer.clone().with_tpu_kernel(k);
+        // the runtime's own refusal, typed
+        let refusal = rt.check_kernel(k).unwrap_err();
+        assert!(
+            matches!(&refusal, fp8nsa_pjrt::Error::NotOnPlatform { platform, .. } if platform == "cpu"),
+            "{refusal}"
+        );
+        // the layer carries it as `Error::Invalid { arg: "pjrt" }` with the runtime's message
+        // (ops flattens fp8nsa_pjrt::Error to text), and `Module::forward` as candle's text
+        let e = tpu.forward_t(&x).unwrap_err();
+        assert!(
+            matches!(&e, fp8nsa::Error::Invalid { arg: "pjrt", msg } if *msg == refusal.to_string()),
+            "{e}"
+        );
+        let through_candle = tpu.forward(&x).unwrap_err();
+        assert_eq!(
+            wrapped_message(&through_candle),
+            Some(e.to_string()),
+            "{through_candle}"
+        );
     }
     assert!(layer
         .forward(&Tensor::ones((2, 16), DType::F32, &Device::Cpu).unwrap())

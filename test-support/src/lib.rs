@@ -5,6 +5,7 @@
 //!   (docs/numerics.md, "Tolerances").
 //! - Error metrics: relative Frobenius error and `calc_diff`.
 //! - [`trace::logged`]: the values a `tracing` field took during a call.
+//! - [`wrapped_message`]: the text of a layer's error that came back through candle's type.
 //! - [`resource`]: the real parts a suite runs on (the XLA CPU PJRT plugin, the SmolLM2 GGUF,
 //!   jax, a GPU); a missing one skips the suite, saying so, unless its `FP8NSA_REQUIRE_*` flag
 //!   is set, as CI sets it: then it fails.
@@ -87,4 +88,21 @@ pub fn calc_diff(y: &Tensor, want: &Tensor) -> f64 {
     let xy: f64 = y.iter().zip(&w).map(|(a, b)| a * b).sum();
     let sq: f64 = y.iter().zip(&w).map(|(a, b)| a * a + b * b).sum();
     1.0 - 2.0 * xy / sq
+}
+
+/// The message of an error that came back through `candle_core::Error` (a layer's
+/// `Module::forward`, or an error raised inside a Candle custom op), looking through the
+/// backtrace, context and path candle may add; `None` for candle's own errors. Candle keeps a
+/// wrapped error only as `Display` (`Error::Wrapped(Box<dyn Display>)`, no downcast), so this
+/// text is all a test can compare: match the typed error where the crate returns it (e.g.
+/// `Fp8Linear::forward_t`) and compare this with its `to_string()`.
+pub fn wrapped_message(e: &candle_core::Error) -> Option<String> {
+    use candle_core::Error as E;
+    match e {
+        E::Wrapped(inner) => Some(inner.to_string()),
+        E::WithBacktrace { inner, .. } | E::Context { inner, .. } | E::WithPath { inner, .. } => {
+            wrapped_message(inner)
+        }
+        _ => None,
+    }
 }

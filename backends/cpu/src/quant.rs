@@ -130,6 +130,7 @@ pub fn quantize_act(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use crate::fp8::{e4m3_to_f32, E4M3_MAX};
 
     #[test]
@@ -163,8 +164,17 @@ mod tests {
 
     #[test]
     fn rejects_bad_arguments() {
-        assert!(quantize_weight(&[0.0; 8], 2, 4, 0, 4).is_err());
-        assert!(quantize_weight(&[0.0; 7], 2, 4, 2, 4).is_err());
-        assert!(quantize_act(&[0.0; 8], 2, 4, 4, ActQuant::Block2d { bm: 0 }, false).is_err());
+        assert!(matches!(
+            quantize_weight(&[0.0; 8], 2, 4, 0, 4),
+            Err(Error::Invalid { arg: "bn", .. })
+        ));
+        assert!(matches!(
+            quantize_weight(&[0.0; 7], 2, 4, 2, 4),
+            Err(Error::Shape { arg: "weight", .. })
+        ));
+        assert!(matches!(
+            quantize_act(&[0.0; 8], 2, 4, 4, ActQuant::Block2d { bm: 0 }, false),
+            Err(Error::Invalid { arg: "bm", .. })
+        ));
     }
 }

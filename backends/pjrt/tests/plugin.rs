@@ -113,24 +113,35 @@ fn errors_come_back_as_errors() {
     let w = rt
         .upload_weight(&[0x38; 6], &[1.0], None, 2, 3, [128, 128])
         .unwrap();
-    assert!(rt
+    let e = rt
         .fp8_linear(&[1.0; 4], 1, &w, ActQuant::Group, TpuKernel::V1)
-        .is_err());
-    assert!(rt
+        .unwrap_err();
+    assert!(matches!(e, Error::Invalid { arg: "x", .. }), "{e}");
+    let e = rt
         .upload_weight(&[0x38; 6], &[1.0, 2.0], None, 2, 3, [128, 128])
-        .is_err());
+        .map(|_| ())
+        .unwrap_err();
+    assert!(matches!(e, Error::Invalid { arg: "scales", .. }), "{e}");
     for k in [TpuKernel::V2, TpuKernel::V3] {
         let e = rt
             .fp8_linear(&[1.0; 3], 1, &w, ActQuant::Group, k)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("TPU-only") && e.contains("cpu"), "{e}");
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::NotOnPlatform { what, platform }
+                if *what == format!("TpuKernel::{k:?}") && platform == "cpu"),
+            "{e}"
+        );
     }
-    assert!("v4".parse::<TpuKernel>().is_err());
-    let e = PjrtRuntime::load("/nonexistent/plugin.so")
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("/nonexistent/plugin.so"), "{e}");
+    let e = "v4".parse::<TpuKernel>().unwrap_err();
+    assert!(
+        matches!(&e, fp8nsa_types::Error::Setting { got, .. } if got == "v4"),
+        "{e}"
+    );
+    let e = PjrtRuntime::load("/nonexistent/plugin.so").unwrap_err();
+    assert!(
+        matches!(&e, Error::Load { path, .. } if path == "/nonexistent/plugin.so"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -12,6 +12,58 @@ use crate::error::{invalid, shape_err, Error, Result};
 
 pub use fp8nsa_types::{DEFAULT_MIN_LEN, NSA_MIN_LEN_ENV as MIN_LEN_ENV};
 
+/// Which implementation a selection-attention call ran, decided once per call and returned by
+/// [`SelectionAttention::forward_with_path`] (the `tracing` events say the same for logs).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use fp8nsa_ops::nsa::{NsaPath, SdpaReason, SelectionAttention, SelectionRanges};
+///
+/// let q = Tensor::randn(0f32, 1.0, (1, 4, 2, 8), &Device::Cpu)?;
+/// let k = Tensor::randn(0f32, 1.0, (1, 4, 1, 8), &Device::Cpu)?;
+/// let r = SelectionRanges::new(Tensor::new(&[0i32, 4], &Device::Cpu)?.reshape((1, 1, 1, 1, 2))?.repeat((1, 4, 1, 1, 1))?)?;
+/// let att = SelectionAttention::new().min_len(0);
+/// assert_eq!(att.forward_with_path(&q, &k, &k, &r)?.2, NsaPath::CpuKernel);
+/// let dense = SelectionAttention::new().min_len(100);
+/// let path = dense.forward_with_path(&q, &k, &k, &r)?.2;
+/// assert_eq!(path, NsaPath::Sdpa(SdpaReason::BelowMinLen { tk: 4, min_len: 100 }));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NsaPath {
+    /// fp8nsa-cpu's selection kernel.
+    CpuKernel,
+    /// fp8nsa-cuda's selection kernel.
+    CudaKernel,
+    /// The PJRT masked program (whatever `min_len` says).
+    Pjrt,
+    /// The dense masked SDPA in Candle ops, on the tensors' device.
+    Sdpa(SdpaReason),
+    /// No selected entries: zeros and `lse = -inf`, nothing launched.
+    Empty,
+}
+
+/// Why the dense masked SDPA ran instead of a selection kernel (docs/nsa.md, "SDPA fallback").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SdpaReason {
+    /// The longest sequence has fewer keys than `min_len`.
+    BelowMinLen { tk: usize, min_len: usize },
+    /// No selection kernel takes this call (device, dtype, head dims or group size); says why.
+    NoKernel(String),
+}
+
+impl std::fmt::Display for SdpaReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SdpaReason::BelowMinLen { tk, min_len } => write!(f, "tk = {tk} < min_len = {min_len}"),
+            SdpaReason::NoKernel(why) => f.write_str(why),
+        }
+    }
+}
+
+/// `(o, lse, the path that ran)`.
+pub type PathOutput = (Tensor, Option<Tensor>, NsaPath);
+
 /// NSA selection attention: each query attends to the keys its selection names (shared by the G
 /// query heads of a kv head), causally, with an f32 softmax.
 ///
@@ -100,6 +152,18 @@ impl SelectionAttention {
         v: &Tensor,
         selection: impl Into<Selection<'s>>,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        let (o, lse, _) = self.forward_with_path(q, k, v, selection)?;
+        Ok((o, lse))
+    }
+
+    /// [`Self::forward`], also returning which implementation ran.
+    pub fn forward_with_path<'s>(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        selection: impl Into<Selection<'s>>,
+    ) -> Result<PathOutput> {
         let sel = selection.into();
         let (b, tq, hq, d) = dims4("q", q, "[B, Tq, Hq, D]")?;
         let (bk, tk, hkv, dk) = dims4("k", k, "[B, Tk, Hkv, D]")?;
@@ -128,7 +192,7 @@ impl SelectionAttention {
                 q_offset,
             })
             .collect();
-        let (o, lse) = self.run(
+        let (o, lse, path) = self.run(
             &q.reshape((b * tq, hq, d))?,
             &k.reshape((b * tk, hkv, d))?,
             &v.reshape((b * tk, hkv, dv))?,
@@ -140,7 +204,7 @@ impl SelectionAttention {
             Some(l) => Some(l.reshape((b, tq, hq))?),
             None => None,
         };
-        Ok((o.reshape((b, tq, hq, dv))?, lse))
+        Ok((o.reshape((b, tq, hq, dv))?, lse, path))
     }
 
     /// Packed sequences: `q [ΣTq, Hq, D]`, `k [ΣTk, Hkv, D]`, `v [ΣTk, Hkv, Dv]`,
@@ -156,6 +220,21 @@ impl SelectionAttention {
         cu_seqlens_k: &Tensor,
         selection: impl Into<Selection<'s>>,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        let (o, lse, _) =
+            self.forward_varlen_with_path(q, k, v, cu_seqlens_q, cu_seqlens_k, selection)?;
+        Ok((o, lse))
+    }
+
+    /// [`Self::forward_varlen`], also returning which implementation ran.
+    pub fn forward_varlen_with_path<'s>(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        cu_seqlens_q: &Tensor,
+        cu_seqlens_k: &Tensor,
+        selection: impl Into<Selection<'s>>,
+    ) -> Result<PathOutput> {
         let sel = selection.into();
         let (tq, _, d) = dims3("q", q, "[ΣTq, Hq, D]")?;
         let (tk, hkv, dk) = dims3("k", k, "[ΣTk, Hkv, D]")?;
@@ -209,7 +288,7 @@ impl SelectionAttention {
         seqs: &[Seq],
         sel: Selection<'_>,
         sel_dims: [usize; 3],
-    ) -> Result<(Tensor, Option<Tensor>)> {
+    ) -> Result<PathOutput> {
         let (tq, hq, d) = q.dims3()?;
         let (_, hkv, _) = k.dims3()?;
         let dv = v.dims()[2];
@@ -265,13 +344,23 @@ impl SelectionAttention {
         )?;
         if let Backend::Pjrt(rt) = &backend {
             let (o, lse) = super::pjrt::selection(rt, q, k, v, seqs, &host, scale)?;
-            return Ok((o.to_dtype(q.dtype())?, self.with_lse.then_some(lse)));
+            return Ok((
+                o.to_dtype(q.dtype())?,
+                self.with_lse.then_some(lse),
+                NsaPath::Pjrt,
+            ));
         }
         let min_len = self.resolved_min_len()?;
         let reason = if max_tk < min_len {
-            Some(format!("tk = {max_tk} < min_len = {min_len}"))
+            Some(SdpaReason::BelowMinLen {
+                tk: max_tk,
+                min_len,
+            })
         } else if !q.device().is_cpu() {
-            Some(format!("no selection kernel for {:?}", q.device()))
+            Some(SdpaReason::NoKernel(format!(
+                "no selection kernel for {:?}",
+                q.device()
+            )))
         } else {
             None
         };
@@ -279,7 +368,11 @@ impl SelectionAttention {
         if let Some(reason) = reason {
             tracing::debug!(op = "nsa_selection", backend = "sdpa-fallback", %reason, tq, hq, hkv, d, dv);
             let (o, lse) = masked_sdpa(q, k, v, seqs, &host, scale)?;
-            return Ok((o.to_dtype(q.dtype())?, self.with_lse.then_some(lse)));
+            return Ok((
+                o.to_dtype(q.dtype())?,
+                self.with_lse.then_some(lse),
+                NsaPath::Sdpa(reason),
+            ));
         }
         tracing::debug!(
             op = "nsa_selection",
@@ -307,7 +400,7 @@ impl SelectionAttention {
         } else {
             None
         };
-        Ok((o, lse))
+        Ok((o, lse, NsaPath::CpuKernel))
     }
 }
 
@@ -326,7 +419,7 @@ impl SelectionAttention {
         sel: Selection<'_>,
         scale: f32,
         max_tk: usize,
-    ) -> Result<(Tensor, Option<Tensor>)> {
+    ) -> Result<PathOutput> {
         let (tq, hq, d) = q.dims3()?;
         let (_, hkv, _) = k.dims3()?;
         let dv = v.dims()[2];
@@ -346,21 +439,29 @@ impl SelectionAttention {
                 .with_lse
                 .then(|| Tensor::full(f32::NEG_INFINITY, (tq, hq), q.device()))
                 .transpose()?;
-            return Ok((o, lse));
+            return Ok((o, lse, NsaPath::Empty));
         }
         let min_len = self.resolved_min_len()?;
         let reason = if max_tk < min_len {
-            Some(format!("tk = {max_tk} < min_len = {min_len}"))
+            Some(SdpaReason::BelowMinLen {
+                tk: max_tk,
+                min_len,
+            })
         } else {
-            super::cuda::unsupported(&q, &k, &v, sel.dims()[3])
+            super::cuda::unsupported(&q, &k, &v, sel.dims()[3]).map(SdpaReason::NoKernel)
         };
         if let Some(reason) = reason {
             tracing::debug!(op = "nsa_selection", backend = "cuda-sdpa-fallback", %reason, tq, hq, hkv, d, dv);
             let host = host_selection(sel)?;
             let (o, lse) = masked_sdpa(&q, &k, &v, seqs, &host, scale)?;
-            return Ok((o.to_dtype(q.dtype())?, self.with_lse.then_some(lse)));
+            return Ok((
+                o.to_dtype(q.dtype())?,
+                self.with_lse.then_some(lse),
+                NsaPath::Sdpa(reason),
+            ));
         }
-        super::cuda::selection(&q, &k, &v, seqs, sel, scale, self.with_lse)
+        let (o, lse) = super::cuda::selection(&q, &k, &v, seqs, sel, scale, self.with_lse)?;
+        Ok((o, lse, NsaPath::CudaKernel))
     }
 }
 

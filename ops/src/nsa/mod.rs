@@ -29,7 +29,9 @@ mod pjrt;
 mod sdpa;
 mod selection;
 
-pub use attention::{SelectionAttention, DEFAULT_MIN_LEN, MIN_LEN_ENV};
+pub use attention::{
+    NsaPath, PathOutput, SdpaReason, SelectionAttention, DEFAULT_MIN_LEN, MIN_LEN_ENV,
+};
 pub use compress::{Compressor, MlpCompressor};
 pub use config::{CompressorKind, NsaConfig};
 pub use layer::{AttnDims, Gates, NativeSparseAttention, NsaCache, NsaDims, NsaOutput};

@@ -324,8 +324,9 @@ fn export_tpu(
         .map(|(n, k)| format!("{n},{k}"))
         .collect::<Vec<_>>()
         .join(";");
-    let py = std::env::var("FP8NSA_TPU_PY")
-        .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/backends/pjrt/tpu").to_string());
+    let py = std::env::var("FP8NSA_TPU_PY").unwrap_or_else(|_| {
+        concat!(env!("CARGO_MANIFEST_DIR"), "/../../backends/pjrt/tpu").to_string()
+    });
     println!(
         "exporting {} shape(s) x buckets {buckets} x {variants} with {py}/fp8nsa_tpu",
         all.len()

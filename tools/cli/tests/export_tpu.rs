@@ -52,10 +52,12 @@ fn exported_tpu_programs_load_and_are_refused_off_tpu() {
         fp8nsa_inspect::inspect(&std::fs::read_to_string(dir.path().join(&e.mlir)).unwrap());
     assert!(report.satisfies(fp8nsa_inspect::Variant::V3));
     // the CPU plugin runs v1 only
-    let rt2 = PjrtRuntime::load(&plugin.to_string_lossy())
-        .unwrap()
-        .with_tpu_programs(dir.path())
-        .unwrap();
+    let rt2 = Arc::new(
+        PjrtRuntime::load(&plugin.to_string_lossy())
+            .unwrap()
+            .with_tpu_programs(dir.path())
+            .unwrap(),
+    );
     let w = Fp8BlockWeight::quantize(
         &Tensor::ones((256, 384), DType::F32, &Device::Cpu).unwrap(),
         [128, 128],
@@ -63,14 +65,27 @@ fn exported_tpu_programs_load_and_are_refused_off_tpu() {
     .unwrap();
     let layer = Fp8Linear::new(w, None, ActQuant::Group)
         .unwrap()
-        .with_backend(Backend::Pjrt(Arc::new(rt2)));
+        .with_backend(Backend::Pjrt(rt2.clone()));
     let x = Tensor::ones((9, 384), DType::F32, &Device::Cpu).unwrap();
-    let err = layer
-        .clone()
-        .with_tpu_kernel(TpuKernel::V3)
-        .forward(&x)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("\"cpu\""), "{err}");
+    // the runtime refuses, naming its platform, even with the programs loaded
+    let refusal = rt2.check_kernel(TpuKernel::V3).unwrap_err();
+    assert!(
+        matches!(&refusal, fp8nsa_pjrt::Error::NotOnPlatform { platform, .. } if platform == "cpu"),
+        "{refusal}"
+    );
+    // the layer carries that refusal as `Error::Invalid { arg: "pjrt" }` with the runtime's
+    // message (ops flattens fp8nsa_pjrt::Error to text), and `Module::forward` as candle's text
+    let v3 = layer.clone().with_tpu_kernel(TpuKernel::V3);
+    let err = v3.forward_t(&x).unwrap_err();
+    assert!(
+        matches!(&err, fp8nsa::Error::Invalid { arg: "pjrt", msg } if *msg == refusal.to_string()),
+        "{err}"
+    );
+    let through_candle = v3.forward(&x).unwrap_err();
+    assert_eq!(
+        fp8nsa_test_support::wrapped_message(&through_candle),
+        Some(err.to_string()),
+        "{through_candle}"
+    );
     assert!(layer.with_tpu_kernel(TpuKernel::V1).forward(&x).is_ok());
 }
