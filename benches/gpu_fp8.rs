@@ -92,7 +92,9 @@ fn main() {
                 i += 1;
             });
             // the path that really ran (cuBLASLt may refuse at run time and fall back)
-            let (_, kernels) = gpu::trace::logged("kernel", || drop(autos[0].forward(&x).unwrap()));
+            let (_, kernels) = fp8nsa_test_support::trace::logged("kernel", || {
+                drop(autos[0].forward(&x).unwrap())
+            });
             let path = kernels.join(",");
             let flops = 2.0 * (m * n * k) as f64;
             let tflops = flops / t_ours / 1e9;

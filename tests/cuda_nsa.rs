@@ -3,8 +3,7 @@
 //! fallback against the f64 reference for the CPU test list, decode splits, varlen, and
 //! adversarial selections that must not crash and must compute what the reference computes
 //! (each row clamped to the visible keys, each key once) while `validate()` reports them.
-//! Which path ran is read from the `tracing` events, so a silent fallback fails the kernel
-//! checks.
+//! Which path ran is the returned `NsaPath`, so a silent fallback fails the kernel checks.
 //!
 //! `FP8NSA_REQUIRE_GPU=1 cargo test --release --features cuda --test cuda_nsa`
 
@@ -149,6 +148,9 @@ impl OnDevice {
     }
 }
 
+/// Whether a returned path is the one a case expects.
+type PathCheck<'a> = &'a dyn Fn(&NsaPath) -> bool;
+
 /// The CUDA kernel (min_len 0; selection on the host, then on the GPU) and the GPU fallback
 /// (min_len max) against the reference; each must log the path it is meant to take.
 fn check<'s>(
@@ -175,7 +177,7 @@ fn check<'s>(
         }
     };
     let fallback = |p: &NsaPath| matches!(p, NsaPath::Sdpa(SdpaReason::BelowMinLen { .. }));
-    let cases: [(&str, usize, Selection<'_>, &dyn Fn(&NsaPath) -> bool); 3] = [
+    let cases: [(&str, usize, Selection<'_>, PathCheck<'_>); 3] = [
         ("kernel", 0, sel.into(), &kernel),
         ("kernel, selection on the GPU", 0, gpu_sel.get(), &kernel),
         ("fallback", usize::MAX, gpu_sel.get(), &fallback),
@@ -728,7 +730,8 @@ fn fallbacks_on_the_gpu() {
 #[test]
 fn backend_writes_every_element() {
     let Some(dev) = gpu("poisoned") else { return };
-    use fp8nsa::cuda::nsa::{selection_attention, AttnDims, Selection as Sel, Seq};
+    use fp8nsa::cuda::nsa::{selection_attention, Selection as Sel};
+    use fp8nsa::types::{AttnDims, Seq};
     let mut rng = rng("cuda_nsa_poisoned");
     let stream = dev.as_cuda_device().unwrap().cuda_stream();
     let (tq, tk, hq, hkv, d) = (33, 257, 20, 2, 64); // G = 10: padded MMA rows

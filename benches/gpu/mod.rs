@@ -1,8 +1,6 @@
 //! Shared by the GPU benches: CUDA-event timing on candle's stream and JSON-lines output.
 #![allow(dead_code)]
 
-pub use fp8nsa_test_support::trace;
-
 use std::io::Write;
 use std::sync::Arc;
 

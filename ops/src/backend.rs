@@ -77,7 +77,7 @@ impl Backend {
         if !matches!(self, Backend::Auto) {
             return Ok(self.clone());
         }
-        Ok(match fp8nsa_types::Settings::global()?.backend {
+        Ok(match fp8nsa_types::Settings::global().backend.clone()? {
             BackendKind::Auto => Backend::Auto,
             BackendKind::Cpu => Backend::Cpu,
             BackendKind::Cuda => Backend::Cuda,

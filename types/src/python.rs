@@ -9,7 +9,8 @@ pub const XLA_CPU_PLUGIN: &str = "xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so";
 /// The folders pip installs into on this machine, as far as the file system shows them:
 /// `$PYTHONPATH`, the prefixes of `$VIRTUAL_ENV` and `$CONDA_PREFIX`, of every `python3` on
 /// `$PATH`, of pyenv's versions, of the user's `~/.local`, and of the system's `/usr/local`
-/// and `/usr`. Only folders that exist are listed, each once.
+/// and `/usr` (`lib` and `lib64`), and macOS's per-user folders. Only folders that exist are
+/// listed, each once.
 pub fn python_site_dirs() -> Vec<PathBuf> {
     let env = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
     let mut prefixes: Vec<PathBuf> = Vec::new();
@@ -30,16 +31,25 @@ pub fn python_site_dirs() -> Vec<PathBuf> {
     if let Some(versions) = pyenv.map(|p| p.join("versions")) {
         prefixes.extend(children(&versions, |_| true));
     }
-    prefixes.extend(home.map(|h| h.join(".local")));
+    prefixes.extend(home.as_ref().map(|h| h.join(".local")));
     prefixes.extend(["/usr/local", "/usr", "/opt/conda"].map(PathBuf::from));
 
     let mut dirs: Vec<PathBuf> = env("PYTHONPATH")
         .map(|p| std::env::split_paths(&p).collect())
         .unwrap_or_default();
     for prefix in prefixes {
-        for lib in children(&prefix.join("lib"), |n| n.starts_with("python3")) {
-            dirs.push(lib.join("site-packages"));
-            dirs.push(lib.join("dist-packages"));
+        // lib64: where Fedora / RHEL put binary wheels
+        for libdir in ["lib", "lib64"] {
+            for lib in children(&prefix.join(libdir), |n| n.starts_with("python3")) {
+                dirs.push(lib.join("site-packages"));
+                dirs.push(lib.join("dist-packages"));
+            }
+        }
+    }
+    // macOS user installs: ~/Library/Python/3.x/lib/python/site-packages
+    if let Some(h) = &home {
+        for v in children(&h.join("Library/Python"), |n| n.starts_with('3')) {
+            dirs.push(v.join("lib/python/site-packages"));
         }
     }
     dirs.push(PathBuf::from("/usr/lib/python3/dist-packages"));

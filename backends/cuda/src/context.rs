@@ -212,8 +212,9 @@ pub(crate) struct LtState {
     pub(crate) algos: Mutex<HashMap<AlgoKey, sys::cublasLtMatmulAlgo_t>>,
 }
 
-// SAFETY: the handle is a plain pointer owned by this struct; it is only used while the
-// stream-state mutex of its (stream, thread) is held, never concurrently.
+// SAFETY: the handle is a plain pointer owned by this struct. One state exists per (stream,
+// thread) key (`Gpu::stream_state`), and only that thread uses it, on that stream, so the
+// handle and workspace are never used concurrently even though the lock is released before use.
 unsafe impl Send for LtState {}
 // SAFETY: as above.
 unsafe impl Sync for LtState {}

@@ -205,9 +205,16 @@ fn launch(k: &Kernel, args: &mut KernelArgs) -> Result<()> {
     Ok(())
 }
 
+/// Element `i` of `b` (bounds-checked: a plan whose library step overruns its buffer panics
+/// here instead of reading past it).
 fn read(b: DevBuf, dtype: Dtype, i: usize) -> f64 {
+    assert!(
+        (i + 1) * dtype.size() <= b.bytes,
+        "library step reads past its buffer"
+    );
     let p = b.ptr as *const u8;
-    // SAFETY: callers index within the plan's sizes; HostBuf faults past its end.
+    // SAFETY: element i lies within the buffer's `bytes` (asserted above), emulator memory
+    // alive for the whole plan.
     unsafe {
         match dtype {
             Dtype::F32 => (p as *const f32).add(i).read_unaligned() as f64,
@@ -219,7 +226,12 @@ fn read(b: DevBuf, dtype: Dtype, i: usize) -> f64 {
     }
 }
 
+/// Writes element `i` of `b` (bounds-checked as [`read`]).
 fn write(b: DevBuf, dtype: Dtype, i: usize, v: f64) {
+    assert!(
+        (i + 1) * dtype.size() <= b.bytes,
+        "library step writes past its buffer"
+    );
     let p = b.ptr as *mut u8;
     // SAFETY: as in `read`.
     unsafe {

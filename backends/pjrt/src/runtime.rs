@@ -76,7 +76,7 @@ impl PjrtRuntime {
 
     /// The plugin named by `FP8NSA_PJRT_PLUGIN`, else the installed XLA CPU plugin.
     pub fn from_env() -> Result<Self> {
-        let path = match &Settings::global()?.pjrt_plugin {
+        let path = match &Settings::global().pjrt_plugin {
             Some(p) => p.clone(),
             None => locate_cpu_plugin().ok_or_else(|| Error::Load {
                 path: "(none)".into(),

@@ -124,7 +124,7 @@ impl Fp8Linear {
     #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
     pub(crate) fn tpu_kernel(&self) -> Result<TpuKernel> {
         self.kernel
-            .map_or_else(|| Ok(Settings::global()?.tpu_kernel), Ok)
+            .map_or_else(|| Ok(Settings::global().tpu_kernel.clone()?), Ok)
     }
 
     #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
@@ -135,7 +135,7 @@ impl Fp8Linear {
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn cuda_kernel(&self) -> Result<CudaFp8Kernel> {
         self.cuda_kernel
-            .map_or_else(|| Ok(Settings::global()?.cuda_fp8_kernel), Ok)
+            .map_or_else(|| Ok(Settings::global().cuda_fp8_kernel.clone()?), Ok)
     }
 
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]

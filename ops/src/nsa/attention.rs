@@ -134,7 +134,7 @@ impl SelectionAttention {
     /// `FP8NSA_NSA_MIN_LEN` is an error here, not a silent default).
     fn resolved_min_len(&self) -> Result<usize> {
         self.min_len
-            .map_or_else(|| Ok(Settings::global()?.nsa_min_len), Ok)
+            .map_or_else(|| Ok(Settings::global().nsa_min_len.clone()?), Ok)
     }
 
     /// Also return the log-sum-exp of the scores.

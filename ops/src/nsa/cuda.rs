@@ -158,7 +158,7 @@ mod imp {
             sel: sel_t.to_device(q.device())?.contiguous()?,
             block_size,
             per_row: sel.dims()[3],
-            seqs: seqs.iter().to_vec(),
+            seqs: seqs.to_vec(),
             dims: AttnDims { hq, hkv, d, dv },
             scale,
             lse: Stashed::new((tq, hq)),

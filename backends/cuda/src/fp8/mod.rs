@@ -20,6 +20,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod args;
 mod build;
 pub(crate) mod names;
 mod plan;

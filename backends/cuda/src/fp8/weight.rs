@@ -10,7 +10,7 @@ use crate::error::{invalid, Result};
 use crate::launch;
 use crate::step::{Buf, DevBuf, Plan};
 
-use super::build::{elementwise, i32v, i64v, val};
+use super::args::{elementwise, i32v, i64v, val};
 use super::names;
 
 /// How a prepared weight lies in memory: e4m3 codes `[n, ld]` with `ld = round_up(k, 16)`
