@@ -264,13 +264,7 @@ mod tests {
 
     /// A seeded rng; FP8NSA_TEST_SEED replays a failure.
     fn rng() -> rand::rngs::StdRng {
-        use rand::{Rng, SeedableRng};
-        let seed = std::env::var("FP8NSA_TEST_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| rand::rng().random());
-        eprintln!("FP8NSA_TEST_SEED={seed}");
-        rand::rngs::StdRng::seed_from_u64(seed)
+        fp8nsa_test_support::rng("cpu_fp8")
     }
 
     #[test]

@@ -381,16 +381,11 @@ pub fn window_ranges(params: NsaParams, rows: QueryRows, out: &mut [i32]) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::{Rng, SeedableRng};
+    use rand::Rng;
 
     /// A seeded rng; FP8NSA_TEST_SEED replays a failure.
     fn rng() -> rand::rngs::StdRng {
-        let seed = std::env::var("FP8NSA_TEST_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| rand::rng().random());
-        eprintln!("FP8NSA_TEST_SEED={seed}");
-        rand::rngs::StdRng::seed_from_u64(seed)
+        fp8nsa_test_support::rng("nsa_select")
     }
 
     fn params(l: usize, d: usize, ls: usize, n: usize, init: usize, local: usize) -> NsaParams {

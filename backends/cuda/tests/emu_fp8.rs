@@ -7,18 +7,10 @@ use fp8nsa_cuda::emu::{execute, HostBuf};
 use fp8nsa_cuda::fp8::{plan_fp8_linear, plan_pad_rows, Fp8Path, MmaTile, WeightLayout};
 use fp8nsa_cuda::step::Dtype;
 use fp8nsa_ops::{reference, ActQuant, Fp8BlockWeight};
+use fp8nsa_test_support::rng;
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rand_distr::{Distribution, Normal};
-
-fn rng(test: &str) -> StdRng {
-    let seed = std::env::var("FP8NSA_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| rand::rng().random());
-    eprintln!("{test}: FP8NSA_TEST_SEED={seed}");
-    StdRng::seed_from_u64(seed)
-}
 
 /// `[rows, cols]` Gaussian data whose `br x bc` blocks get magnitudes 10^U(-3, 3).
 fn hetero(rng: &mut StdRng, rows: usize, cols: usize, br: usize, bc: usize) -> Vec<f32> {

@@ -10,20 +10,12 @@ use fp8nsa_cuda::nsa::{plan_selection, SelKind, SeqArrays};
 use fp8nsa_cuda::step::Dtype;
 use fp8nsa_ops::nsa::{BlockSelection, SelectionRanges};
 use fp8nsa_ops::reference;
+use fp8nsa_test_support::rng;
 use fp8nsa_types::{AttnDims, Seq};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rand_distr::{Distribution, Normal};
-
-fn rng(test: &str) -> StdRng {
-    let seed = std::env::var("FP8NSA_TEST_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| rand::rng().random());
-    eprintln!("{test}: FP8NSA_TEST_SEED={seed}");
-    StdRng::seed_from_u64(seed)
-}
 
 fn gaussian(rng: &mut StdRng, dims: &[usize], dtype: DType) -> Tensor {
     let n: usize = dims.iter().product();

@@ -1,6 +1,8 @@
 use serde::{Deserialize, Serialize};
 
-use crate::error::{invalid, Result};
+use fp8nsa_cpu::nsa_select::NsaParams;
+
+use crate::error::{invalid, Error, Result};
 
 /// How blocks of keys / values become one compressed key / value.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -65,54 +67,29 @@ impl NsaConfig {
     /// block lengths (so compression and selection blocks line up, paper eq. 9), and the forced
     /// blocks fitting in the budget.
     pub fn validate(&self) -> Result<()> {
-        for (arg, v) in [
-            ("compress_block", self.compress_block),
-            ("compress_stride", self.compress_stride),
-            ("select_block", self.select_block),
-            ("num_selected", self.num_selected),
-            ("window", self.window),
-        ] {
-            if v == 0 {
-                return Err(invalid(arg, "must be at least 1, got 0"));
-            }
+        self.params().validate().map_err(|e| match e {
+            fp8nsa_cpu::Error::Invalid { arg, msg } => invalid(arg, msg),
+            other => Error::Kernel(other),
+        })
+    }
+
+    /// The sizes the CPU backend's selection helpers (`fp8nsa_cpu::nsa_select`) take; they
+    /// hold the one implementation of the checks and block arithmetic above.
+    pub(crate) fn params(&self) -> NsaParams {
+        NsaParams {
+            compress_block: self.compress_block,
+            compress_stride: self.compress_stride,
+            select_block: self.select_block,
+            num_selected: self.num_selected,
+            num_initial: self.num_initial,
+            num_local: self.num_local,
+            window: self.window,
         }
-        if self.compress_block % self.compress_stride != 0 {
-            return Err(invalid(
-                "compress_block",
-                format!(
-                    "must be a multiple of compress_stride = {}, got {}",
-                    self.compress_stride, self.compress_block
-                ),
-            ));
-        }
-        if self.select_block % self.compress_stride != 0 {
-            return Err(invalid(
-                "select_block",
-                format!(
-                    "must be a multiple of compress_stride = {}, got {}",
-                    self.compress_stride, self.select_block
-                ),
-            ));
-        }
-        if self.num_initial + self.num_local > self.num_selected {
-            return Err(invalid(
-                "num_selected",
-                format!(
-                    "must hold the {} initial + {} local forced blocks, got {}",
-                    self.num_initial, self.num_local, self.num_selected
-                ),
-            ));
-        }
-        Ok(())
     }
 
     /// Compressed blocks that exist once `t` keys are known: block `i` covers keys
     /// `[i * stride, i * stride + compress_block)`.
     pub fn compressed_len(&self, t: usize) -> usize {
-        if t < self.compress_block {
-            0
-        } else {
-            (t - self.compress_block) / self.compress_stride + 1
-        }
+        self.params().compressed_len(t)
     }
 }

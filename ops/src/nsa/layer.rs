@@ -6,7 +6,7 @@ use super::config::{CompressorKind, NsaConfig};
 use super::sdpa::masked_softmax;
 use super::{BlockSelection, SelectionAttention, SelectionRanges};
 use crate::error::{invalid, shape_err, Error, Result};
-use fp8nsa_cpu::nsa_select::{self, NsaParams, QueryRows};
+use fp8nsa_cpu::nsa_select::{self, QueryRows};
 pub use fp8nsa_types::AttnDims;
 
 /// The layer's head layout: `Hq = G · Hkv` query heads of dim `d`, values of dim `dv` (the
@@ -519,20 +519,6 @@ impl NativeSparseAttention {
         })
     }
 
-    /// The block geometry and budget, as the host helpers of `fp8nsa_cpu::nsa_select` take it.
-    fn params(&self) -> NsaParams {
-        let c = &self.cfg;
-        NsaParams {
-            compress_block: c.compress_block,
-            compress_stride: c.compress_stride,
-            select_block: c.select_block,
-            num_selected: c.num_selected,
-            num_initial: c.num_initial,
-            num_local: c.num_local,
-            window: c.window,
-        }
-    }
-
     /// The sliding window as one range per (batch, query, kv head), docs/nsa.md "Sliding
     /// window" (computed by `nsa_select::window_ranges`).
     fn window_ranges(
@@ -550,7 +536,7 @@ impl NativeSparseAttention {
             q_offset,
         };
         let mut r = vec![0i32; b * tq * hkv * 2];
-        nsa_select::window_ranges(self.params(), rows, &mut r)?;
+        nsa_select::window_ranges(self.cfg.params(), rows, &mut r)?;
         SelectionRanges::new(Tensor::from_vec(r, (b, tq, hkv, 1, 2), dev)?)
     }
 
@@ -569,7 +555,7 @@ impl NativeSparseAttention {
         let (b, tq, _, _) = q.dims4()?;
         let n_c = ck.dims()[1];
         let nb = tk.div_ceil(self.cfg.select_block);
-        let params = self.params();
+        let params = self.cfg.params();
         let mut importance = vec![0f32; b * tq * hkv * nb];
         let mut outs = Vec::with_capacity(b);
         for bi in 0..b {
@@ -653,7 +639,7 @@ impl NativeSparseAttention {
             q_offset,
         };
         let mut idx = vec![0i32; b * tq * hkv * n];
-        nsa_select::top_n(self.params(), rows, nb, importance, &mut idx)?;
+        nsa_select::top_n(self.cfg.params(), rows, nb, importance, &mut idx)?;
         BlockSelection::new(
             Tensor::from_vec(idx, (b, tq, hkv, n), dev)?,
             self.cfg.select_block,
