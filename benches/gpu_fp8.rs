@@ -92,10 +92,10 @@ fn main() {
                 i += 1;
             });
             // the path that really ran (cuBLASLt may refuse at run time and fall back)
-            let (_, kernels) = fp8nsa_test_support::trace::logged("kernel", || {
-                drop(autos[0].forward(&x).unwrap())
-            });
-            let path = kernels.join(",");
+            let path = match autos[0].forward_with_path(&x).unwrap().1 {
+                fp8nsa::Fp8Path::Cuda(p) => p.to_string(),
+                other => format!("{other:?}"),
+            };
             let flops = 2.0 * (m * n * k) as f64;
             let tflops = flops / t_ours / 1e9;
             let gbs = (n * k) as f64 / t_ours / 1e6;

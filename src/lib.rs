@@ -31,11 +31,13 @@
 //! The same layers run on CUDA tensors with the `cuda` feature (kernels compiled by nvcc at
 //! build time, cuBLASLt block scaling on sm_90); on the CPU otherwise.
 //!
-//! Set `RUST_LOG=fp8nsa=debug` (with a `tracing` subscriber) to see which kernel each call ran.
+//! Each layer's `forward_with_path` returns which implementation ran; `RUST_LOG=fp8nsa=debug`
+//! (with a `tracing` subscriber) logs the same.
 
 pub use fp8nsa_ops::Error as OpsError;
 pub use fp8nsa_ops::{
-    ActQuant, Backend, CudaFp8Kernel, Fp8BlockWeight, Fp8Linear, PjrtRuntime, Settings, TpuKernel,
+    ActQuant, Backend, CudaFp8Kernel, CudaFp8Path, Fp8BlockWeight, Fp8Linear, Fp8Path, PjrtRuntime,
+    Settings, TpuKernel,
 };
 pub use fp8nsa_ops::{Error, Result};
 /// The shared vocabulary (shapes, sequences, selections as spans, kernel choices, settings)
@@ -52,6 +54,11 @@ pub mod cuda {
 /// The Llama-family decoder on these layers, its loaders and generation.
 pub mod models {
     pub use fp8nsa_models::*;
+}
+
+/// The fp8 block-scaled format and layer, with the CPU kernel choice a path reports.
+pub mod fp8 {
+    pub use fp8nsa_ops::fp8::*;
 }
 
 /// Native Sparse Attention: selection types and [`nsa::SelectionAttention`].

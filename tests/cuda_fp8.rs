@@ -7,8 +7,8 @@
 
 use candle_core::{DType, Device, Module, Tensor};
 use cudarc::driver::CudaStream;
-use fp8nsa::cuda::fp8::{self as kernels, Fp8Path, PreparedWeight};
-use fp8nsa::{reference, ActQuant, CudaFp8Kernel, Fp8BlockWeight, Fp8Linear};
+use fp8nsa::cuda::fp8::{self as kernels, CudaFp8Path, PreparedWeight};
+use fp8nsa::{reference, ActQuant, CudaFp8Kernel, Fp8BlockWeight, Fp8Linear, Fp8Path};
 use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
 use std::sync::Arc;
@@ -23,6 +23,14 @@ fn gpu(test: &str) -> Option<Device> {
             eprintln!("{test}: skipped, no CUDA device ({e})");
             None
         }
+    }
+}
+
+/// The CUDA path of a path the layer returned (panics on another backend's).
+fn path_of(p: Fp8Path) -> CudaFp8Path {
+    match p {
+        Fp8Path::Cuda(c) => c,
+        other => panic!("expected a CUDA path, got {other:?}"),
     }
 }
 
@@ -104,13 +112,22 @@ fn check_case(
             .unwrap()
             .with_cuda_kernel(kernel);
         let what = format!("m={m} n={n} k={k} block={block:?} act={act:?} {dtype:?} {kernel:?}");
-        let got = layer.forward(&xg);
+        let got = layer.forward_with_path(&xg);
         if !applies(dev, m, n, k, block, act, kernel) {
-            let err = got.expect_err(&what).to_string();
-            assert!(err.contains("does not apply"), "{what}: {err}");
+            // refused by the plan, before anything ran: a typed error, not candle text
+            let err = got.expect_err(&what);
+            assert!(
+                matches!(&err, fp8nsa::Error::Cuda(fp8nsa::cuda::Error::Unsupported { reason, .. })
+                    if reason.contains("does not apply")),
+                "{what}: {err}"
+            );
             continue;
         }
-        let y = got.unwrap_or_else(|e| panic!("{what}: {e}"));
+        let (y, path) = got.unwrap_or_else(|e| panic!("{what}: {e}"));
+        if kernel != CudaFp8Kernel::Auto {
+            assert_eq!(path, Fp8Path::Cuda(path_of(path)), "{what}");
+            assert_eq!(path_of(path).kernel(), kernel, "{what}: ran {path:?}");
+        }
         assert_eq!((y.dims(), y.dtype()), (&[m, n][..], dtype), "{what}");
         let got = y.to_device(&Device::Cpu).unwrap();
         let err = rel_frobenius(&got, &want);
@@ -255,7 +272,7 @@ fn poisoned<T: fp8nsa::cuda::Element + candle_core::WithDType>(
                 "m={m} n={n} k={k} {block:?} {act:?} {:?} {kernel:?}",
                 T::DTYPE
             );
-            let path: Fp8Path = match r {
+            let path: CudaFp8Path = match r {
                 Ok(p) => p,
                 Err(e) => {
                     assert!(
@@ -371,11 +388,12 @@ fn bad_input_is_an_error_not_a_crash() {
     assert!(layer.forward(&xi).is_err());
     let forced = layer.clone().with_cuda_kernel(CudaFp8Kernel::SmallM);
     let big = Tensor::ones((17, 128), DType::F32, &dev).unwrap();
-    assert!(forced
-        .forward(&big)
-        .unwrap_err()
-        .to_string()
-        .contains("M = 17"));
+    let e = forced.forward_t(&big).unwrap_err();
+    assert!(
+        matches!(&e, fp8nsa::Error::Cuda(fp8nsa::cuda::Error::Unsupported { reason, .. })
+            if reason.contains("M = 17")),
+        "{e}"
+    );
     // backend argument checks
     let s = stream(&dev);
     let codes = s.clone_htod(&vec![0x38u8; 64 * 128]).unwrap();

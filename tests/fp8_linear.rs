@@ -2,7 +2,8 @@
 //! errors and loading from the Hugging Face layout.
 
 use candle_core::{DType, Device, Module, Tensor};
-use fp8nsa::{reference, ActQuant, Error, Fp8BlockWeight, Fp8Linear};
+use fp8nsa::fp8::{CpuKernel, GEMV_MAX_M};
+use fp8nsa::{reference, ActQuant, Error, Fp8BlockWeight, Fp8Linear, Fp8Path};
 use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -127,6 +128,40 @@ fn small_and_odd_shapes() {
                 check_case(&mut rng, m, n, k, block, act, dtype, 0..m, true);
             }
         }
+    }
+}
+
+/// The kernel is chosen once per call by the CPU plan and returned: the GEMV up to
+/// `GEMV_MAX_M` rows (counting every leading dim), the panel GEMM past it; both match the
+/// reference, and `forward` gives the same bytes as `forward_with_path`.
+#[test]
+fn the_path_taken_is_returned() {
+    let mut rng = rng("the_path_taken_is_returned");
+    let (n, k, block) = (576, 3884, [128, 128]);
+    let w = tensor(hetero(&mut rng, n, k, block[0], block[1]), &[n, k]);
+    let wq = Fp8BlockWeight::quantize(&w, block).unwrap();
+    let layer = Fp8Linear::new(wq.clone(), None, ActQuant::Group).unwrap();
+    let gemv_max = GEMV_MAX_M;
+    for (dims, want) in [
+        (vec![1, k], CpuKernel::Gemv),
+        (vec![2, 8, k], CpuKernel::Gemv),
+        (vec![gemv_max + 1, k], CpuKernel::PanelGemm),
+        (vec![3, 11, k], CpuKernel::PanelGemm),
+    ] {
+        let m: usize = dims[..dims.len() - 1].iter().product();
+        assert_eq!(want == CpuKernel::Gemv, m <= gemv_max, "{dims:?}");
+        let x = tensor(hetero(&mut rng, m, k, 1, block[1]), &dims);
+        let (y, path) = layer.forward_with_path(&x).unwrap();
+        assert_eq!(path, Fp8Path::Cpu(want), "{dims:?}");
+        let y2 = layer.forward(&x).unwrap().flatten_all().unwrap();
+        assert_eq!(
+            y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            y2.to_vec1::<f32>().unwrap()
+        );
+        let want_y =
+            reference::fp8_linear(&x.reshape((m, k)).unwrap(), &wq, None, ActQuant::Group).unwrap();
+        let err = rel_frobenius(&y.reshape((m, n)).unwrap(), &want_y);
+        assert!(err < 1e-3, "{dims:?}: rel err {err:e}");
     }
 }
 

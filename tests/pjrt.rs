@@ -6,7 +6,9 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::{DType, Device, Module, Tensor};
 use fp8nsa::nsa::{BlockSelection, SelectionAttention, SelectionRanges};
-use fp8nsa::{reference, ActQuant, Backend, Fp8BlockWeight, Fp8Linear, PjrtRuntime, TpuKernel};
+use fp8nsa::{
+    reference, ActQuant, Backend, Fp8BlockWeight, Fp8Linear, Fp8Path, PjrtRuntime, TpuKernel,
+};
 use fp8nsa_test_support::*;
 
 fn runtime() -> Option<Arc<PjrtRuntime>> {
@@ -42,7 +44,8 @@ fn fp8_linear_through_pjrt_matches_cpu_and_reference() {
                     let x = tensor(hetero(&mut rng, m, k, 1, block[1]), &[m, k])
                         .to_dtype(dtype)
                         .unwrap();
-                    let y = dev.forward(&x).unwrap();
+                    let (y, path) = dev.forward_with_path(&x).unwrap();
+                    assert!(matches!(path, Fp8Path::Pjrt(_)), "{path:?}");
                     assert_eq!((y.dims(), y.dtype()), (&[m, n][..], dtype));
                     let want = reference::fp8_linear(&x, &wq, Some(&bias), act).unwrap();
                     let tol = if dtype == DType::F32 { 1e-3 } else { 8e-3 };

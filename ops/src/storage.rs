@@ -62,3 +62,39 @@ pub(crate) fn from_f32(v: Vec<f32>, dtype: candle_core::DType) -> CpuStorage {
         _ => CpuStorage::F32(v),
     }
 }
+
+/// Candle custom ops return one tensor. An op with a second output (selection attention's
+/// lse) parks that output's storage here, on whichever device it ran, and the caller takes it
+/// as a tensor afterwards: no copy, and the same way on every device.
+pub(crate) struct SecondOutput {
+    slot: std::sync::Mutex<Option<(candle_core::Storage, candle_core::Shape)>>,
+}
+
+impl SecondOutput {
+    pub(crate) fn new() -> Self {
+        Self {
+            slot: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Called by the op's `*_fwd`.
+    pub(crate) fn put(&self, storage: candle_core::Storage, shape: impl Into<candle_core::Shape>) {
+        *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some((storage, shape.into()));
+    }
+
+    /// The parked output as a contiguous tensor; an error if the op did not park one.
+    pub(crate) fn take(&self) -> Result<candle_core::Tensor> {
+        let (storage, shape) = self
+            .slot
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| invalid("lse", "the op produced no second output"))?;
+        Ok(candle_core::Tensor::from_storage(
+            storage,
+            shape,
+            candle_core::op::BackpropOp::none(),
+            false,
+        ))
+    }
+}

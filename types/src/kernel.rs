@@ -123,3 +123,79 @@ impl FromStr for CudaFp8Kernel {
         }
     }
 }
+
+/// Rows per block of the CUDA fp8 tensor-core kernel's tiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MmaTile {
+    /// 128 x 128 tiles, 8 warps (large M).
+    M128,
+    /// 64 x 128 tiles, 4 warps.
+    M64,
+    /// 16 x 128 tiles, 4 warps (decode batches; usually split over K).
+    M16,
+}
+
+impl MmaTile {
+    pub fn rows(self) -> usize {
+        match self {
+            MmaTile::M128 => 128,
+            MmaTile::M64 => 64,
+            MmaTile::M16 => 16,
+        }
+    }
+
+    /// The tile as kernel names spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            MmaTile::M128 => "128x128",
+            MmaTile::M64 => "64x128",
+            MmaTile::M16 => "16x128",
+        }
+    }
+}
+
+/// The path one CUDA fp8 linear call takes, as the CUDA planner decides it (and as
+/// `Fp8Linear::forward_with_path` reports it).
+///
+/// ```
+/// use fp8nsa_types::{CudaFp8Path, MmaTile};
+/// let p = CudaFp8Path::Mma { tile: MmaTile::M16, splits: 4 };
+/// assert_eq!(p.to_string(), "mma-16x128-splitk4");
+/// assert_eq!(p.kernel(), fp8nsa_types::CudaFp8Kernel::Mma);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CudaFp8Path {
+    /// cuBLASLt with `VEC128_32F` activation and `BLK128x128_32F` weight scales (sm_90).
+    CublasLt,
+    /// Our fp8 tensor-core kernel; `splits > 1` splits K across blocks.
+    Mma { tile: MmaTile, splits: usize },
+    /// Our small-M CUDA-core kernel, the weight streamed once.
+    SmallM { tokens: usize },
+    /// Dequantize the weight, then cuBLAS in the input dtype.
+    Dequant,
+}
+
+impl CudaFp8Path {
+    /// The kernel choice that names this path (what `with_cuda_kernel` would force).
+    pub fn kernel(self) -> CudaFp8Kernel {
+        match self {
+            CudaFp8Path::CublasLt => CudaFp8Kernel::CublasLt,
+            CudaFp8Path::Mma { .. } => CudaFp8Kernel::Mma,
+            CudaFp8Path::SmallM { .. } => CudaFp8Kernel::SmallM,
+            CudaFp8Path::Dequant => CudaFp8Kernel::Dequant,
+        }
+    }
+}
+
+impl std::fmt::Display for CudaFp8Path {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CudaFp8Path::CublasLt => write!(f, "cublaslt-blockscale"),
+            CudaFp8Path::Mma { tile, splits } => {
+                write!(f, "mma-{}-splitk{splits}", tile.name())
+            }
+            CudaFp8Path::SmallM { tokens } => write!(f, "small-m{tokens}"),
+            CudaFp8Path::Dequant => write!(f, "dequant-cublas"),
+        }
+    }
+}

@@ -28,7 +28,7 @@ mod shape;
 
 pub use act::ActQuant;
 pub use error::{Error, Result};
-pub use kernel::{BackendKind, CudaFp8Kernel, TpuKernel};
+pub use kernel::{BackendKind, CudaFp8Kernel, CudaFp8Path, MmaTile, TpuKernel};
 pub use python::{find_python_package_file, python_site_dirs, XLA_CPU_PLUGIN};
 pub use selection::{EntryIssue, Spans};
 pub use settings::{

@@ -40,10 +40,106 @@ impl CpuKernel {
     }
 }
 
-/// Computes `out [m, n] = x [m, k] · dequant(W)ᵀ + bias` per the numerics contract.
+/// One checked call: a valid shape and activation scheme, and the kernel chosen for them.
+/// Made once by [`plan`]; [`LinearPlan::run`] executes it without deciding anything again.
 ///
-/// `w` holds e4m3fn codes `[n, k]`, `sw` the scales `[ceil(n/bn), ceil(k/bk)]`, `bias` has `n`
-/// entries. Activations are quantized dynamically according to `act`.
+/// ```
+/// use fp8nsa_cpu::linear::{plan, CpuKernel};
+/// use fp8nsa_types::{ActQuant, LinearShape};
+///
+/// let shape = LinearShape { m: 1, n: 2, k: 3, bn: 128, bk: 128 };
+/// let p = plan(shape, ActQuant::Group)?;
+/// assert_eq!(p.kernel(), CpuKernel::Gemv);
+/// let w = [0x38u8; 6]; // e4m3 1.0
+/// let mut y = [0f32; 2];
+/// p.run(&[2.0, 2.0, 2.0], &w, &[0.5], None, &mut y)?;
+/// assert!(y.iter().all(|y| (y - 3.0).abs() < 1e-5), "{y:?}"); // 0.5 * (2 + 2 + 2)
+/// assert!(plan(LinearShape { bk: 0, ..shape }, ActQuant::Group).is_err());
+/// # Ok::<(), fp8nsa_cpu::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearPlan {
+    shape: LinearShape,
+    act: ActQuant,
+    kernel: CpuKernel,
+}
+
+/// Checks a call's shape and activation scheme and picks its kernel.
+pub fn plan(shape: LinearShape, act: ActQuant) -> Result<LinearPlan> {
+    shape.validate()?;
+    if let ActQuant::Block2d { bm } = act {
+        check_positive("bm", bm)?;
+    }
+    Ok(LinearPlan {
+        shape,
+        act,
+        kernel: CpuKernel::for_shape(&shape),
+    })
+}
+
+impl LinearPlan {
+    pub fn kernel(&self) -> CpuKernel {
+        self.kernel
+    }
+
+    pub fn shape(&self) -> LinearShape {
+        self.shape
+    }
+
+    /// Computes `out [m, n] = x [m, k] · dequant(W)ᵀ + bias` per the numerics contract.
+    ///
+    /// `w` holds e4m3fn codes `[n, k]`, `sw` the scales `[ceil(n/bn), ceil(k/bk)]`, `bias` has
+    /// `n` entries. Activations are quantized dynamically according to the plan's scheme. The
+    /// buffers must have the plan's sizes (`Error::Shape` naming the buffer otherwise).
+    pub fn run(
+        &self,
+        x: &[f32],
+        w: &[u8],
+        sw: &[f32],
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let (s, act, kernel) = (self.shape, self.act, self.kernel);
+        check_len("x", x.len(), s.m * s.k)?;
+        check_len("weight", w.len(), s.n * s.k)?;
+        check_len("weight scales", sw.len(), s.n_blocks() * s.k_blocks())?;
+        check_len("out", out.len(), s.m * s.n)?;
+        if let Some(b) = bias {
+            check_len("bias", b.len(), s.n)?;
+        }
+        match kernel {
+            CpuKernel::Gemv => {
+                // yt is the transposed output [n, m]: each task owns a contiguous run of it
+                let mut yt = vec![0f32; s.n * s.m];
+                let xq = quantize_act(x, s.m, s.k, s.bk, act, false)?;
+                let rows = 8;
+                yt.par_chunks_mut(rows * s.m)
+                    .enumerate()
+                    .for_each(|(c, yt)| gemv_rows(&xq, w, sw, s, c * rows, yt));
+                for (r, row) in out.chunks_exact_mut(s.n).enumerate() {
+                    for (j, y) in row.iter_mut().enumerate() {
+                        *y = yt[j * s.m + r];
+                    }
+                }
+            }
+            CpuKernel::PanelGemm => {
+                let xd = quantize_act(x, s.m, s.k, s.bk, act, true)?;
+                panel_gemm(&xd.values, w, sw, s, out);
+            }
+        }
+        if let Some(b) = bias {
+            out.par_chunks_mut(s.n).for_each(|row| {
+                for (y, b) in row.iter_mut().zip(b) {
+                    *y += b;
+                }
+            });
+        }
+        Ok(())
+    }
+}
+
+/// [`plan`] then [`LinearPlan::run`]: `out [m, n] = x [m, k] · dequant(W)ᵀ + bias`, returning
+/// the kernel that ran.
 pub fn fp8_linear(
     x: &[f32],
     w: &[u8],
@@ -53,47 +149,9 @@ pub fn fp8_linear(
     act: ActQuant,
     out: &mut [f32],
 ) -> Result<CpuKernel> {
-    shape.validate()?;
-    let s = shape;
-    check_len("x", x.len(), s.m * s.k)?;
-    check_len("weight", w.len(), s.n * s.k)?;
-    check_len("weight scales", sw.len(), s.n_blocks() * s.k_blocks())?;
-    check_len("out", out.len(), s.m * s.n)?;
-    if let Some(b) = bias {
-        check_len("bias", b.len(), s.n)?;
-    }
-    if let ActQuant::Block2d { bm } = act {
-        check_positive("bm", bm)?;
-    }
-    let kernel = CpuKernel::for_shape(&s);
-    match kernel {
-        CpuKernel::Gemv => {
-            // yt is the transposed output [n, m]: each task owns a contiguous run of it
-            let mut yt = vec![0f32; s.n * s.m];
-            let xq = quantize_act(x, s.m, s.k, s.bk, act, false)?;
-            let rows = 8;
-            yt.par_chunks_mut(rows * s.m)
-                .enumerate()
-                .for_each(|(c, yt)| gemv_rows(&xq, w, sw, s, c * rows, yt));
-            for (r, row) in out.chunks_exact_mut(s.n).enumerate() {
-                for (j, y) in row.iter_mut().enumerate() {
-                    *y = yt[j * s.m + r];
-                }
-            }
-        }
-        CpuKernel::PanelGemm => {
-            let xd = quantize_act(x, s.m, s.k, s.bk, act, true)?;
-            panel_gemm(&xd.values, w, sw, s, out);
-        }
-    }
-    if let Some(b) = bias {
-        out.par_chunks_mut(s.n).for_each(|row| {
-            for (y, b) in row.iter_mut().zip(b) {
-                *y += b;
-            }
-        });
-    }
-    Ok(kernel)
+    let p = plan(shape, act)?;
+    p.run(x, w, sw, bias, out)?;
+    Ok(p.kernel())
 }
 
 /// Dot product of f32 activations with fp8 codes, decoding in registers.

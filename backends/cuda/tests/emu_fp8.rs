@@ -4,7 +4,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use fp8nsa_cuda::emu::{execute, HostBuf};
-use fp8nsa_cuda::fp8::{plan_fp8_linear, plan_pad_rows, Fp8Path, MmaTile, WeightLayout};
+use fp8nsa_cuda::fp8::{plan_fp8_linear, plan_pad_rows, CudaFp8Path, MmaTile, WeightLayout};
 use fp8nsa_cuda::step::Dtype;
 use fp8nsa_ops::{reference, ActQuant, Fp8BlockWeight};
 use fp8nsa_test_support::rng;
@@ -85,22 +85,22 @@ fn scheme(a: ActQuant) -> ActQuant {
 }
 
 /// The paths that apply to a case (as the planner's rules say), with K splits to exercise.
-fn paths(c: &Case) -> Vec<Fp8Path> {
-    let mut p = vec![Fp8Path::Dequant];
+fn paths(c: &Case) -> Vec<CudaFp8Path> {
+    let mut p = vec![CudaFp8Path::Dequant];
     if c.m <= 16 && c.block[1] % 16 == 0 {
-        p.push(Fp8Path::SmallM {
+        p.push(CudaFp8Path::SmallM {
             tokens: c.m.next_power_of_two(),
         });
     }
     if c.act != ActQuant::None && c.block[1] % 128 == 0 {
         for tile in [MmaTile::M16, MmaTile::M64, MmaTile::M128] {
             for splits in [1, 3] {
-                p.push(Fp8Path::Mma { tile, splits });
+                p.push(CudaFp8Path::Mma { tile, splits });
             }
         }
     }
     if c.block == [128, 128] && c.act == ActQuant::Group && c.n % 16 == 0 {
-        p.push(Fp8Path::CublasLt);
+        p.push(CudaFp8Path::CublasLt);
     }
     p
 }
@@ -263,7 +263,7 @@ fn emulator_reports_bad_launches() {
         &layout,
         1,
         ActQuant::Group,
-        Fp8Path::SmallM { tokens: 1 },
+        CudaFp8Path::SmallM { tokens: 1 },
         Dtype::F32,
         false,
         true,
@@ -298,19 +298,19 @@ fn activation_tiles_beyond_the_grid() {
     for (act, path) in [
         (
             ActQuant::Group,
-            Fp8Path::Mma {
+            CudaFp8Path::Mma {
                 tile: MmaTile::M64,
                 splits: 1,
             },
         ),
         (
             ActQuant::Block2d { bm: 3 },
-            Fp8Path::Mma {
+            CudaFp8Path::Mma {
                 tile: MmaTile::M16,
                 splits: 2,
             },
         ),
-        (ActQuant::Group, Fp8Path::Dequant),
+        (ActQuant::Group, CudaFp8Path::Dequant),
     ] {
         let mut plan = plan_fp8_linear(&layout, m, scheme(act), path, Dtype::F32, false, true);
         for s in &mut plan.steps {

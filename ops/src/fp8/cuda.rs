@@ -1,28 +1,27 @@
 //! `Fp8Linear` on CUDA tensors: the weight is made ready once per device and kept with the
 //! layer. Codes already on the device with K a multiple of 16 are used in place (no second
 //! copy of the weight); otherwise, and for scale rows that need padding to a multiple of 4,
-//! a padded copy is made. Every call quantizes the activations on the GPU and runs the path
-//! fp8nsa-cuda plans.
+//! a padded copy is made. Each call is planned by fp8nsa-cuda before the op is applied; the
+//! op's `cuda_fwd` quantizes the activations on the GPU and runs that plan.
 
-use candle_core::Tensor;
-
+use super::linear::Prepared;
 use super::Fp8Linear;
 use crate::error::Result;
 
 #[cfg(feature = "cuda")]
 mod imp {
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::CudaDType;
-    use candle_core::{CudaStorage, CustomOp1, DType, Device, DeviceLocation, Layout, Shape};
+    use candle_core::{CudaStorage, DType, Device, DeviceLocation, Layout, Shape, Tensor};
     use cudarc::driver::{CudaSlice, CudaView};
-    use fp8nsa_cuda::fp8::{self as kernels, pad_rows, WeightLayout, WeightRef};
-    use fp8nsa_types::{ActQuant, CudaFp8Kernel};
+    use fp8nsa_cuda::fp8::{self as kernels, pad_rows, Fp8Call, WeightLayout, WeightRef};
+    use fp8nsa_types::{ActQuant, CudaFp8Kernel, CudaFp8Path};
 
-    use super::*;
     use crate::cuda::{stream_of, view, with_storage};
-    use crate::error::{invalid, Error};
+    use crate::error::{Error, Result};
+    use crate::fp8::Fp8Linear;
 
     /// A buffer of the weight on the device: the layer's own tensor, or a padded copy.
     #[derive(Debug)]
@@ -53,9 +52,6 @@ mod imp {
         bias: Option<CudaSlice<f32>>,
     }
 
-    /// Shared by clones of the layer.
-    pub(crate) type CudaWeightCache = Arc<Mutex<Option<Arc<CudaWeight>>>>;
-
     /// `t` as it is when the layout allows (and it starts on 16 bytes), else a padded copy.
     fn part<T: CudaDType + kernels::PadElement>(
         t: Tensor,
@@ -78,14 +74,7 @@ mod imp {
         Ok(Part::Padded(padded))
     }
 
-    /// The weight ready for `dev`, made on first use (and again if the layer moves).
-    fn prepared(layer: &Fp8Linear, dev: &Device) -> Result<Arc<CudaWeight>> {
-        let mut slot = layer.cuda_weight().lock().expect("cuda weight cache");
-        if let Some(w) = slot.as_ref() {
-            if w.location == dev.location() {
-                return Ok(w.clone());
-            }
-        }
+    pub(crate) fn prepare(layer: &Fp8Linear, dev: &Device) -> Result<Arc<CudaWeight>> {
         let w = layer.weight();
         let layout = WeightLayout::new(w.shape(), w.block())?;
         let [n, k] = w.shape();
@@ -121,135 +110,180 @@ mod imp {
             scales_copied = matches!(scales, Part::Padded(_)),
             "weight ready"
         );
-        let cw = Arc::new(CudaWeight {
+        Ok(Arc::new(CudaWeight {
             location: dev.location(),
             layout,
             codes,
             scales,
             bias,
-        });
-        *slot = Some(cw.clone());
-        Ok(cw)
+        }))
     }
 
-    /// `x [m, K]` contiguous on a CUDA device -> `y [m, N]`.
-    pub(crate) fn fp8_linear(layer: &Fp8Linear, x: &Tensor, m: usize) -> Result<Tensor> {
-        let w = prepared(layer, x.device())?;
-        let op = CudaOp {
-            w,
-            act: layer.act(),
-            kernel: layer.cuda_kernel()?,
-            m,
-        };
-        Ok(x.apply_op1_no_bwd(&op)?)
-    }
-
-    struct CudaOp {
+    /// One planned call: the weight it reads and fp8nsa-cuda's plan.
+    pub(crate) struct CudaCall {
         w: Arc<CudaWeight>,
+        call: Fp8Call,
+    }
+
+    impl CudaCall {
+        pub(crate) fn path(&self) -> CudaFp8Path {
+            self.call.path()
+        }
+    }
+
+    pub(crate) fn is_on(w: &CudaWeight, loc: &DeviceLocation) -> bool {
+        w.location == *loc
+    }
+
+    pub(crate) fn plan_call(
+        w: Arc<CudaWeight>,
+        dev: &Device,
+        m: usize,
+        dtype: DType,
         act: ActQuant,
         kernel: CudaFp8Kernel,
-        m: usize,
-    }
-
-    impl CudaOp {
-        fn run<T: fp8nsa_cuda::Element + CudaDType>(
-            &self,
-            s: &CudaStorage,
-            l: &Layout,
-        ) -> Result<(CudaStorage, Shape)> {
-            let stream = stream_of(s);
-            let x = view::<T>("x", s, l)?;
-            let layout = self.w.layout;
-            let n = layout.n;
-            // SAFETY: fp8_linear writes every element of `out` (poisoned-output tests check it).
-            let mut out =
-                unsafe { stream.alloc::<T>(self.m * n) }.map_err(fp8nsa_cuda::Error::from)?;
-            let bias = self.w.bias.as_ref().map(|b| b.as_view());
-            let path = self.w.codes.with_view(|codes| {
-                self.w.scales.with_view(|scales| {
-                    let w = WeightRef {
-                        data: codes,
-                        scales,
-                        layout,
-                    };
-                    Ok(kernels::fp8_linear(
-                        &stream,
-                        &x,
-                        &w,
-                        bias.as_ref(),
-                        self.m,
-                        self.act,
-                        self.kernel,
-                        &mut out.as_view_mut(),
-                    )?)
-                })
-            })?;
-            tracing::debug!(
-                op = "fp8_linear",
-                backend = "cuda",
-                kernel = %path,
-                m = self.m,
-                n,
-                k = layout.k,
-                block = ?[layout.bn, layout.bk],
-                act = ?self.act,
-                dtype = T::SUFFIX,
-            );
-            Ok((
-                CudaStorage::wrap_cuda_slice(out, s.device().clone()),
-                Shape::from((self.m, n)),
-            ))
-        }
-    }
-
-    impl CustomOp1 for CudaOp {
-        fn name(&self) -> &'static str {
-            "fp8nsa-fp8-linear-cuda"
-        }
-
-        fn cpu_fwd(
-            &self,
-            _: &candle_core::CpuStorage,
-            _: &Layout,
-        ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-            Err(invalid("x", "the CUDA op got a CPU tensor").into())
-        }
-
-        fn cuda_fwd(
-            &self,
-            s: &CudaStorage,
-            l: &Layout,
-        ) -> candle_core::Result<(CudaStorage, Shape)> {
-            let r = match s.dtype() {
-                DType::F32 => self.run::<f32>(s, l),
-                DType::BF16 => self.run::<half::bf16>(s, l),
-                DType::F16 => self.run::<half::f16>(s, l),
-                got => Err(Error::DType {
+    ) -> Result<CudaCall> {
+        let stream = dev.as_cuda_device()?.cuda_stream();
+        let layout = &w.layout;
+        let call = match dtype {
+            DType::F32 => kernels::plan_call::<f32>(&stream, layout, m, act, kernel),
+            DType::BF16 => kernels::plan_call::<half::bf16>(&stream, layout, m, act, kernel),
+            DType::F16 => kernels::plan_call::<half::f16>(&stream, layout, m, act, kernel),
+            got => {
+                return Err(Error::DType {
                     arg: "x",
                     expected: "f32, bf16 or f16",
                     got,
-                }),
-            };
-            Ok(r?)
+                })
+            }
+        }?;
+        Ok(CudaCall { w, call })
+    }
+
+    fn run_typed<T: fp8nsa_cuda::Element + CudaDType>(
+        c: &CudaCall,
+        s: &CudaStorage,
+        l: &Layout,
+    ) -> Result<(CudaStorage, Shape, CudaFp8Path)> {
+        let stream = stream_of(s);
+        let x = view::<T>("x", s, l)?;
+        let [m, n, _] = c.call.dims();
+        // SAFETY: execute writes every element of `out` (poisoned-output tests check it).
+        let mut out = unsafe { stream.alloc::<T>(m * n) }.map_err(fp8nsa_cuda::Error::from)?;
+        let bias = c.w.bias.as_ref().map(|b| b.as_view());
+        let ran = c.w.codes.with_view(|codes| {
+            c.w.scales.with_view(|scales| {
+                let w = WeightRef {
+                    data: codes,
+                    scales,
+                    layout: c.w.layout,
+                };
+                Ok(kernels::execute(
+                    &stream,
+                    &c.call,
+                    &x,
+                    &w,
+                    bias.as_ref(),
+                    &mut out.as_view_mut(),
+                )?)
+            })
+        })?;
+        Ok((
+            CudaStorage::wrap_cuda_slice(out, s.device().clone()),
+            Shape::from((m, n)),
+            ran,
+        ))
+    }
+
+    /// Runs a planned call on `x [m, K]` (the op's `cuda_fwd`); returns the path that ran.
+    pub(crate) fn run(
+        c: &CudaCall,
+        s: &CudaStorage,
+        l: &Layout,
+    ) -> Result<(CudaStorage, Shape, CudaFp8Path)> {
+        match s.dtype() {
+            DType::F32 => run_typed::<f32>(c, s, l),
+            DType::BF16 => run_typed::<half::bf16>(c, s, l),
+            DType::F16 => run_typed::<half::f16>(c, s, l),
+            got => Err(Error::DType {
+                arg: "x",
+                expected: "f32, bf16 or f16",
+                got,
+            }),
         }
     }
 }
 
+/// Stand-ins without the `cuda` feature: nothing can build them, and preparing says why.
 #[cfg(not(feature = "cuda"))]
 mod imp {
     use std::sync::Arc;
 
-    use super::*;
+    use candle_core::{DType, Device, DeviceLocation};
+    use fp8nsa_types::{ActQuant, CudaFp8Kernel, CudaFp8Path};
 
-    pub(crate) type CudaWeightCache = Arc<()>;
+    use crate::error::{Error, Result};
+    use crate::fp8::Fp8Linear;
 
-    pub(crate) fn fp8_linear(_: &Fp8Linear, x: &Tensor, _: usize) -> Result<Tensor> {
-        Err(crate::error::Error::Unsupported {
+    #[derive(Debug)]
+    pub(crate) enum CudaWeight {}
+
+    pub(crate) enum CudaCall {}
+
+    impl CudaCall {
+        pub(crate) fn path(&self) -> CudaFp8Path {
+            match *self {}
+        }
+    }
+
+    pub(crate) fn is_on(w: &CudaWeight, _: &DeviceLocation) -> bool {
+        match *w {}
+    }
+
+    pub(crate) fn prepare(_: &Fp8Linear, dev: &Device) -> Result<Arc<CudaWeight>> {
+        Err(Error::Unsupported {
             op: "Fp8Linear",
-            device: format!("{:?}", x.device()),
+            device: format!("{dev:?}"),
             hint: "fp8nsa was built without the `cuda` feature",
         })
     }
+
+    pub(crate) fn plan_call(
+        w: Arc<CudaWeight>,
+        _: &Device,
+        _: usize,
+        _: DType,
+        _: ActQuant,
+        _: CudaFp8Kernel,
+    ) -> Result<CudaCall> {
+        match *w {}
+    }
 }
 
-pub(crate) use imp::{fp8_linear, CudaWeightCache};
+#[cfg(feature = "cuda")]
+pub(crate) use imp::run;
+pub(crate) use imp::{CudaCall, CudaWeight};
+
+/// Prepares the weight for `dev` (once per device, kept with the layer) and plans `m` rows of
+/// `dtype`: every refusal (a forced kernel that does not apply, sizes past the kernels'
+/// indexing, no `cuda` feature) is a typed error here, before the op runs.
+pub(crate) fn plan(
+    layer: &Fp8Linear,
+    dev: &candle_core::Device,
+    m: usize,
+    dtype: candle_core::DType,
+) -> Result<CudaCall> {
+    let kernel = layer.cuda_kernel()?;
+    let loc = dev.location();
+    let w = layer.prepared(
+        |p| match p {
+            Prepared::Cuda(w) if imp::is_on(w, &loc) => Some(w.clone()),
+            _ => None,
+        },
+        || {
+            let w = imp::prepare(layer, dev)?;
+            Ok((Prepared::Cuda(w.clone()), w))
+        },
+    )?;
+    imp::plan_call(w, dev, m, dtype, layer.act(), kernel)
+}

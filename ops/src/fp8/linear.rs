@@ -1,14 +1,12 @@
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Module, Shape, Tensor};
-use fp8nsa_cpu::linear::fp8_linear;
+use candle_core::{DType, Module, Tensor};
 use fp8nsa_types::{LinearShape, Settings};
 
-use super::{ActQuant, Fp8BlockWeight};
+use super::op::{CallPlan, Fp8LinearOp, Fp8Path};
+use super::{cuda, pjrt, ActQuant, Fp8BlockWeight};
 use crate::backend::{use_cuda, Backend, CudaFp8Kernel, TpuKernel};
-use crate::error::{invalid, shape_err, Error, Result};
-use crate::storage::{f32_slice, fp8_bytes, from_f32};
+use crate::error::{shape_err, Error, Result};
 
 /// A linear layer `y = x · Wᵀ + b` with an fp8 block-scaled weight and dynamic activation
 /// quantization, accumulated in f32 with the scales applied per K-block. A drop-in for
@@ -29,23 +27,32 @@ use crate::storage::{f32_slice, fp8_bytes, from_f32};
 pub struct Fp8Linear {
     weight: Fp8BlockWeight,
     bias: Option<Tensor>,
-    op: Fp8LinearOp,
+    /// The bias as f32 on the host, what every backend starts from.
+    bias_host: Option<Arc<[f32]>>,
+    act: ActQuant,
     backend: Backend,
-    kernel: Option<TpuKernel>,
+    tpu_kernel: Option<TpuKernel>,
     cuda_kernel: Option<CudaFp8Kernel>,
-    /// The weight as uploaded to a PJRT device, shared by clones.
-    #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
-    device_weight: super::pjrt::WeightCache,
-    /// The weight as prepared for a CUDA device, shared by clones.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    cuda_weight: super::cuda::CudaWeightCache,
+    /// The weight as the accelerator it last ran on holds it, shared by clones. The CPU
+    /// kernels read `weight` itself.
+    prepared: Arc<Mutex<Option<Prepared>>>,
+}
+
+/// The weight prepared for one accelerator: one variant per device kind (each a stand-in that
+/// cannot be built when its feature is off, so the layer has the same fields in every build).
+#[derive(Clone, Debug)]
+pub(crate) enum Prepared {
+    /// Codes and scales laid out for the CUDA kernels on one device.
+    Cuda(Arc<cuda::CudaWeight>),
+    /// Uploaded to one PJRT runtime's device.
+    Pjrt(Arc<pjrt::PjrtWeight>),
 }
 
 impl Fp8Linear {
     /// `bias`, when given, is `[N]` of any float dtype.
     pub fn new(weight: Fp8BlockWeight, bias: Option<Tensor>, act: ActQuant) -> Result<Self> {
         act.validate()?;
-        let [n, k] = weight.shape();
+        let [n, _] = weight.shape();
         let bias_host = match &bias {
             None => None,
             Some(b) => {
@@ -66,22 +73,15 @@ impl Fp8Linear {
                 Some(Arc::<[f32]>::from(v))
             }
         };
-        let op = Fp8LinearOp {
-            n,
-            k,
-            block: weight.block(),
-            act,
-            bias: bias_host,
-        };
         Ok(Self {
             weight,
             bias,
-            op,
+            bias_host,
+            act,
             backend: Backend::Auto,
-            kernel: None,
+            tpu_kernel: None,
             cuda_kernel: None,
-            device_weight: Default::default(),
-            cuda_weight: Default::default(),
+            prepared: Arc::default(),
         })
     }
 
@@ -94,7 +94,7 @@ impl Fp8Linear {
     /// The PJRT fp8 kernel variant (default: `FP8NSA_TPU_KERNEL`, else v1, the XLA-native
     /// program).
     pub fn with_tpu_kernel(mut self, kernel: TpuKernel) -> Self {
-        self.kernel = Some(kernel);
+        self.tpu_kernel = Some(kernel);
         self
     }
 
@@ -113,38 +113,64 @@ impl Fp8Linear {
     }
 
     pub fn act(&self) -> ActQuant {
-        self.op.act
+        self.act
     }
 
-    #[cfg_attr(not(any(feature = "pjrt", feature = "cuda")), allow(dead_code))]
     pub(crate) fn bias_host(&self) -> Option<&[f32]> {
-        self.op.bias.as_deref()
+        self.bias_host.as_deref()
     }
 
-    #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
     pub(crate) fn tpu_kernel(&self) -> Result<TpuKernel> {
-        self.kernel
+        self.tpu_kernel
             .map_or_else(|| Ok(Settings::global().tpu_kernel.clone()?), Ok)
     }
 
-    #[cfg_attr(not(feature = "pjrt"), allow(dead_code))]
-    pub(crate) fn device_weight(&self) -> &super::pjrt::WeightCache {
-        &self.device_weight
-    }
-
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn cuda_kernel(&self) -> Result<CudaFp8Kernel> {
         self.cuda_kernel
             .map_or_else(|| Ok(Settings::global().cuda_fp8_kernel.clone()?), Ok)
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn cuda_weight(&self) -> &super::cuda::CudaWeightCache {
-        &self.cuda_weight
+    /// The prepared weight if `keep` accepts it, else the one `make` builds (kept for the next
+    /// call, replacing what another device had).
+    pub(crate) fn prepared<T>(
+        &self,
+        keep: impl Fn(&Prepared) -> Option<T>,
+        make: impl FnOnce() -> Result<(Prepared, T)>,
+    ) -> Result<T> {
+        let mut slot = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = slot.as_ref().and_then(&keep) {
+            return Ok(t);
+        }
+        let (p, t) = make()?;
+        *slot = Some(p);
+        Ok(t)
     }
 
     /// Like [`Module::forward`], with this crate's error type.
     pub fn forward_t(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.forward_with_path(x)?.0)
+    }
+
+    /// [`Self::forward_t`], also returning the path that ran.
+    ///
+    /// The call is checked and planned once, before anything runs: a shape, dtype or device
+    /// the layer does not take, or a forced kernel that does not apply, is a typed error here
+    /// (never text from inside a Candle op).
+    ///
+    /// ```
+    /// use candle_core::{DType, Device, Tensor};
+    /// use fp8nsa_ops::fp8::CpuKernel;
+    /// use fp8nsa_ops::{ActQuant, Fp8BlockWeight, Fp8Linear, Fp8Path};
+    ///
+    /// let w = Tensor::randn(0f32, 1.0, (64, 256), &Device::Cpu)?;
+    /// let lin = Fp8Linear::new(Fp8BlockWeight::quantize(&w, [128, 128])?, None, ActQuant::Group)?;
+    /// let (_, path) = lin.forward_with_path(&Tensor::ones((1, 256), DType::F32, &Device::Cpu)?)?;
+    /// assert_eq!(path, Fp8Path::Cpu(CpuKernel::Gemv));
+    /// let (_, path) = lin.forward_with_path(&Tensor::ones((40, 256), DType::F32, &Device::Cpu)?)?;
+    /// assert_eq!(path, Fp8Path::Cpu(CpuKernel::PanelGemm));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn forward_with_path(&self, x: &Tensor) -> Result<(Tensor, Fp8Path)> {
         let [n, k] = self.weight.shape();
         let dims = x.dims();
         if dims.last() != Some(&k) {
@@ -169,108 +195,33 @@ impl Fp8Linear {
         *out_dims.last_mut().expect("x has a last dim") = n;
         let backend = self.backend.resolve()?;
         if let Backend::Pjrt(rt) = &backend {
-            let y = super::pjrt::fp8_linear(self, rt, x, m)?;
-            return Ok(y.reshape(out_dims)?);
+            let (y, kernel) = pjrt::fp8_linear(self, rt, x, m)?;
+            return Ok((y.reshape(out_dims)?, Fp8Path::Pjrt(kernel)));
         }
         let _span = tracing::debug_span!("fp8nsa::fp8_linear", m, n, k).entered();
-        let x2 = x.reshape((m, k))?.contiguous()?;
-        if use_cuda(&backend, x.device(), "Fp8Linear")? {
-            let y = super::cuda::fp8_linear(self, &x2, m)?;
-            return Ok(y.reshape(out_dims)?);
-        }
-        if !x.device().is_cpu() || !self.weight.device().is_cpu() {
+        let plan = if use_cuda(&backend, x.device(), "Fp8Linear")? {
+            CallPlan::Cuda(cuda::plan(self, x.device(), m, x.dtype())?)
+        } else if x.device().is_cpu() && self.weight.device().is_cpu() {
+            let [bn, bk] = self.weight.block();
+            let shape = LinearShape { m, n, k, bn, bk };
+            CallPlan::Cpu(fp8nsa_cpu::linear::plan(shape, self.act)?)
+        } else {
             return Err(Error::Unsupported {
                 op: "Fp8Linear",
                 device: format!("{:?}", x.device()),
                 hint: "the CPU kernels need x and the weight on the CPU (CUDA tensors run on CUDA with the `cuda` feature)",
             });
-        }
-        let y = x2.apply_op3_no_bwd(self.weight.data(), self.weight.scales(), &self.op)?;
-        Ok(y.reshape(out_dims)?)
+        };
+        let op = Fp8LinearOp::new(self, plan);
+        let y = x.reshape((m, k))?.contiguous()?.apply_op1_no_bwd(&op)?;
+        let path = op.path();
+        tracing::debug!(op = "fp8_linear", path = ?path, m, n, k, block = ?self.weight.block(), act = ?self.act, dtype = ?x.dtype());
+        Ok((y.reshape(out_dims)?, path))
     }
 }
 
 impl Module for Fp8Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         Ok(self.forward_t(x)?)
-    }
-}
-
-/// The Candle custom op: `(x [M, K], data U8 [N, K], scales F32) -> y [M, N]` in x's dtype.
-#[derive(Clone, Debug)]
-struct Fp8LinearOp {
-    n: usize,
-    k: usize,
-    block: [usize; 2],
-    act: ActQuant,
-    bias: Option<Arc<[f32]>>,
-}
-
-impl CustomOp3 for Fp8LinearOp {
-    fn name(&self) -> &'static str {
-        "fp8nsa-fp8-linear"
-    }
-
-    fn cpu_fwd(
-        &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        ws: &CpuStorage,
-        wl: &Layout,
-        ss: &CpuStorage,
-        sl: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (m, k) = xl.shape().dims2()?;
-        if k != self.k {
-            return Err(shape_err("x", format!("[M, {}]", self.k), xl.dims()).into());
-        }
-        let x = f32_slice("x", xs, xl)?;
-        let w = fp8_bytes("weight", ws, wl)?;
-        let scales = match ss {
-            CpuStorage::F32(v) => {
-                let (a, b) = sl
-                    .contiguous_offsets()
-                    .ok_or_else(|| invalid("scales", "must be contiguous"))?;
-                &v[a..b]
-            }
-            other => {
-                return Err(Error::DType {
-                    arg: "scales",
-                    expected: "f32",
-                    got: other.dtype(),
-                }
-                .into())
-            }
-        };
-        let shape = LinearShape {
-            m,
-            n: self.n,
-            k,
-            bn: self.block[0],
-            bk: self.block[1],
-        };
-        let mut out = vec![0f32; m * self.n];
-        let kernel = fp8_linear(
-            &x,
-            &w,
-            scales,
-            self.bias.as_deref(),
-            shape,
-            self.act,
-            &mut out,
-        )
-        .map_err(Error::from)?;
-        tracing::debug!(
-            op = "fp8_linear",
-            backend = "cpu",
-            kernel = kernel.name(),
-            m,
-            n = self.n,
-            k,
-            block = ?self.block,
-            act = ?self.act,
-            dtype = ?xs.dtype(),
-        );
-        Ok((from_f32(out, xs.dtype()), Shape::from((m, self.n))))
     }
 }

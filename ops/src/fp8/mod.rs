@@ -2,9 +2,12 @@
 
 mod cuda;
 mod linear;
+mod op;
 mod pjrt;
 pub(crate) mod weight;
 
+pub use fp8nsa_cpu::linear::{CpuKernel, GEMV_MAX_M};
 pub use fp8nsa_types::ActQuant;
 pub use linear::Fp8Linear;
+pub use op::Fp8Path;
 pub use weight::Fp8BlockWeight;

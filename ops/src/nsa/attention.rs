@@ -1,12 +1,9 @@
-use std::sync::Arc;
-
-use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
-use fp8nsa_cpu::nsa::selection_attention;
+use candle_core::{DType, Tensor};
 use fp8nsa_types::{AttnDims, Seq, Settings};
 
+use super::op::{SelPlan, SelectionOp};
 use super::sdpa::masked_sdpa;
-use super::selection::{host_selection, validate_host, HostSelection, Selection};
+use super::selection::{host_selection, validate_host, Selection};
 use crate::backend::{use_cuda, Backend};
 use crate::error::{invalid, shape_err, Error, Result};
 
@@ -374,32 +371,14 @@ impl SelectionAttention {
                 NsaPath::Sdpa(reason),
             ));
         }
-        tracing::debug!(
-            op = "nsa_selection",
-            backend = "cpu",
-            kernel = "cpu-selection",
-            tq,
-            hq,
-            hkv,
-            d,
-            dv,
-            selected = sd[3]
-        );
-        let op = SelectionOp {
-            dims: AttnDims { hq, hkv, d, dv },
-            seqs: seqs.to_vec().into(),
-            sel: Arc::new(host),
+        let op = SelectionOp::new(
+            AttnDims { hq, hkv, d, dv },
+            seqs,
             scale,
-        };
-        let packed = q
-            .contiguous()?
-            .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, &op)?;
-        let o = packed.narrow(2, 0, dv)?.to_dtype(q.dtype())?;
-        let lse = if self.with_lse {
-            Some(packed.narrow(2, dv, 1)?.squeeze(2)?.contiguous()?)
-        } else {
-            None
-        };
+            SelPlan::Cpu(&host),
+        );
+        let (o, lse) = op.apply(q, k, v)?;
+        let lse = self.with_lse.then_some(lse);
         Ok((o, lse, NsaPath::CpuKernel))
     }
 }
@@ -442,26 +421,35 @@ impl SelectionAttention {
             return Ok((o, lse, NsaPath::Empty));
         }
         let min_len = self.resolved_min_len()?;
-        let reason = if max_tk < min_len {
-            Some(SdpaReason::BelowMinLen {
+        let planned = if max_tk < min_len {
+            Err(SdpaReason::BelowMinLen {
                 tk: max_tk,
                 min_len,
             })
         } else {
-            super::cuda::unsupported(&q, &k, &v, sel.dims()[3]).map(SdpaReason::NoKernel)
+            super::cuda::plan(&q, &k, &v, seqs, sel, scale)?.map_err(SdpaReason::NoKernel)
         };
-        if let Some(reason) = reason {
-            tracing::debug!(op = "nsa_selection", backend = "cuda-sdpa-fallback", %reason, tq, hq, hkv, d, dv);
-            let host = host_selection(sel)?;
-            let (o, lse) = masked_sdpa(&q, &k, &v, seqs, &host, scale)?;
-            return Ok((
-                o.to_dtype(q.dtype())?,
-                self.with_lse.then_some(lse),
-                NsaPath::Sdpa(reason),
-            ));
-        }
-        let (o, lse) = super::cuda::selection(&q, &k, &v, seqs, sel, scale, self.with_lse)?;
-        Ok((o, lse, NsaPath::CudaKernel))
+        let call = match planned {
+            Ok(call) => call,
+            Err(reason) => {
+                tracing::debug!(op = "nsa_selection", backend = "cuda-sdpa-fallback", %reason, tq, hq, hkv, d, dv);
+                let host = host_selection(sel)?;
+                let (o, lse) = masked_sdpa(&q, &k, &v, seqs, &host, scale)?;
+                return Ok((
+                    o.to_dtype(q.dtype())?,
+                    self.with_lse.then_some(lse),
+                    NsaPath::Sdpa(reason),
+                ));
+            }
+        };
+        let op = SelectionOp::new(
+            AttnDims { hq, hkv, d, dv },
+            seqs,
+            scale,
+            SelPlan::Cuda(Box::new(call)),
+        );
+        let (o, lse) = op.apply(&q, &k, &v)?;
+        Ok((o, self.with_lse.then_some(lse), NsaPath::CudaKernel))
     }
 }
 
@@ -503,80 +491,4 @@ fn cu_seqlens(arg: &'static str, t: &Tensor, total: usize) -> Result<Vec<usize>>
         ));
     }
     Ok(v.into_iter().map(|x| x as usize).collect())
-}
-
-/// The Candle custom op: `(q, k, v)` token-packed -> `[Σtq, Hq, Dv + 1]` f32, the last column
-/// holding the lse.
-#[derive(Clone)]
-struct SelectionOp {
-    dims: AttnDims,
-    seqs: Arc<[Seq]>,
-    sel: Arc<HostSelection>,
-    scale: f32,
-}
-
-fn contiguous<'a, T>(arg: &'static str, v: &'a [T], l: &Layout) -> Result<&'a [T]> {
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| invalid(arg, "must be contiguous"))?;
-    Ok(&v[a..b])
-}
-
-impl CustomOp3 for SelectionOp {
-    fn name(&self) -> &'static str {
-        "fp8nsa-nsa-selection"
-    }
-
-    fn cpu_fwd(
-        &self,
-        qs: &CpuStorage,
-        ql: &Layout,
-        ks: &CpuStorage,
-        kl: &Layout,
-        vs: &CpuStorage,
-        vl: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let AttnDims { hq, dv, .. } = self.dims;
-        let tq = ql.dims()[0];
-        let mut o = vec![0f32; tq * hq * dv];
-        let mut lse = vec![0f32; tq * hq];
-        let spans = self.sel.as_slice();
-        let run = |o: &mut [f32], lse: &mut [f32]| -> Result<()> {
-            macro_rules! go {
-                ($q:expr, $k:expr, $v:expr) => {
-                    selection_attention(
-                        contiguous("q", $q, ql)?,
-                        contiguous("k", $k, kl)?,
-                        contiguous("v", $v, vl)?,
-                        self.dims,
-                        &self.seqs,
-                        spans,
-                        self.scale,
-                        o,
-                        lse,
-                    )?
-                };
-            }
-            match (qs, ks, vs) {
-                (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => go!(q, k, v),
-                (CpuStorage::BF16(q), CpuStorage::BF16(k), CpuStorage::BF16(v)) => go!(q, k, v),
-                (CpuStorage::F16(q), CpuStorage::F16(k), CpuStorage::F16(v)) => go!(q, k, v),
-                _ => {
-                    return Err(Error::DType {
-                        arg: "q, k, v",
-                        expected: "one of f32, bf16, f16 for all three",
-                        got: qs.dtype(),
-                    })
-                }
-            }
-            Ok(())
-        };
-        run(&mut o, &mut lse)?;
-        let mut packed = Vec::with_capacity(tq * hq * (dv + 1));
-        for (row, l) in o.chunks_exact(dv).zip(&lse) {
-            packed.extend_from_slice(row);
-            packed.push(*l);
-        }
-        Ok((CpuStorage::F32(packed), Shape::from((tq, hq, dv + 1))))
-    }
 }

@@ -1,6 +1,9 @@
-//! Selection attention on CUDA tensors through fp8nsa-cuda's kernel. The selection stays on
-//! the device and is not validated on the host: the kernel clamps, sorts and merges every row,
-//! so whatever the indices say it reads nothing out of bounds and counts each key once.
+//! Selection attention on CUDA tensors through fp8nsa-cuda's kernel. The call is planned
+//! before the op is applied (what the kernel does not take comes back as a reason, and the
+//! caller falls back to the masked SDPA); the op's `cuda_fwd` runs that plan. The selection
+//! stays on the device and is not validated on the host: the kernel clamps, sorts and merges
+//! every row, so whatever the indices say it reads nothing out of bounds and counts each key
+//! once.
 
 use candle_core::Tensor;
 use fp8nsa_types::Seq;
@@ -8,223 +11,174 @@ use fp8nsa_types::Seq;
 use super::selection::Selection;
 use crate::error::Result;
 
+/// A planned call, or why the kernel does not take it.
+pub(crate) type Planned = std::result::Result<CudaSel, String>;
+
 #[cfg(feature = "cuda")]
 mod imp {
     use candle_core::backend::BackendStorage;
-    use candle_core::{CudaStorage, CustomOp1, DType, Layout, Shape};
-    use fp8nsa_cuda::nsa as kernels;
+    use candle_core::cuda::CudaDType;
+    use candle_core::{CudaStorage, DType, Layout};
+    use fp8nsa_cuda::nsa::{self as kernels, NsaCall, SelKind};
     use fp8nsa_types::AttnDims;
 
     use super::*;
-    use crate::cuda::{stream_of, view, with_storage, Stashed};
-    use crate::error::{invalid, Error};
+    use crate::cuda::{stream_of, view, with_storage};
+    use crate::error::Error;
 
-    struct NsaOp {
-        k: Tensor,
-        v: Tensor,
+    /// One planned call: fp8nsa-cuda's plan and the selection on the device.
+    pub(crate) struct CudaSel {
+        call: NsaCall,
         sel: Tensor,
-        /// `Some(block_size)` for block ids, `None` for ranges.
-        block_size: Option<usize>,
-        per_row: usize,
-        seqs: Vec<Seq>,
-        dims: AttnDims,
-        scale: f32,
-        lse: Stashed<f32>,
     }
 
-    impl NsaOp {
-        fn run<T: fp8nsa_cuda::Element + candle_core::cuda::CudaDType>(
-            &self,
-            qs: &CudaStorage,
-            ql: &Layout,
-        ) -> Result<(CudaStorage, Shape)> {
-            let stream = stream_of(qs);
-            let q = view::<T>("q", qs, ql)?;
-            let tq = ql.dims()[0];
-            let AttnDims { hq, dv, .. } = self.dims;
-            with_storage("k", &self.k, |ks, kl| {
-                with_storage("v", &self.v, |vs, vl| {
-                    with_storage("selection", &self.sel, |ss, sl| {
-                        let k = view::<T>("k", ks, kl)?;
-                        let v = view::<T>("v", vs, vl)?;
-                        let s = view::<i32>("selection", ss, sl)?;
-                        let sel = match self.block_size {
-                            Some(block_size) => kernels::Selection::Blocks {
-                                indices: s,
-                                per_row: self.per_row,
-                                block_size,
-                            },
-                            None => kernels::Selection::Ranges {
-                                ranges: s,
-                                per_row: self.per_row,
-                            },
-                        };
-                        // SAFETY: the kernel writes every (token, head) row of o and lse.
-                        let mut o = unsafe { stream.alloc::<T>(tq * hq * dv) }
-                            .map_err(fp8nsa_cuda::Error::from)?;
-                        // SAFETY: as above.
-                        let mut lse = unsafe { stream.alloc::<f32>(tq * hq) }
-                            .map_err(fp8nsa_cuda::Error::from)?;
-                        let plan = kernels::selection_attention(
-                            &stream,
-                            &q,
-                            &k,
-                            &v,
-                            &sel,
-                            &self.seqs,
-                            self.dims,
-                            self.scale,
-                            &mut o.as_view_mut(),
-                            &mut lse.as_view_mut(),
-                        )?;
-                        tracing::debug!(
-                            op = "nsa_selection",
-                            backend = "cuda",
-                            kernel = "cuda-selection",
-                            warps = plan.warps,
-                            splits = plan.splits,
-                            tq,
-                            hq,
-                            hkv = self.dims.hkv,
-                            d = self.dims.d,
-                            dv,
-                            selected = self.per_row,
-                            dtype = T::SUFFIX,
-                        );
-                        self.lse.put(lse, qs.device().clone());
-                        Ok((
-                            CudaStorage::wrap_cuda_slice(o, qs.device().clone()),
-                            Shape::from((tq, hq, dv)),
-                        ))
-                    })
-                })
-            })
+    impl CudaSel {
+        /// How the kernel launches, for logs.
+        pub(crate) fn describe(&self) -> String {
+            let p = self.call.launch();
+            format!("{} warps, {} splits", p.warps, p.splits)
         }
     }
 
-    impl CustomOp1 for NsaOp {
-        fn name(&self) -> &'static str {
-            "fp8nsa-nsa-selection-cuda"
-        }
-
-        fn cpu_fwd(
-            &self,
-            _: &candle_core::CpuStorage,
-            _: &Layout,
-        ) -> candle_core::Result<(candle_core::CpuStorage, Shape)> {
-            Err(invalid("q", "the CUDA op got a CPU tensor").into())
-        }
-
-        fn cuda_fwd(
-            &self,
-            s: &CudaStorage,
-            l: &Layout,
-        ) -> candle_core::Result<(CudaStorage, Shape)> {
-            let r = match s.dtype() {
-                DType::BF16 => self.run::<half::bf16>(s, l),
-                DType::F16 => self.run::<half::f16>(s, l),
-                got => Err(Error::DType {
-                    arg: "q",
-                    expected: "bf16 or f16",
-                    got,
-                }),
-            };
-            Ok(r?)
-        }
-    }
-
-    /// Token-packed `q [Σtq, Hq, D]`, `k`, `v` on one CUDA device -> `o [Σtq, Hq, Dv]` (q's
-    /// dtype) and, `with_lse`, `lse [Σtq, Hq]` f32. `Error::Cuda(Unsupported)` for what the
-    /// kernel does not take (the caller falls back).
-    pub(crate) fn selection(
+    /// Plans the kernel for contiguous token-packed `q`, `k`, `v`, or says why it does not
+    /// take them. Arguments no path could take are errors.
+    pub(crate) fn plan(
         q: &Tensor,
         k: &Tensor,
         v: &Tensor,
         seqs: &[Seq],
         sel: Selection<'_>,
         scale: f32,
-        with_lse: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        let (tq, hq, d) = q.dims3()?;
+    ) -> Result<Planned> {
+        let (_, hq, d) = q.dims3()?;
         let (_, hkv, _) = k.dims3()?;
         let dv = v.dims()[2];
-        let (sel_t, block_size) = match sel {
-            Selection::Blocks(s) => (s.indices(), Some(s.block_size())),
-            Selection::Ranges(s) => (s.ranges(), None),
+        let dims = AttnDims { hq, hkv, d, dv };
+        // cp.async moves 16-byte rows of k and v; q is read in 4-byte pairs
+        let misaligned = |t: &Tensor, bytes: usize| {
+            (t.layout().start_offset() * t.dtype().size_in_bytes()) % bytes != 0
         };
-        let op = NsaOp {
-            k: k.contiguous()?,
-            v: v.contiguous()?,
-            sel: sel_t.to_device(q.device())?.contiguous()?,
-            block_size,
-            per_row: sel.dims()[3],
-            seqs: seqs.to_vec(),
-            dims: AttnDims { hq, hkv, d, dv },
-            scale,
-            lse: Stashed::new((tq, hq)),
-        };
-        let o = q.contiguous()?.apply_op1_no_bwd(&op)?;
-        let lse = if with_lse {
-            Some(op.lse.take(&o)?)
-        } else {
-            None
-        };
-        Ok((o, lse))
-    }
-
-    /// Why the kernel cannot take this call, if it cannot (checked before launching: errors
-    /// from inside a Candle op reach the caller only as text).
-    pub(crate) fn unsupported(
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        per_row: usize,
-    ) -> Option<String> {
-        let (_, hq, d) = q.dims3().ok()?;
-        let (_, hkv, _) = k.dims3().ok()?;
-        let dv = v.dims()[2];
-        if !matches!(q.dtype(), DType::BF16 | DType::F16) {
-            return Some(format!(
-                "no {:?} selection kernel (bf16 and f16 only)",
-                q.dtype()
+        if misaligned(k, 16) || misaligned(v, 16) || misaligned(q, 4) {
+            return Ok(Err(
+                "q, k or v starts at an offset unaligned for vector loads".into(),
             ));
         }
-        if let Err(why) = kernels::supports(d, dv, hq / hkv.max(1), per_row) {
-            return Some(why);
+        let per_row = sel.dims()[3];
+        let (entries, kind) = match sel {
+            Selection::Blocks(s) => (
+                s.indices(),
+                SelKind::Blocks {
+                    per_row,
+                    block_size: s.block_size(),
+                },
+            ),
+            Selection::Ranges(s) => (s.ranges(), SelKind::Ranges { per_row }),
+        };
+        let stream = q.device().as_cuda_device()?.cuda_stream();
+        let planned = match q.dtype() {
+            DType::BF16 => kernels::plan_call::<half::bf16>(&stream, dims, seqs, kind, scale),
+            DType::F16 => kernels::plan_call::<half::f16>(&stream, dims, seqs, kind, scale),
+            got => {
+                return Ok(Err(format!(
+                    "no {got:?} selection kernel (bf16 and f16 only)"
+                )))
+            }
+        };
+        match planned {
+            Ok(call) => Ok(Ok(CudaSel {
+                call,
+                sel: entries.to_device(q.device())?.contiguous()?,
+            })),
+            Err(fp8nsa_cuda::Error::Unsupported { reason, .. }) => Ok(Err(reason)),
+            Err(e) => Err(e.into()),
         }
-        // cp.async moves 16-byte rows of k and v; q is read in 4-byte pairs
-        let misaligned = |t: &Tensor, bytes: usize| (t.layout().start_offset() * 2) % bytes != 0;
-        if misaligned(k, 16) || misaligned(v, 16) || misaligned(q, 4) {
-            return Some("q, k or v starts at an offset unaligned for vector loads".into());
+    }
+
+    fn run_typed<T: fp8nsa_cuda::Element + CudaDType>(
+        c: &CudaSel,
+        AttnDims { hq, dv, .. }: AttnDims,
+        (qs, ql): (&CudaStorage, &Layout),
+        (ks, kl): (&CudaStorage, &Layout),
+        (vs, vl): (&CudaStorage, &Layout),
+    ) -> Result<(CudaStorage, CudaStorage)> {
+        let stream = stream_of(qs);
+        let tq = ql.dims()[0];
+        let (q, k, v) = (
+            view::<T>("q", qs, ql)?,
+            view::<T>("k", ks, kl)?,
+            view::<T>("v", vs, vl)?,
+        );
+        with_storage("selection", &c.sel, |ss, sl| {
+            let sel = view::<i32>("selection", ss, sl)?;
+            // SAFETY: the kernel writes every (token, head) row of o and lse.
+            let mut o =
+                unsafe { stream.alloc::<T>(tq * hq * dv) }.map_err(fp8nsa_cuda::Error::from)?;
+            // SAFETY: as above.
+            let mut lse =
+                unsafe { stream.alloc::<f32>(tq * hq) }.map_err(fp8nsa_cuda::Error::from)?;
+            kernels::execute(
+                &stream,
+                &c.call,
+                &q,
+                &k,
+                &v,
+                &sel,
+                &mut o.as_view_mut(),
+                &mut lse.as_view_mut(),
+            )?;
+            let dev = qs.device().clone();
+            Ok((
+                CudaStorage::wrap_cuda_slice(o, dev.clone()),
+                CudaStorage::wrap_cuda_slice(lse, dev),
+            ))
+        })
+    }
+
+    /// Runs a planned call (the op's `cuda_fwd`): `(o, lse)`.
+    pub(crate) fn run(
+        c: &CudaSel,
+        dims: AttnDims,
+        q: (&CudaStorage, &Layout),
+        k: (&CudaStorage, &Layout),
+        v: (&CudaStorage, &Layout),
+    ) -> Result<(CudaStorage, CudaStorage)> {
+        match q.0.dtype() {
+            DType::BF16 => run_typed::<half::bf16>(c, dims, q, k, v),
+            DType::F16 => run_typed::<half::f16>(c, dims, q, k, v),
+            got => Err(Error::DType {
+                arg: "q",
+                expected: "bf16 or f16",
+                got,
+            }),
         }
-        None
     }
 }
 
+/// Stand-ins without the `cuda` feature: nothing can build them, and planning says why.
 #[cfg(not(feature = "cuda"))]
 mod imp {
     use super::*;
-    use crate::error::Error;
 
-    pub(crate) fn selection(
-        q: &Tensor,
+    pub(crate) enum CudaSel {}
+
+    impl CudaSel {
+        pub(crate) fn describe(&self) -> String {
+            match *self {}
+        }
+    }
+
+    pub(crate) fn plan(
+        _: &Tensor,
         _: &Tensor,
         _: &Tensor,
         _: &[Seq],
         _: Selection<'_>,
         _: f32,
-        _: bool,
-    ) -> Result<(Tensor, Option<Tensor>)> {
-        Err(Error::Unsupported {
-            op: "SelectionAttention",
-            device: format!("{:?}", q.device()),
-            hint: "fp8nsa was built without the `cuda` feature",
-        })
-    }
-
-    pub(crate) fn unsupported(_: &Tensor, _: &Tensor, _: &Tensor, _: usize) -> Option<String> {
-        Some("fp8nsa was built without the `cuda` feature".into())
+    ) -> Result<Planned> {
+        Ok(Err("fp8nsa was built without the `cuda` feature".into()))
     }
 }
 
-pub(crate) use imp::{selection, unsupported};
+#[cfg(feature = "cuda")]
+pub(crate) use imp::run;
+pub(crate) use imp::{plan, CudaSel};

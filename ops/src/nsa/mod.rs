@@ -25,6 +25,7 @@ mod compress;
 mod config;
 mod cuda;
 mod layer;
+mod op;
 mod pjrt;
 mod sdpa;
 mod selection;

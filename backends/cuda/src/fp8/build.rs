@@ -2,14 +2,15 @@
 //! quantization, the GEMM step (our kernels, cuBLASLt or cuBLAS), split-K reduction and bias.
 //! Pure: nothing here touches a device.
 
-use fp8nsa_types::ActQuant;
+use fp8nsa_types::{ActQuant, CudaFp8Path};
 
 use crate::context::grid_for;
 use crate::step::{self, Buf, Dtype, KArg, Kernel, Plan, Step, Val};
 
 use super::args::{elementwise, i32v, i64v, val};
 use super::names;
-use super::plan::Fp8Path;
+
+use super::plan::{tile_smem_bytes, tile_warps};
 use super::weight::WeightLayout;
 
 /// Where the activation kernel writes.
@@ -110,7 +111,7 @@ pub fn plan_fp8_linear(
     w: &WeightLayout,
     m: usize,
     act: ActQuant,
-    path: Fp8Path,
+    path: CudaFp8Path,
     x: Dtype,
     has_bias: bool,
     out_aligned: bool,
@@ -134,7 +135,7 @@ pub fn plan_fp8_linear(
     };
     let mut plan = Plan::default();
     match path {
-        Fp8Path::CublasLt => {
+        CudaFp8Path::CublasLt => {
             let mp = m.next_multiple_of(crate::blas::cublaslt::TOKEN_ALIGN);
             let l = k.div_ceil(128);
             // the activation kernel writes rows and scales of the m tokens; padding tokens need
@@ -184,7 +185,7 @@ pub fn plan_fp8_linear(
                 plan.kernel(bias_step(x, m, n));
             }
         }
-        Fp8Path::Mma { tile, splits } => {
+        CudaFp8Path::Mma { tile, splits } => {
             let kb = k.div_ceil(bk);
             let bm_act = match act {
                 ActQuant::Block2d { bm } => bm,
@@ -239,8 +240,8 @@ pub fn plan_fp8_linear(
                     m.div_ceil(tile.rows()) as u32,
                     splits as u32,
                 ),
-                block: tile.warps() * 32,
-                smem: tile.smem_bytes(),
+                block: tile_warps(tile) * 32,
+                smem: tile_smem_bytes(tile),
                 args: vec![KArg::Struct(params)],
             });
             if let Some(ws) = ws {
@@ -259,7 +260,7 @@ pub fn plan_fp8_linear(
                 ));
             }
         }
-        Fp8Path::SmallM { tokens } => {
+        CudaFp8Path::SmallM { tokens } => {
             let xd = plan.tmp(4 * m * ld, false);
             plan.kernel(act_step(x, m, k, ld, bk, act, ActOut::F32(xd)));
             let rows = match tokens {
@@ -292,7 +293,7 @@ pub fn plan_fp8_linear(
                 args: vec![KArg::Struct(params)],
             });
         }
-        Fp8Path::Dequant => {
+        CudaFp8Path::Dequant => {
             let wd = plan.tmp(n * k * x.size(), false);
             plan.kernel(elementwise(
                 names::QUANT_MODULE,

@@ -30,9 +30,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
-pub use plan::{
-    plan, Fp8Path, MmaTile, CUBLASLT_MIN_M, MAX_SPLITS, SMALL_M_MAX, SMALL_M_PREFERRED,
-};
+pub use fp8nsa_types::{CudaFp8Path, MmaTile};
+pub use plan::{plan, CUBLASLT_MIN_M, MAX_SPLITS, SMALL_M_MAX, SMALL_M_PREFERRED};
 
 use fp8nsa_types::{ActQuant, CudaFp8Kernel, LinearShape};
 
@@ -45,24 +44,105 @@ use crate::step::{DevBuf, Dtype};
 pub use build::plan_fp8_linear;
 pub use weight::{pad_rows, plan_pad_rows, PadElement, PreparedWeight, WeightLayout, WeightRef};
 
-/// `out[m, n] = x[m, k] . W^T (+ bias)` per the numerics contract, in x's dtype, on `stream`.
-/// `bias`, when given, is `[n]` f32. Returns the path that ran. Every element of `out` is
-/// written. A forced `kernel` that does not apply is an error saying why; with
-/// `CudaFp8Kernel::Auto` a cuBLASLt refusal at run time falls back to our tensor-core kernel.
-#[allow(clippy::too_many_arguments)]
-pub fn fp8_linear<T: Element>(
+/// One fp8 linear call, checked and planned once; [`execute`] runs it as it is. Made by
+/// [`plan_call`] before anything launches, so a refusal reaches the caller as a typed error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fp8Call {
+    layout: WeightLayout,
+    m: usize,
+    act: ActQuant,
+    dtype: Dtype,
+    path: CudaFp8Path,
+    /// Set when `Auto` picked cuBLASLt: what runs if cuBLASLt refuses the problem at run time
+    /// (its heuristic is the one thing no planner can ask in advance).
+    fallback: Option<CudaFp8Path>,
+}
+
+impl Fp8Call {
+    /// The path the plan takes (a cuBLASLt refusal at run time may still fall back; the path
+    /// that ran is what [`execute`] returns).
+    pub fn path(&self) -> CudaFp8Path {
+        self.path
+    }
+
+    /// `[m, n, k]`.
+    pub fn dims(&self) -> [usize; 3] {
+        [self.m, self.layout.n, self.layout.k]
+    }
+}
+
+/// Checks and plans `out[m, n] = x[m, k] . W^T` for `T` on `stream`'s device: the sizes the
+/// kernels index, the activation scheme, and the path (`kernel`, or the best that applies for
+/// `CudaFp8Kernel::Auto`). A forced kernel that does not apply is `Error::Unsupported` saying
+/// why.
+pub fn plan_call<T: Element>(
     stream: &Arc<CudaStream>,
-    x: &CudaView<'_, T>,
-    w: &WeightRef<'_>,
-    bias: Option<&CudaView<'_, f32>>,
+    layout: &WeightLayout,
     m: usize,
     act: ActQuant,
     kernel: CudaFp8Kernel,
+) -> Result<Fp8Call> {
+    check_call(layout, m, act)?;
+    let g = gpu(stream)?;
+    let shape = LinearShape {
+        m,
+        n: layout.n,
+        k: layout.k,
+        bn: layout.bn,
+        bk: layout.bk,
+    };
+    let dtype = Dtype::of::<T>();
+    let mut path = plan(&g.info, &shape, act, kernel)?;
+    let mut fallback = None;
+    if path == CudaFp8Path::CublasLt && kernel == CudaFp8Kernel::Auto {
+        let mma = plan(&g.info, &shape, act, CudaFp8Kernel::Mma)?;
+        if g.lt_refused(lt_problem(layout, m, dtype)) {
+            path = mma;
+        } else {
+            fallback = Some(mma);
+        }
+    }
+    Ok(Fp8Call {
+        layout: *layout,
+        m,
+        act,
+        dtype,
+        path,
+        fallback,
+    })
+}
+
+fn lt_problem(layout: &WeightLayout, m: usize, dtype: Dtype) -> crate::context::LtProblem {
+    (
+        layout.n,
+        m.next_multiple_of(crate::blas::cublaslt::TOKEN_ALIGN),
+        layout.ld,
+        dtype,
+    )
+}
+
+/// Runs a planned call: `out[m, n] = x[m, k] . W^T (+ bias)` per the numerics contract, in x's
+/// dtype, on `stream`. `bias`, when given, is `[n]` f32. Every element of `out` is written.
+/// Returns the path that ran: the plan's, or its fallback when cuBLASLt refused the problem
+/// (remembered per device, so the next plan skips cuBLASLt). The buffers must be the ones the
+/// plan describes (`Error::Invalid` naming the buffer otherwise).
+pub fn execute<T: Element>(
+    stream: &Arc<CudaStream>,
+    call: &Fp8Call,
+    x: &CudaView<'_, T>,
+    w: &WeightRef<'_>,
+    bias: Option<&CudaView<'_, f32>>,
     out: &mut CudaViewMut<'_, T>,
-) -> Result<Fp8Path> {
-    let lay = w.layout;
-    let (n, k) = (lay.n, lay.k);
-    check_linear_args(&lay, m, act, x.len(), out.len(), bias.map(|b| b.len()))?;
+) -> Result<CudaFp8Path> {
+    let lay = call.layout;
+    let (m, n, k) = (call.m, lay.n, lay.k);
+    if call.dtype != Dtype::of::<T>() {
+        return Err(invalid("x", "element type differs from the planned call's"));
+    }
+    if w.layout != lay {
+        return Err(invalid("weight", "layout differs from the planned call's"));
+    }
+    check_buffers(&lay, m, x.len(), out.len(), bias.map(|b| b.len()))?;
     let [nb, _] = lay.scale_dims();
     if w.data.len() != n * lay.ld {
         return Err(invalid(
@@ -85,28 +165,7 @@ pub fn fp8_linear<T: Element>(
         ));
     }
     let g = gpu(stream)?;
-    let shape = LinearShape {
-        m,
-        n,
-        k,
-        bn: lay.bn,
-        bk: lay.bk,
-    };
-    let dtype = Dtype::of::<T>();
-    let lt_key = (
-        n,
-        m.next_multiple_of(crate::blas::cublaslt::TOKEN_ALIGN),
-        lay.ld,
-        dtype,
-    );
-    // Auto's cuBLASLt pick falls back to our kernel when cuBLASLt refuses the problem
-    let may_fall_back = |path: Fp8Path| path == Fp8Path::CublasLt && kernel == CudaFp8Kernel::Auto;
-    let fallback = || plan(&g.info, &shape, act, CudaFp8Kernel::Mma);
-    let mut path = plan(&g.info, &shape, act, kernel)?;
-    if may_fall_back(path) && g.lt_refused(lt_key) {
-        path = fallback()?;
-    }
-    let size = dtype.size();
+    let size = call.dtype.size();
     let (xp, _g1) = x.device_ptr(stream);
     let (wp, _g2) = w.data.device_ptr(stream);
     let (sp, _g3) = w.scales.device_ptr(stream);
@@ -147,33 +206,50 @@ pub fn fp8_linear<T: Element>(
             bytes: m * n * size,
         },
     ];
-    let run = |path: Fp8Path| {
-        let p = plan_fp8_linear(&lay, m, act, path, dtype, bias.is_some(), op % 16 == 0);
+    let run = |path: CudaFp8Path| {
+        let p = plan_fp8_linear(
+            &lay,
+            m,
+            call.act,
+            path,
+            call.dtype,
+            bias.is_some(),
+            op % 16 == 0,
+        );
         launch::execute(&g, stream, &p, &args)
     };
-    match run(path) {
-        Ok(()) => Ok(path),
-        Err(e) if may_fall_back(path) => {
-            let fallback = fallback()?;
-            g.refuse_lt(lt_key);
+    match (run(call.path), call.fallback) {
+        (Ok(()), _) => Ok(call.path),
+        (Err(e), Some(fallback)) => {
+            g.refuse_lt(lt_problem(&lay, m, call.dtype));
             tracing::warn!(op = "fp8_linear", backend = "cuda", error = %e, fallback = %fallback, "cuBLASLt refused this problem; not asking again");
             run(fallback)?;
             Ok(fallback)
         }
-        Err(e) => Err(e),
+        (Err(e), None) => Err(e),
     }
 }
 
-/// The argument checks of [`fp8_linear`], shared with the emulator.
-pub fn check_linear_args(
-    w: &WeightLayout,
+/// [`plan_call`] then [`execute`]: `out[m, n] = x[m, k] . W^T (+ bias)`, returning the path
+/// that ran.
+#[allow(clippy::too_many_arguments)]
+pub fn fp8_linear<T: Element>(
+    stream: &Arc<CudaStream>,
+    x: &CudaView<'_, T>,
+    w: &WeightRef<'_>,
+    bias: Option<&CudaView<'_, f32>>,
     m: usize,
     act: ActQuant,
-    x_len: usize,
-    out_len: usize,
-    bias_len: Option<usize>,
-) -> Result<()> {
-    let (n, k) = (w.n, w.k);
+    kernel: CudaFp8Kernel,
+    out: &mut CudaViewMut<'_, T>,
+) -> Result<CudaFp8Path> {
+    let call = plan_call::<T>(stream, &w.layout, m, act, kernel)?;
+    execute(stream, &call, x, w, bias, out)
+}
+
+/// What a call must satisfy before it is planned: rows the kernels can index, a valid
+/// activation scheme.
+pub fn check_call(w: &WeightLayout, m: usize, act: ActQuant) -> Result<()> {
     if m == 0 {
         return Err(invalid("x", "needs at least one row"));
     }
@@ -183,6 +259,27 @@ pub fn check_linear_args(
             format!("{m} rows exceed the kernels' indexing"),
         ));
     }
+    if let ActQuant::Block2d { bm: 0 } = act {
+        return Err(invalid("act", "Block2d row block must be at least 1"));
+    }
+    if m.div_ceil(MmaTile::M16.rows()) > 65535 {
+        return Err(invalid(
+            "x",
+            format!("{m} rows need more than 65535 row tiles"),
+        ));
+    }
+    Ok(())
+}
+
+/// The buffers of a planned call have the sizes its plan reads and writes.
+fn check_buffers(
+    w: &WeightLayout,
+    m: usize,
+    x_len: usize,
+    out_len: usize,
+    bias_len: Option<usize>,
+) -> Result<()> {
+    let (n, k) = (w.n, w.k);
     if x_len != m * k {
         return Err(invalid(
             "x",
@@ -199,15 +296,6 @@ pub fn check_linear_args(
         if b != n {
             return Err(invalid("bias", format!("expected [{n}], got {b} values")));
         }
-    }
-    if let ActQuant::Block2d { bm: 0 } = act {
-        return Err(invalid("act", "Block2d row block must be at least 1"));
-    }
-    if m.div_ceil(MmaTile::M16.rows()) > 65535 {
-        return Err(invalid(
-            "x",
-            format!("{m} rows need more than 65535 row tiles"),
-        ));
     }
     Ok(())
 }

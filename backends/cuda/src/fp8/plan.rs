@@ -1,80 +1,26 @@
 //! Which fp8 GEMM path runs, decided from the device, the shape and the activation scheme
 //! alone (pure: tested without a GPU).
 
-use std::fmt;
-
-use fp8nsa_types::{ActQuant, CudaFp8Kernel, LinearShape};
+use fp8nsa_types::{ActQuant, CudaFp8Kernel, CudaFp8Path, LinearShape, MmaTile};
 
 use crate::context::DeviceInfo;
 use crate::error::{unsupported, Result};
 
-/// Rows per block of the tensor-core kernel's tiles.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum MmaTile {
-    /// 128 x 128 tiles, 8 warps (large M).
-    M128,
-    /// 64 x 128 tiles, 4 warps.
-    M64,
-    /// 16 x 128 tiles, 4 warps (decode batches; usually split over K).
-    M16,
-}
-
-impl MmaTile {
-    pub fn rows(self) -> usize {
-        match self {
-            MmaTile::M128 => 128,
-            MmaTile::M64 => 64,
-            MmaTile::M16 => 16,
-        }
-    }
-
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            MmaTile::M128 => "128x128",
-            MmaTile::M64 => "64x128",
-            MmaTile::M16 => "16x128",
-        }
-    }
-
-    pub(crate) fn warps(self) -> u32 {
-        match self {
-            MmaTile::M128 => 8,
-            MmaTile::M64 | MmaTile::M16 => 4,
-        }
-    }
-
-    /// Pipeline stages x (A + B tile) bytes.
-    pub(crate) fn smem_bytes(self) -> u32 {
-        let stages = match self {
-            MmaTile::M128 => 3,
-            MmaTile::M64 | MmaTile::M16 => 4,
-        };
-        stages * (self.rows() as u32 + 128) * 128
+/// Warps per block of the tensor-core kernel for `tile`.
+pub(crate) fn tile_warps(tile: MmaTile) -> u32 {
+    match tile {
+        MmaTile::M128 => 8,
+        MmaTile::M64 | MmaTile::M16 => 4,
     }
 }
 
-/// The path a call takes (what ran, for logs and tests).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Fp8Path {
-    /// cuBLASLt with `VEC128_32F` activation and `BLK128x128_32F` weight scales (sm_90).
-    CublasLt,
-    /// Our fp8 tensor-core kernel; `splits > 1` splits K across blocks.
-    Mma { tile: MmaTile, splits: usize },
-    /// Our small-M CUDA-core kernel, the weight streamed once.
-    SmallM { tokens: usize },
-    /// Dequantize the weight, then cuBLAS in the input dtype.
-    Dequant,
-}
-
-impl fmt::Display for Fp8Path {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Fp8Path::CublasLt => write!(f, "cublaslt-blockscale"),
-            Fp8Path::Mma { tile, splits } => write!(f, "mma-{}-splitk{splits}", tile.name()),
-            Fp8Path::SmallM { tokens } => write!(f, "small-m{tokens}"),
-            Fp8Path::Dequant => write!(f, "dequant-cublas"),
-        }
-    }
+/// Pipeline stages x (A + B tile) bytes.
+pub(crate) fn tile_smem_bytes(tile: MmaTile) -> u32 {
+    let stages = match tile {
+        MmaTile::M128 => 3,
+        MmaTile::M64 | MmaTile::M16 => 4,
+    };
+    stages * (tile.rows() as u32 + 128) * 128
 }
 
 /// Largest M the small-M kernel takes.
@@ -170,19 +116,19 @@ pub fn plan(
     s: &LinearShape,
     act: ActQuant,
     kernel: CudaFp8Kernel,
-) -> Result<Fp8Path> {
+) -> Result<CudaFp8Path> {
     let a = applicability(info, s, act);
     let mma = || {
         let tile = mma_tile(s.m);
-        Fp8Path::Mma {
+        CudaFp8Path::Mma {
             tile,
             splits: mma_splits(info, s, tile).0,
         }
     };
-    let small = || Fp8Path::SmallM {
+    let small = || CudaFp8Path::SmallM {
         tokens: s.m.next_power_of_two(),
     };
-    let refuse = |what: &'static str, why: &String| -> Result<Fp8Path> {
+    let refuse = |what: &'static str, why: &String| -> Result<CudaFp8Path> {
         Err(unsupported(
             "fp8 linear",
             format!("{what} does not apply: {why}"),
@@ -193,15 +139,15 @@ pub fn plan(
             if a.small_m.is_ok() && (s.m <= SMALL_M_PREFERRED || a.mma.is_err()) {
                 small()
             } else if a.cublaslt.is_ok() && s.m >= CUBLASLT_MIN_M {
-                Fp8Path::CublasLt
+                CudaFp8Path::CublasLt
             } else if a.mma.is_ok() {
                 mma()
             } else {
-                Fp8Path::Dequant
+                CudaFp8Path::Dequant
             },
         ),
         CudaFp8Kernel::CublasLt => match &a.cublaslt {
-            Ok(()) => Ok(Fp8Path::CublasLt),
+            Ok(()) => Ok(CudaFp8Path::CublasLt),
             Err(why) => refuse("the cuBLASLt block-scaled GEMM", why),
         },
         CudaFp8Kernel::Mma => match &a.mma {
@@ -212,7 +158,7 @@ pub fn plan(
             Ok(()) => Ok(small()),
             Err(why) => refuse("the small-M kernel", why),
         },
-        CudaFp8Kernel::Dequant => Ok(Fp8Path::Dequant),
+        CudaFp8Kernel::Dequant => Ok(CudaFp8Path::Dequant),
     }
 }
 
@@ -255,7 +201,7 @@ mod tests {
                 CudaFp8Kernel::Auto
             )
             .unwrap(),
-            Fp8Path::SmallM { tokens: 1 }
+            CudaFp8Path::SmallM { tokens: 1 }
         );
         // a decode batch: tensor cores, split over K to fill the GPU
         let p = plan(
@@ -266,7 +212,7 @@ mod tests {
         )
         .unwrap();
         match p {
-            Fp8Path::Mma {
+            CudaFp8Path::Mma {
                 tile: MmaTile::M16,
                 splits,
             } => assert!(splits > 1, "{p}"),
@@ -281,7 +227,7 @@ mod tests {
                 CudaFp8Kernel::Auto
             )
             .unwrap(),
-            Fp8Path::CublasLt
+            CudaFp8Path::CublasLt
         );
         // other block shapes and Block2d: our kernel
         for (b, act) in [
@@ -291,7 +237,7 @@ mod tests {
         ] {
             assert_eq!(
                 plan(&d, &shape(4096, 7168, 2048, b), act, CudaFp8Kernel::Auto).unwrap(),
-                Fp8Path::Mma {
+                CudaFp8Path::Mma {
                     tile: MmaTile::M128,
                     splits: 1
                 }
@@ -306,7 +252,7 @@ mod tests {
                 CudaFp8Kernel::Auto
             )
             .unwrap(),
-            Fp8Path::Dequant
+            CudaFp8Path::Dequant
         );
         assert_eq!(
             plan(
@@ -316,7 +262,7 @@ mod tests {
                 CudaFp8Kernel::Auto
             )
             .unwrap(),
-            Fp8Path::SmallM { tokens: 8 }
+            CudaFp8Path::SmallM { tokens: 8 }
         );
     }
 
@@ -326,7 +272,7 @@ mod tests {
         let s = shape(512, 576, 3884, [128, 128]);
         assert_eq!(
             plan(&a100, &s, ActQuant::Group, CudaFp8Kernel::Auto).unwrap(),
-            Fp8Path::Dequant
+            CudaFp8Path::Dequant
         );
         assert_eq!(
             plan(
@@ -336,14 +282,14 @@ mod tests {
                 CudaFp8Kernel::Auto
             )
             .unwrap(),
-            Fp8Path::SmallM { tokens: 16 }
+            CudaFp8Path::SmallM { tokens: 16 }
         );
         let err = plan(&a100, &s, ActQuant::Group, CudaFp8Kernel::Mma).unwrap_err();
         assert!(err.to_string().contains("8.0"), "{err}");
         let l40 = dev((8, 9));
         assert!(matches!(
             plan(&l40, &s, ActQuant::Group, CudaFp8Kernel::Auto).unwrap(),
-            Fp8Path::Mma { .. }
+            CudaFp8Path::Mma { .. }
         ));
         let err = plan(&l40, &s, ActQuant::Group, CudaFp8Kernel::CublasLt).unwrap_err();
         assert!(err.to_string().contains("sm_90"), "{err}");
@@ -409,7 +355,7 @@ mod tests {
                 CudaFp8Kernel::Dequant
             )
             .unwrap(),
-            Fp8Path::Dequant
+            CudaFp8Path::Dequant
         );
     }
 
@@ -445,7 +391,11 @@ mod tests {
     fn tiles_fit_shared_memory() {
         // sm_89 allows 99 KB per block
         for t in [MmaTile::M128, MmaTile::M64, MmaTile::M16] {
-            assert!(t.smem_bytes() <= 99 * 1024, "{t:?}: {}", t.smem_bytes());
+            assert!(
+                tile_smem_bytes(t) <= 99 * 1024,
+                "{t:?}: {}",
+                tile_smem_bytes(t)
+            );
         }
     }
 }

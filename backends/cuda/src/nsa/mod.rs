@@ -250,45 +250,77 @@ pub fn plan_selection(
     Ok((p, out))
 }
 
+/// One selection-attention call, checked and planned once; [`execute`] runs it as it is.
+/// Made by [`plan_call`] before anything launches, so what the kernel does not take is
+/// known (and typed) before a caller commits to it.
+pub struct NsaCall {
+    arrays: SeqArrays,
+    kind: SelKind,
+    dims: AttnDims,
+    dtype: Dtype,
+    launch: NsaPlan,
+    steps: Plan,
+}
+
+impl NsaCall {
+    /// How the call launches (warps, splits, shared memory).
+    pub fn launch(&self) -> NsaPlan {
+        self.launch
+    }
+}
+
+/// Checks and plans selection attention for `T` on `stream`'s device: the token partition,
+/// the selection's kind and width, and the kernel for these head dims and group size.
+/// `Error::Unsupported` for what the kernel does not take (callers fall back);
+/// `Error::Invalid` for arguments no path could take.
+pub fn plan_call<T: Element>(
+    stream: &Arc<CudaStream>,
+    dims: AttnDims,
+    seqs: &[Seq],
+    kind: SelKind,
+    scale: f32,
+) -> Result<NsaCall> {
+    let arrays = SeqArrays::new(seqs)?;
+    let dtype = Dtype::of::<T>();
+    let g = gpu(stream)?;
+    let (launch, steps) = plan_selection(&g.info, dims, &arrays, kind, dtype, scale)?;
+    Ok(NsaCall {
+        arrays,
+        kind,
+        dims,
+        dtype,
+        launch,
+        steps,
+    })
+}
+
 /// Token-packed `q [Σtq, hq, d]`, `k [Σtk, hkv, d]`, `v [Σtk, hkv, dv]` (bf16 or f16) ->
 /// `o [Σtq, hq, dv]` in the input type and `lse [Σtq, hq]` (natural log; `-inf` and `o = 0`
-/// where a query sees no selected key). `seqs` partition the tokens in order. Returns the
-/// launch plan. Shapes the kernel does not take are `Error::Unsupported` (callers fall back).
+/// where a query sees no selected key), as planned by [`plan_call`]. `sel` holds the
+/// selection's i32 entries (`Σtq · hkv` rows of the planned kind's width). The buffers must be
+/// the ones the plan describes (`Error::Invalid` naming the buffer otherwise).
 #[allow(clippy::too_many_arguments)]
-pub fn selection_attention<T: Element>(
+pub fn execute<T: Element>(
     stream: &Arc<CudaStream>,
+    call: &NsaCall,
     q: &CudaView<'_, T>,
     k: &CudaView<'_, T>,
     v: &CudaView<'_, T>,
-    sel: &Selection<'_>,
-    seqs: &[Seq],
-    dims: AttnDims,
-    scale: f32,
+    sel: &CudaView<'_, i32>,
     o: &mut CudaViewMut<'_, T>,
     lse: &mut CudaViewMut<'_, f32>,
 ) -> Result<NsaPlan> {
-    let arrays = SeqArrays::new(seqs)?;
-    let (kind, sel_view) = match sel {
-        Selection::Blocks {
-            indices,
-            per_row,
-            block_size,
-        } => (
-            SelKind::Blocks {
-                per_row: *per_row,
-                block_size: *block_size,
-            },
-            indices,
-        ),
-        Selection::Ranges { ranges, per_row } => (SelKind::Ranges { per_row: *per_row }, ranges),
-    };
-    let AttnDims { hq, hkv, d, dv } = dims;
+    if call.dtype != Dtype::of::<T>() {
+        return Err(invalid("q", "element type differs from the planned call's"));
+    }
+    let arrays = &call.arrays;
+    let AttnDims { hq, hkv, d, dv } = call.dims;
     let (tq, tk) = (arrays.total_q, arrays.total_k);
     for (arg, got, want) in [
         ("q", q.len(), tq * hq * d),
         ("k", k.len(), tk * hkv * d),
         ("v", v.len(), tk * hkv * dv),
-        ("selection", sel_view.len(), tq * hkv * kind.width()),
+        ("selection", sel.len(), tq * hkv * call.kind.width()),
         ("o", o.len(), tq * hq * dv),
         ("lse", lse.len(), tq * hq),
     ] {
@@ -297,7 +329,6 @@ pub fn selection_attention<T: Element>(
         }
     }
     let g = gpu(stream)?;
-    let (p, plan) = plan_selection(&g.info, dims, &arrays, kind, Dtype::of::<T>(), scale)?;
     let cu_q = stream.clone_htod(&arrays.cu_q)?;
     let cu_k = stream.clone_htod(&arrays.cu_k)?;
     let q_off = stream.clone_htod(&arrays.q_off)?;
@@ -306,7 +337,7 @@ pub fn selection_attention<T: Element>(
     let (qp, _g0) = q.device_ptr(stream);
     let (kp, _g1) = k.device_ptr(stream);
     let (vp, _g2) = v.device_ptr(stream);
-    let (sp, _g3) = sel_view.device_ptr(stream);
+    let (sp, _g3) = sel.device_ptr(stream);
     let (cq, _g4) = cu_q.device_ptr(stream);
     let (ck, _g5) = cu_k.device_ptr(stream);
     let (qo, _g6) = q_off.device_ptr(stream);
@@ -334,7 +365,7 @@ pub fn selection_attention<T: Element>(
         },
         DevBuf {
             ptr: sp,
-            bytes: 4 * sel_view.len(),
+            bytes: 4 * sel.len(),
         },
         DevBuf {
             ptr: cq,
@@ -357,6 +388,39 @@ pub fn selection_attention<T: Element>(
             bytes: 4 * lse_len,
         },
     ];
-    launch::execute(&g, stream, &plan, &args)?;
-    Ok(p)
+    launch::execute(&g, stream, &call.steps, &args)?;
+    Ok(call.launch)
+}
+
+/// [`plan_call`] then [`execute`], the selection's kind taken from `sel`. Returns how it
+/// launched. Shapes the kernel does not take are `Error::Unsupported` (callers fall back).
+#[allow(clippy::too_many_arguments)]
+pub fn selection_attention<T: Element>(
+    stream: &Arc<CudaStream>,
+    q: &CudaView<'_, T>,
+    k: &CudaView<'_, T>,
+    v: &CudaView<'_, T>,
+    sel: &Selection<'_>,
+    seqs: &[Seq],
+    dims: AttnDims,
+    scale: f32,
+    o: &mut CudaViewMut<'_, T>,
+    lse: &mut CudaViewMut<'_, f32>,
+) -> Result<NsaPlan> {
+    let (kind, entries) = match sel {
+        Selection::Blocks {
+            indices,
+            per_row,
+            block_size,
+        } => (
+            SelKind::Blocks {
+                per_row: *per_row,
+                block_size: *block_size,
+            },
+            indices,
+        ),
+        Selection::Ranges { ranges, per_row } => (SelKind::Ranges { per_row: *per_row }, ranges),
+    };
+    let call = plan_call::<T>(stream, dims, seqs, kind, scale)?;
+    execute(stream, &call, q, k, v, entries, o, lse)
 }

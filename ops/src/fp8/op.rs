@@ -1,0 +1,121 @@
+//! The one Candle op of `Fp8Linear`: `x [M, K] -> y [M, N]` in x's dtype, with a `cpu_fwd` and
+//! a `cuda_fwd` that each run the plan the layer made before applying it.
+
+use std::sync::Mutex;
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage};
+use fp8nsa_cpu::linear::{CpuKernel, LinearPlan};
+use fp8nsa_types::{CudaFp8Path, TpuKernel};
+
+use super::{cuda, Fp8Linear};
+use crate::error::{invalid, Error, Result};
+use crate::storage::{f32_slice, fp8_bytes, from_f32};
+
+/// Which implementation an `Fp8Linear` call ran, returned by
+/// [`Fp8Linear::forward_with_path`](super::Fp8Linear::forward_with_path).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Fp8Path {
+    /// fp8nsa-cpu's GEMV (decode) or panel GEMM.
+    Cpu(CpuKernel),
+    /// fp8nsa-cuda's path: cuBLASLt, our tensor-core or small-M kernel, or dequantize + cuBLAS.
+    Cuda(CudaFp8Path),
+    /// A PJRT program with this fp8 kernel variant.
+    Pjrt(TpuKernel),
+}
+
+/// A call checked and planned for one device.
+pub(crate) enum CallPlan {
+    Cpu(LinearPlan),
+    Cuda(cuda::CudaCall),
+}
+
+pub(crate) struct Fp8LinearOp<'a> {
+    layer: &'a Fp8Linear,
+    plan: CallPlan,
+    /// What ran on CUDA when it differs from the plan (a cuBLASLt refusal at run time).
+    ran: Mutex<Option<CudaFp8Path>>,
+}
+
+impl<'a> Fp8LinearOp<'a> {
+    pub(crate) fn new(layer: &'a Fp8Linear, plan: CallPlan) -> Self {
+        Self {
+            layer,
+            plan,
+            ran: Mutex::new(None),
+        }
+    }
+
+    /// The path that ran (after the op was applied) or that is planned (before).
+    pub(crate) fn path(&self) -> Fp8Path {
+        match &self.plan {
+            CallPlan::Cpu(p) => Fp8Path::Cpu(p.kernel()),
+            CallPlan::Cuda(c) => {
+                let ran = *self.ran.lock().unwrap_or_else(|p| p.into_inner());
+                Fp8Path::Cuda(ran.unwrap_or_else(|| c.path()))
+            }
+        }
+    }
+
+    fn cpu(&self, plan: &LinearPlan, xs: &CpuStorage, xl: &Layout) -> Result<CpuStorage> {
+        let s = plan.shape();
+        let x = f32_slice("x", xs, xl)?;
+        let w = self.layer.weight();
+        let (data, dl) = w.data().storage_and_layout();
+        let (scales, sl) = w.scales().storage_and_layout();
+        let (Storage::Cpu(data), Storage::Cpu(scales)) = (&*data, &*scales) else {
+            return Err(invalid("weight", "must be on the CPU for the CPU kernels"));
+        };
+        let codes = fp8_bytes("weight", data, dl)?;
+        let scales = match scales {
+            CpuStorage::F32(v) => {
+                let (a, b) = sl
+                    .contiguous_offsets()
+                    .ok_or_else(|| invalid("scales", "must be contiguous"))?;
+                &v[a..b]
+            }
+            other => {
+                return Err(Error::DType {
+                    arg: "scales",
+                    expected: "f32",
+                    got: other.dtype(),
+                })
+            }
+        };
+        let mut out = vec![0f32; s.m * s.n];
+        plan.run(&x, &codes, scales, self.layer.bias_host(), &mut out)?;
+        Ok(from_f32(out, xs.dtype()))
+    }
+}
+
+impl CustomOp1 for Fp8LinearOp<'_> {
+    fn name(&self) -> &'static str {
+        "fp8nsa-fp8-linear"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let CallPlan::Cpu(plan) = &self.plan else {
+            return Err(invalid("x", "the call was planned for CUDA and got a CPU tensor").into());
+        };
+        let s = plan.shape();
+        Ok((self.cpu(plan, xs, xl)?, Shape::from((s.m, s.n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let CallPlan::Cuda(call) = &self.plan else {
+            return Err(invalid(
+                "x",
+                "the call was planned for the CPU and got a CUDA tensor",
+            )
+            .into());
+        };
+        let (out, shape, ran) = cuda::run(call, xs, xl)?;
+        *self.ran.lock().unwrap_or_else(|p| p.into_inner()) = Some(ran);
+        Ok((out, shape))
+    }
+}
