@@ -181,11 +181,12 @@ fn pjrt_errors_are_errors() {
             matches!(&refusal, fp8nsa_pjrt::Error::NotOnPlatform { platform, .. } if platform == "cpu"),
             "{refusal}"
         );
-        // the layer carries it as `Error::Invalid { arg: "pjrt" }` with the runtime's message
-        // (ops flattens fp8nsa_pjrt::Error to text), and `Module::forward` as candle's text
+        // the layer returns it as it is, `Error::Pjrt(..)`, before uploading anything; and
+        // `Module::forward` as candle's text
         let e = tpu.forward_t(&x).unwrap_err();
         assert!(
-            matches!(&e, fp8nsa::Error::Invalid { arg: "pjrt", msg } if *msg == refusal.to_string()),
+            matches!(&e, fp8nsa::Error::Pjrt(fp8nsa_pjrt::Error::NotOnPlatform { platform, .. })
+                if platform == "cpu" && e.to_string() == refusal.to_string()),
             "{e}"
         );
         let through_candle = tpu.forward(&x).unwrap_err();

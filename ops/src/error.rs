@@ -45,6 +45,9 @@ pub enum Error {
     #[cfg(feature = "cuda")]
     #[error(transparent)]
     Cuda(#[from] fp8nsa_cuda::Error),
+    #[cfg(feature = "pjrt")]
+    #[error(transparent)]
+    Pjrt(#[from] fp8nsa_pjrt::Error),
 }
 
 impl From<fp8nsa_types::Error> for Error {
@@ -81,15 +84,5 @@ pub(crate) fn invalid(arg: &'static str, msg: impl Into<String>) -> Error {
     Error::Invalid {
         arg,
         msg: msg.into(),
-    }
-}
-
-#[cfg(feature = "pjrt")]
-impl From<fp8nsa_pjrt::Error> for Error {
-    fn from(e: fp8nsa_pjrt::Error) -> Self {
-        Error::Invalid {
-            arg: "pjrt",
-            msg: e.to_string(),
-        }
     }
 }

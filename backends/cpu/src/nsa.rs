@@ -68,54 +68,167 @@ simd_dispatch!(fn fold_chunk => fold_chunk_impl(
     q: &[f32], kc: &[f32], vc: &[f32], d: usize, dv: usize, st: &mut Softmax, scores: &mut [f32]
 ));
 
-/// Checks the arguments of [`selection_attention`].
-#[allow(clippy::too_many_arguments)]
-fn check<T>(
-    q: &[T],
-    k: &[T],
-    v: &[T],
+/// One checked call: valid head dims, sequences that tile the query tokens in order with
+/// their keys inside the key total, and the selection's kind. Made once by [`plan`];
+/// [`SelectionPlan::run`] executes it without deciding anything again.
+///
+/// ```
+/// use fp8nsa_cpu::nsa::plan;
+/// use fp8nsa_types::{AttnDims, Seq, Spans};
+///
+/// let dims = AttnDims { hq: 2, hkv: 1, d: 4, dv: 4 };
+/// let seqs = [Seq { q_start: 0, q_len: 1, k_start: 0, k_len: 3, q_offset: 2 }];
+/// let p = plan(dims, &seqs, 3, None)?;
+/// let (q, kv) = (vec![1f32; 8], vec![1f32; 12]);
+/// let (mut o, mut lse) = (vec![0f32; 8], vec![0f32; 2]);
+/// let sel = Spans::Ranges { ranges: &[0, 3][..], per_row: 1 };
+/// p.run(&q, &kv, &kv, sel, 0.5, &mut o, &mut lse)?;
+/// assert!(o.iter().all(|&x| (x - 1.0).abs() < 1e-6)); // equal scores: the mean of ones
+/// assert!((lse[0] - (3f32 * 2f32.exp()).ln()).abs() < 1e-5);
+/// let bad = [Seq { k_len: 4, ..seqs[0] }];
+/// assert!(plan(dims, &bad, 3, None).is_err()); // keys past the total
+/// # Ok::<(), fp8nsa_cpu::Error>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SelectionPlan<'s> {
     dims: AttnDims,
-    seqs: &[Seq],
-    spans: &Spans<&[i32]>,
-    out: &[f32],
-    lse: &[f32],
-) -> Result<(usize, usize)> {
-    dims.validate()?;
-    let tq = q.len() / (dims.hq * dims.d);
-    let tk = k.len() / (dims.hkv * dims.d);
-    check_len("q", q.len(), tq * dims.hq * dims.d)?;
-    check_len("k", k.len(), tk * dims.hkv * dims.d)?;
-    check_len("v", v.len(), tk * dims.hkv * dims.dv)?;
-    check_len("out", out.len(), tq * dims.hq * dims.dv)?;
-    check_len("lse", lse.len(), tq * dims.hq)?;
-    if spans.per_row() > 0 {
-        check_len("selection rows", spans.rows(), tq * dims.hkv)?;
-    }
-    if let Spans::Blocks { block_size: 0, .. } = spans {
-        check_positive("block_size", 0)?;
-    }
-    let mut covered = 0;
-    for (i, s) in seqs.iter().enumerate() {
-        if s.q_start != covered || s.k_start + s.k_len > tk {
-            return Err(Error::Invalid {
-                arg: "seqs",
-                msg: format!("sequence {i} ({s:?}) does not tile {tq} queries / {tk} keys"),
-            });
-        }
-        covered += s.q_len;
-    }
-    if covered != tq {
-        return Err(Error::Invalid {
-            arg: "seqs",
-            msg: format!("sequences cover {covered} queries, q has {tq}"),
-        });
-    }
-    Ok((tq, tk))
+    seqs: &'s [Seq],
+    tq: usize,
+    tk: usize,
+    /// `Some(block_size)` for block ids, `None` for ranges.
+    block_size: Option<usize>,
 }
 
-/// Computes `out [Σtq, hq, dv]` and `lse [Σtq, hq]` (natural log; `-inf` and a zero output for a
-/// query that sees no selected key). `scale` multiplies the scores (usually `1/sqrt(d)`).
-/// Inputs are f32, bf16 or f16; everything is computed in f32.
+/// Checks a call's head dims and token partition: `seqs` tile the query tokens in order and
+/// each sequence's keys lie inside `tk` keys; `block_size` (block-id selections) is at least 1.
+pub fn plan<'s>(
+    dims: AttnDims,
+    seqs: &'s [Seq],
+    tk: usize,
+    block_size: Option<usize>,
+) -> Result<SelectionPlan<'s>> {
+    dims.validate()?;
+    if let Some(bs) = block_size {
+        check_positive("block_size", bs)?;
+    }
+    let mut tq = 0usize;
+    for (i, s) in seqs.iter().enumerate() {
+        let k_end = s.k_start.checked_add(s.k_len);
+        if s.q_start != tq || k_end.is_none_or(|e| e > tk) {
+            return Err(Error::Invalid {
+                arg: "seqs",
+                msg: format!(
+                    "sequence {i} ({s:?}) does not follow the previous one within {tk} keys"
+                ),
+            });
+        }
+        tq = tq.checked_add(s.q_len).ok_or_else(|| Error::Invalid {
+            arg: "seqs",
+            msg: "query total overflows".into(),
+        })?;
+    }
+    Ok(SelectionPlan {
+        dims,
+        seqs,
+        tq,
+        tk,
+        block_size,
+    })
+}
+
+impl SelectionPlan<'_> {
+    /// Query tokens, the sum of the sequences'.
+    pub fn queries(&self) -> usize {
+        self.tq
+    }
+
+    /// Computes `out [Σtq, hq, dv]` and `lse [Σtq, hq]` (natural log; `-inf` and a zero output
+    /// for a query that sees no selected key). `scale` multiplies the scores (usually
+    /// `1/sqrt(d)`). Inputs are f32, bf16 or f16; everything is computed in f32. The buffers
+    /// and the selection must have the plan's sizes and kind (`Error::Shape` / `Error::Invalid`
+    /// naming the argument otherwise).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run<T>(
+        &self,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        spans: Spans<&[i32]>,
+        scale: f32,
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) -> Result<()>
+    where
+        T: Copy + Into<f32> + Send + Sync,
+    {
+        let (dims, seqs, tq, tk) = (self.dims, self.seqs, self.tq, self.tk);
+        check_len("q", q.len(), tq * dims.hq * dims.d)?;
+        check_len("k", k.len(), tk * dims.hkv * dims.d)?;
+        check_len("v", v.len(), tk * dims.hkv * dims.dv)?;
+        check_len("out", out.len(), tq * dims.hq * dims.dv)?;
+        check_len("lse", lse.len(), tq * dims.hq)?;
+        let block_size = match spans {
+            Spans::Blocks { block_size, .. } => Some(block_size),
+            Spans::Ranges { .. } => None,
+        };
+        if block_size != self.block_size {
+            return Err(Error::Invalid {
+                arg: "selection",
+                msg: format!(
+                    "planned for {:?}, got {:?} (block size; None: ranges)",
+                    self.block_size, block_size
+                ),
+            });
+        }
+        if spans.per_row() > 0 {
+            check_len("selection rows", spans.rows(), tq * dims.hkv)?;
+        }
+        if tq == 0 {
+            return Ok(());
+        }
+        let AttnDims { hq, dv, .. } = dims;
+        // Split a token's heads across threads only when there are too few tokens to go around.
+        let threads = rayon::current_num_threads();
+        let mut split = if tq >= 2 * threads {
+            1
+        } else {
+            (2 * threads).div_ceil(tq).min(hq)
+        };
+        while hq % split != 0 {
+            split -= 1;
+        }
+        let hu = hq / split;
+        let mut seq_of = vec![0usize; tq];
+        for (si, s) in seqs.iter().enumerate() {
+            seq_of[s.q_start..s.q_start + s.q_len].fill(si);
+        }
+        out.par_chunks_mut(hu * dv)
+            .zip(lse.par_chunks_mut(hu))
+            .enumerate()
+            .for_each_init(Scratch::default, |scratch, (unit, (o, lse))| {
+                let token = unit / split;
+                let h0 = (unit % split) * hu;
+                let s = seqs[seq_of[token]];
+                let pos = s.q_offset + (token - s.q_start);
+                let limit = s.k_len.min(pos + 1);
+                let args = RowArgs {
+                    q,
+                    k,
+                    v,
+                    dims,
+                    token,
+                    k_start: s.k_start,
+                    limit,
+                    scale,
+                };
+                attend_heads(&args, &spans, h0..h0 + hu, o, lse, scratch);
+            });
+        Ok(())
+    }
+}
+
+/// [`plan`] then [`SelectionPlan::run`], the key total taken from `k`: selection attention
+/// over token-packed `q [Σtq, hq, d]`, `k [Σtk, hkv, d]`, `v [Σtk, hkv, dv]`.
 #[allow(clippy::too_many_arguments)]
 pub fn selection_attention<T>(
     q: &[T],
@@ -131,48 +244,13 @@ pub fn selection_attention<T>(
 where
     T: Copy + Into<f32> + Send + Sync,
 {
-    let (tq, _) = check(q, k, v, dims, seqs, &spans, out, lse)?;
-    if tq == 0 {
-        return Ok(());
-    }
-    let AttnDims { hq, dv, .. } = dims;
-    // Split a token's heads across threads only when there are too few tokens to go around.
-    let threads = rayon::current_num_threads();
-    let mut split = if tq >= 2 * threads {
-        1
-    } else {
-        (2 * threads).div_ceil(tq).min(hq)
+    dims.validate()?;
+    let tk = k.len() / (dims.hkv * dims.d);
+    let block_size = match spans {
+        Spans::Blocks { block_size, .. } => Some(block_size),
+        Spans::Ranges { .. } => None,
     };
-    while hq % split != 0 {
-        split -= 1;
-    }
-    let hu = hq / split;
-    let mut seq_of = vec![0usize; tq];
-    for (si, s) in seqs.iter().enumerate() {
-        seq_of[s.q_start..s.q_start + s.q_len].fill(si);
-    }
-    out.par_chunks_mut(hu * dv)
-        .zip(lse.par_chunks_mut(hu))
-        .enumerate()
-        .for_each_init(Scratch::default, |scratch, (unit, (o, lse))| {
-            let token = unit / split;
-            let h0 = (unit % split) * hu;
-            let s = seqs[seq_of[token]];
-            let pos = s.q_offset + (token - s.q_start);
-            let limit = s.k_len.min(pos + 1);
-            let args = RowArgs {
-                q,
-                k,
-                v,
-                dims,
-                token,
-                k_start: s.k_start,
-                limit,
-                scale,
-            };
-            attend_heads(&args, &spans, h0..h0 + hu, o, lse, scratch);
-        });
-    Ok(())
+    plan(dims, seqs, tk, block_size)?.run(q, k, v, spans, scale, out, lse)
 }
 
 #[derive(Default)]

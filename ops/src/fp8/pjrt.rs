@@ -29,6 +29,11 @@ mod imp {
         &w.runtime
     }
 
+    /// Whether the runtime's platform runs `variant` (refused before anything is uploaded).
+    pub(crate) fn check(rt: &PjrtRuntime, variant: TpuKernel) -> Result<()> {
+        Ok(rt.check_kernel(variant)?)
+    }
+
     pub(crate) fn upload(layer: &Fp8Linear, rt: &Arc<PjrtRuntime>) -> Result<Arc<PjrtWeight>> {
         let w = layer.weight();
         let [n, k] = w.shape();
@@ -77,6 +82,10 @@ mod imp {
         match *w {}
     }
 
+    pub(crate) fn check(_: &PjrtRuntime, _: TpuKernel) -> Result<()> {
+        Ok(())
+    }
+
     pub(crate) fn upload(_: &Fp8Linear, rt: &Arc<PjrtRuntime>) -> Result<Arc<PjrtWeight>> {
         Err(crate::error::Error::Unsupported {
             op: "Fp8Linear",
@@ -107,6 +116,7 @@ pub(crate) fn fp8_linear(
     m: usize,
 ) -> Result<(Tensor, TpuKernel)> {
     let variant = layer.tpu_kernel()?;
+    imp::check(rt, variant)?;
     let w = layer.prepared(
         |p| match p {
             Prepared::Pjrt(w) if Arc::ptr_eq(imp::runtime(w), rt) => Some(w.clone()),

@@ -1,5 +1,5 @@
 use candle_core::{DType, Tensor};
-use fp8nsa_types::{AttnDims, Seq, Settings};
+use fp8nsa_types::{AttnDims, Seq, Settings, Spans};
 
 use super::op::{SelPlan, SelectionOp};
 use super::sdpa::masked_sdpa;
@@ -371,12 +371,13 @@ impl SelectionAttention {
                 NsaPath::Sdpa(reason),
             ));
         }
-        let op = SelectionOp::new(
-            AttnDims { hq, hkv, d, dv },
-            seqs,
-            scale,
-            SelPlan::Cpu(&host),
-        );
+        let dims = AttnDims { hq, hkv, d, dv };
+        let block_size = match &host {
+            Spans::Blocks { block_size, .. } => Some(*block_size),
+            Spans::Ranges { .. } => None,
+        };
+        let plan = fp8nsa_cpu::nsa::plan(dims, seqs, k.dims()[0], block_size)?;
+        let op = SelectionOp::new(dims, scale, SelPlan::Cpu(plan, &host));
         let (o, lse) = op.apply(q, k, v)?;
         let lse = self.with_lse.then_some(lse);
         Ok((o, lse, NsaPath::CpuKernel))
@@ -444,7 +445,6 @@ impl SelectionAttention {
         };
         let op = SelectionOp::new(
             AttnDims { hq, hkv, d, dv },
-            seqs,
             scale,
             SelPlan::Cuda(Box::new(call)),
         );

@@ -4,7 +4,8 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Storage, Tensor};
-use fp8nsa_types::{AttnDims, Seq};
+use fp8nsa_cpu::nsa::SelectionPlan;
+use fp8nsa_types::AttnDims;
 
 use super::cuda;
 use super::selection::HostSelection;
@@ -14,24 +15,22 @@ use crate::storage::{from_f32, SecondOutput};
 /// A call checked and planned for one device.
 pub(crate) enum SelPlan<'a> {
     /// fp8nsa-cpu's kernel over the validated host selection.
-    Cpu(&'a HostSelection),
+    Cpu(SelectionPlan<'a>, &'a HostSelection),
     /// fp8nsa-cuda's kernel, the selection on the device.
     Cuda(Box<cuda::CudaSel>),
 }
 
 pub(crate) struct SelectionOp<'a> {
-    pub(crate) dims: AttnDims,
-    pub(crate) seqs: &'a [Seq],
-    pub(crate) scale: f32,
-    pub(crate) plan: SelPlan<'a>,
+    dims: AttnDims,
+    scale: f32,
+    plan: SelPlan<'a>,
     lse: SecondOutput,
 }
 
 impl<'a> SelectionOp<'a> {
-    pub(crate) fn new(dims: AttnDims, seqs: &'a [Seq], scale: f32, plan: SelPlan<'a>) -> Self {
+    pub(crate) fn new(dims: AttnDims, scale: f32, plan: SelPlan<'a>) -> Self {
         Self {
             dims,
-            seqs,
             scale,
             plan,
             lse: SecondOutput::new(),
@@ -42,7 +41,7 @@ impl<'a> SelectionOp<'a> {
     pub(crate) fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let AttnDims { hq, hkv, d, dv } = self.dims;
         let (backend, kernel) = match &self.plan {
-            SelPlan::Cpu(_) => ("cpu", "cpu-selection".to_string()),
+            SelPlan::Cpu(..) => ("cpu", "cpu-selection".to_string()),
             SelPlan::Cuda(c) => ("cuda", format!("cuda-selection, {}", c.describe())),
         };
         tracing::debug!(
@@ -63,6 +62,7 @@ impl<'a> SelectionOp<'a> {
 
     fn cpu(
         &self,
+        plan: &SelectionPlan<'_>,
         sel: &HostSelection,
         (qs, ql): (&CpuStorage, &Layout),
         (ks, kl): (&CpuStorage, &Layout),
@@ -74,12 +74,10 @@ impl<'a> SelectionOp<'a> {
         let mut lse = vec![0f32; tq * hq];
         macro_rules! go {
             ($q:expr, $k:expr, $v:expr) => {
-                fp8nsa_cpu::nsa::selection_attention(
+                plan.run(
                     contiguous("q", $q, ql)?,
                     contiguous("k", $k, kl)?,
                     contiguous("v", $v, vl)?,
-                    self.dims,
-                    self.seqs,
                     sel.as_slice(),
                     self.scale,
                     &mut o,
@@ -125,10 +123,10 @@ impl CustomOp3 for SelectionOp<'_> {
         vs: &CpuStorage,
         vl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let SelPlan::Cpu(sel) = &self.plan else {
+        let SelPlan::Cpu(plan, sel) = &self.plan else {
             return Err(invalid("q", "the call was planned for CUDA and got CPU tensors").into());
         };
-        Ok(self.cpu(sel, (qs, ql), (ks, kl), (vs, vl))?)
+        Ok(self.cpu(plan, sel, (qs, ql), (ks, kl), (vs, vl))?)
     }
 
     #[cfg(feature = "cuda")]

@@ -73,12 +73,13 @@ fn exported_tpu_programs_load_and_are_refused_off_tpu() {
         matches!(&refusal, fp8nsa_pjrt::Error::NotOnPlatform { platform, .. } if platform == "cpu"),
         "{refusal}"
     );
-    // the layer carries that refusal as `Error::Invalid { arg: "pjrt" }` with the runtime's
-    // message (ops flattens fp8nsa_pjrt::Error to text), and `Module::forward` as candle's text
+    // the layer returns that refusal as it is, `Error::Pjrt(..)`, and `Module::forward` as
+    // candle's text
     let v3 = layer.clone().with_tpu_kernel(TpuKernel::V3);
     let err = v3.forward_t(&x).unwrap_err();
     assert!(
-        matches!(&err, fp8nsa::Error::Invalid { arg: "pjrt", msg } if *msg == refusal.to_string()),
+        matches!(&err, fp8nsa::Error::Pjrt(fp8nsa_pjrt::Error::NotOnPlatform { platform, .. })
+            if platform == "cpu" && err.to_string() == refusal.to_string()),
         "{err}"
     );
     let through_candle = v3.forward(&x).unwrap_err();
