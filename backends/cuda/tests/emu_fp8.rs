@@ -7,23 +7,10 @@ use fp8nsa_cuda::emu::{execute, HostBuf};
 use fp8nsa_cuda::fp8::{plan_fp8_linear, plan_pad_rows, CudaFp8Path, MmaTile, WeightLayout};
 use fp8nsa_cuda::step::Dtype;
 use fp8nsa_ops::{reference, ActQuant, Fp8BlockWeight};
-use fp8nsa_test_support::rng;
+use fp8nsa_test_support::{hetero, rng};
 use rand::rngs::StdRng;
-use rand::Rng;
-use rand_distr::{Distribution, Normal};
 
 /// `[rows, cols]` Gaussian data whose `br x bc` blocks get magnitudes 10^U(-3, 3).
-fn hetero(rng: &mut StdRng, rows: usize, cols: usize, br: usize, bc: usize) -> Vec<f32> {
-    let nbc = cols.div_ceil(bc);
-    let mags: Vec<f32> = (0..rows.div_ceil(br) * nbc)
-        .map(|_| 10f32.powf(rng.random_range(-3.0..3.0)))
-        .collect();
-    let d = Normal::new(0f32, 1.0).unwrap();
-    (0..rows * cols)
-        .map(|i| d.sample(rng) * mags[(i / cols / br) * nbc + (i % cols) / bc])
-        .collect()
-}
-
 fn rel_frobenius(y: &[f64], want: &[f64]) -> f64 {
     let num: f64 = y.iter().zip(want).map(|(a, b)| (a - b) * (a - b)).sum();
     let den: f64 = want.iter().map(|b| b * b).sum();
