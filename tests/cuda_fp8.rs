@@ -125,7 +125,6 @@ fn check_case(
         }
         let (y, path) = got.unwrap_or_else(|e| panic!("{what}: {e}"));
         if kernel != CudaFp8Kernel::Auto {
-            assert_eq!(path, Fp8Path::Cuda(path_of(path)), "{what}");
             assert_eq!(path_of(path).kernel(), kernel, "{what}: ran {path:?}");
         }
         assert_eq!((y.dims(), y.dtype()), (&[m, n][..], dtype), "{what}");

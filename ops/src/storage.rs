@@ -63,31 +63,42 @@ pub(crate) fn from_f32(v: Vec<f32>, dtype: candle_core::DType) -> CpuStorage {
     }
 }
 
-/// Candle custom ops return one tensor. An op with a second output (selection attention's
-/// lse) parks that output's storage here, on whichever device it ran, and the caller takes it
-/// as a tensor afterwards: no copy, and the same way on every device.
-pub(crate) struct SecondOutput {
-    slot: std::sync::Mutex<Option<(candle_core::Storage, candle_core::Shape)>>,
+/// A value an op's `cpu_fwd` / `cuda_fwd` hands back to the caller past candle's interface,
+/// which returns one tensor and keeps errors only as text.
+pub(crate) struct Slot<T>(std::sync::Mutex<Option<T>>);
+
+impl<T> Slot<T> {
+    pub(crate) fn new() -> Self {
+        Self(std::sync::Mutex::new(None))
+    }
+
+    pub(crate) fn put(&self, v: T) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(v);
+    }
+
+    pub(crate) fn take(&self) -> Option<T> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
 }
+
+/// An op's second output (selection attention's lse), parked as storage on whichever device
+/// it ran and taken as a tensor afterwards: no copy, and the same way on every device.
+pub(crate) struct SecondOutput(Slot<(candle_core::Storage, candle_core::Shape)>);
 
 impl SecondOutput {
     pub(crate) fn new() -> Self {
-        Self {
-            slot: std::sync::Mutex::new(None),
-        }
+        Self(Slot::new())
     }
 
     /// Called by the op's `*_fwd`.
     pub(crate) fn put(&self, storage: candle_core::Storage, shape: impl Into<candle_core::Shape>) {
-        *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = Some((storage, shape.into()));
+        self.0.put((storage, shape.into()));
     }
 
     /// The parked output as a contiguous tensor; an error if the op did not park one.
     pub(crate) fn take(&self) -> Result<candle_core::Tensor> {
         let (storage, shape) = self
-            .slot
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .0
             .take()
             .ok_or_else(|| invalid("lse", "the op produced no second output"))?;
         Ok(candle_core::Tensor::from_storage(
@@ -96,5 +107,30 @@ impl SecondOutput {
             candle_core::op::BackpropOp::none(),
             false,
         ))
+    }
+}
+
+/// The typed error of an op that failed inside candle: the op parks it, candle carries only its
+/// text, and the layer returns the parked one, so `forward_t` / `forward_with_path` never turn
+/// an error of ours into text.
+pub(crate) struct ParkedError(Slot<Error>);
+
+impl ParkedError {
+    pub(crate) fn new() -> Self {
+        Self(Slot::new())
+    }
+
+    /// The op's result as candle wants it; a failure is parked typed first.
+    pub(crate) fn park<T>(&self, r: Result<T>) -> candle_core::Result<T> {
+        r.map_err(|e| {
+            let text = candle_core::Error::Msg(e.to_string());
+            self.0.put(e);
+            text
+        })
+    }
+
+    /// What a failed apply returns: the parked typed error, else candle's own.
+    pub(crate) fn or(&self, e: candle_core::Error) -> Error {
+        self.0.take().unwrap_or(Error::Candle(e))
     }
 }

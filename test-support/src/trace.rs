@@ -1,6 +1,6 @@
-//! Which path really ran: the values of one field of the `tracing` events a closure emits
-//! (`backend` for NSA, `kernel` for fp8), captured by a thread-local subscriber. Shared by the
-//! CPU and GPU tests.
+//! The values of one field of the `tracing` events a closure emits (`backend` and `kernel` for
+//! both layers), captured by a thread-local subscriber: for tests of what the logs say. Which
+//! path ran is asserted from the layers' returned `Fp8Path` / `NsaPath`.
 
 use std::fmt::Debug;
 use std::sync::{Arc, Mutex};

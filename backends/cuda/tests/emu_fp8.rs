@@ -10,7 +10,7 @@ use fp8nsa_ops::{reference, ActQuant, Fp8BlockWeight};
 use fp8nsa_test_support::{hetero, rng};
 use rand::rngs::StdRng;
 
-/// `[rows, cols]` Gaussian data whose `br x bc` blocks get magnitudes 10^U(-3, 3).
+/// Relative Frobenius error of host results against the f64 reference.
 fn rel_frobenius(y: &[f64], want: &[f64]) -> f64 {
     let num: f64 = y.iter().zip(want).map(|(a, b)| (a - b) * (a - b)).sum();
     let den: f64 = want.iter().map(|b| b * b).sum();

@@ -17,7 +17,7 @@ mod imp {
     use candle_core::{CudaStorage, DType, Device, DeviceLocation, Layout, Shape, Tensor};
     use cudarc::driver::{CudaSlice, CudaView};
     use fp8nsa_cuda::fp8::{self as kernels, pad_rows, Fp8Call, WeightLayout, WeightRef};
-    use fp8nsa_types::{ActQuant, CudaFp8Kernel, CudaFp8Path};
+    use fp8nsa_types::{CudaFp8Kernel, CudaFp8Path};
 
     use crate::cuda::{stream_of, view, with_storage};
     use crate::error::{Error, Result};
@@ -95,7 +95,7 @@ mod imp {
                 Some(
                     cuda.cuda_stream()
                         .clone_htod(b)
-                        .map_err(candle_core::Error::wrap)?,
+                        .map_err(fp8nsa_cuda::Error::from)?,
                 )
             }
             None => None,
@@ -135,16 +135,20 @@ mod imp {
         w.location == *loc
     }
 
-    pub(crate) fn plan_call(
-        w: Arc<CudaWeight>,
+    /// fp8nsa-cuda's plan for `m` rows of `dtype` on `dev`, made from the weight's shape
+    /// alone (a refusal uploads nothing); then the weight `prepared` for `dev`.
+    pub(crate) fn plan(
+        layer: &Fp8Linear,
         dev: &Device,
         m: usize,
         dtype: DType,
-        act: ActQuant,
         kernel: CudaFp8Kernel,
+        prepared: impl FnOnce() -> Result<Arc<CudaWeight>>,
     ) -> Result<CudaCall> {
         let stream = dev.as_cuda_device()?.cuda_stream();
-        let layout = &w.layout;
+        let w = layer.weight();
+        let layout = &WeightLayout::new(w.shape(), w.block())?;
+        let act = layer.act();
         let call = match dtype {
             DType::F32 => kernels::plan_call::<f32>(&stream, layout, m, act, kernel),
             DType::BF16 => kernels::plan_call::<half::bf16>(&stream, layout, m, act, kernel),
@@ -157,7 +161,10 @@ mod imp {
                 })
             }
         }?;
-        Ok(CudaCall { w, call })
+        Ok(CudaCall {
+            w: prepared()?,
+            call,
+        })
     }
 
     fn run_typed<T: fp8nsa_cuda::Element + CudaDType>(
@@ -220,7 +227,7 @@ mod imp {
     use std::sync::Arc;
 
     use candle_core::{DType, Device, DeviceLocation};
-    use fp8nsa_types::{ActQuant, CudaFp8Kernel, CudaFp8Path};
+    use fp8nsa_types::{CudaFp8Kernel, CudaFp8Path};
 
     use crate::error::{Error, Result};
     use crate::fp8::Fp8Linear;
@@ -248,15 +255,19 @@ mod imp {
         })
     }
 
-    pub(crate) fn plan_call(
-        w: Arc<CudaWeight>,
-        _: &Device,
+    pub(crate) fn plan(
+        _: &Fp8Linear,
+        dev: &Device,
         _: usize,
         _: DType,
-        _: ActQuant,
         _: CudaFp8Kernel,
+        _: impl FnOnce() -> Result<Arc<CudaWeight>>,
     ) -> Result<CudaCall> {
-        match *w {}
+        Err(Error::Unsupported {
+            op: "Fp8Linear",
+            device: format!("{dev:?}"),
+            hint: "fp8nsa was built without the `cuda` feature",
+        })
     }
 }
 
@@ -264,8 +275,8 @@ mod imp {
 pub(crate) use imp::run;
 pub(crate) use imp::{CudaCall, CudaWeight};
 
-/// Prepares the weight for `dev` (once per device, kept with the layer) and plans `m` rows of
-/// `dtype`: every refusal (a forced kernel that does not apply, sizes past the kernels'
+/// Plans `m` rows of `dtype` on `dev`, then prepares the weight for it (once per device, kept
+/// with the layer): every refusal (a forced kernel that does not apply, sizes past the kernels'
 /// indexing, no `cuda` feature) is a typed error here, before the op runs.
 pub(crate) fn plan(
     layer: &Fp8Linear,
@@ -274,8 +285,13 @@ pub(crate) fn plan(
     dtype: candle_core::DType,
 ) -> Result<CudaCall> {
     let kernel = layer.cuda_kernel()?;
+    imp::plan(layer, dev, m, dtype, kernel, || prepared(layer, dev))
+}
+
+/// The layer's weight prepared for `dev`: the one kept in its slot, or a new one put there.
+fn prepared(layer: &Fp8Linear, dev: &candle_core::Device) -> Result<std::sync::Arc<CudaWeight>> {
     let loc = dev.location();
-    let w = layer.prepared(
+    layer.prepared(
         |p| match p {
             Prepared::Cuda(w) if imp::is_on(w, &loc) => Some(w.clone()),
             _ => None,
@@ -284,6 +300,5 @@ pub(crate) fn plan(
             let w = imp::prepare(layer, dev)?;
             Ok((Prepared::Cuda(w.clone()), w))
         },
-    )?;
-    imp::plan_call(w, dev, m, dtype, layer.act(), kernel)
+    )
 }

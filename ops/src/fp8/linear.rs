@@ -12,6 +12,10 @@ use crate::error::{shape_err, Error, Result};
 /// quantization, accumulated in f32 with the scales applied per K-block. A drop-in for
 /// `candle_nn::Linear`: `x [.., K]` of f32/bf16/f16 gives `y [.., N]` of the same dtype.
 ///
+/// On an accelerator the weight is prepared once (laid out for a CUDA device, or uploaded to a
+/// PJRT runtime) and kept with the layer, shared by its clones. The layer keeps one prepared
+/// copy: moving it to another device prepares the weight again there.
+///
 /// ```
 /// use candle_core::{Device, Module, Tensor};
 /// use fp8nsa_ops::{ActQuant, Fp8BlockWeight, Fp8Linear};
@@ -213,9 +217,14 @@ impl Fp8Linear {
             });
         };
         let op = Fp8LinearOp::new(self, plan);
-        let y = x.reshape((m, k))?.contiguous()?.apply_op1_no_bwd(&op)?;
+        let y = op.apply(&x.reshape((m, k))?.contiguous()?)?;
         let path = op.path();
-        tracing::debug!(op = "fp8_linear", path = ?path, m, n, k, block = ?self.weight.block(), act = ?self.act, dtype = ?x.dtype());
+        let (backend, kernel) = match path {
+            Fp8Path::Cpu(k) => ("cpu", k.name().to_string()),
+            Fp8Path::Cuda(p) => ("cuda", p.to_string()),
+            Fp8Path::Pjrt(k) => ("pjrt", format!("{k:?}")),
+        };
+        tracing::debug!(op = "fp8_linear", backend, kernel, m, n, k, block = ?self.weight.block(), act = ?self.act, dtype = ?x.dtype());
         Ok((y.reshape(out_dims)?, path))
     }
 }

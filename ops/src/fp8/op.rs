@@ -4,13 +4,13 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage};
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage, Tensor};
 use fp8nsa_cpu::linear::{CpuKernel, LinearPlan};
 use fp8nsa_types::{CudaFp8Path, TpuKernel};
 
 use super::{cuda, Fp8Linear};
 use crate::error::{invalid, Error, Result};
-use crate::storage::{f32_slice, fp8_bytes, from_f32};
+use crate::storage::{f32_slice, fp8_bytes, from_f32, ParkedError};
 
 /// Which implementation an `Fp8Linear` call ran, returned by
 /// [`Fp8Linear::forward_with_path`](super::Fp8Linear::forward_with_path).
@@ -35,6 +35,7 @@ pub(crate) struct Fp8LinearOp<'a> {
     plan: CallPlan,
     /// What ran on CUDA when it differs from the plan (a cuBLASLt refusal at run time).
     ran: Mutex<Option<CudaFp8Path>>,
+    err: ParkedError,
 }
 
 impl<'a> Fp8LinearOp<'a> {
@@ -43,7 +44,13 @@ impl<'a> Fp8LinearOp<'a> {
             layer,
             plan,
             ran: Mutex::new(None),
+            err: ParkedError::new(),
         }
+    }
+
+    /// Applies the op to `x [M, K]` (contiguous); a failure inside it comes back typed.
+    pub(crate) fn apply(&self, x: &Tensor) -> Result<Tensor> {
+        x.apply_op1_no_bwd(self).map_err(|e| self.err.or(e))
     }
 
     /// The path that ran (after the op was applied) or that is planned (before).
@@ -94,11 +101,16 @@ impl CustomOp1 for Fp8LinearOp<'_> {
     }
 
     fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let CallPlan::Cpu(plan) = &self.plan else {
-            return Err(invalid("x", "the call was planned for CUDA and got a CPU tensor").into());
-        };
-        let s = plan.shape();
-        Ok((self.cpu(plan, xs, xl)?, Shape::from((s.m, s.n))))
+        self.err.park((|| {
+            let CallPlan::Cpu(plan) = &self.plan else {
+                return Err(invalid(
+                    "x",
+                    "the call was planned for CUDA and got a CPU tensor",
+                ));
+            };
+            let s = plan.shape();
+            Ok((self.cpu(plan, xs, xl)?, Shape::from((s.m, s.n))))
+        })())
     }
 
     #[cfg(feature = "cuda")]
@@ -107,15 +119,16 @@ impl CustomOp1 for Fp8LinearOp<'_> {
         xs: &candle_core::CudaStorage,
         xl: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let CallPlan::Cuda(call) = &self.plan else {
-            return Err(invalid(
-                "x",
-                "the call was planned for the CPU and got a CUDA tensor",
-            )
-            .into());
-        };
-        let (out, shape, ran) = cuda::run(call, xs, xl)?;
-        *self.ran.lock().unwrap_or_else(|p| p.into_inner()) = Some(ran);
-        Ok((out, shape))
+        self.err.park((|| {
+            let CallPlan::Cuda(call) = &self.plan else {
+                return Err(invalid(
+                    "x",
+                    "the call was planned for the CPU and got a CUDA tensor",
+                ));
+            };
+            let (out, shape, ran) = cuda::run(call, xs, xl)?;
+            *self.ran.lock().unwrap_or_else(|p| p.into_inner()) = Some(ran);
+            Ok((out, shape))
+        })())
     }
 }

@@ -54,15 +54,6 @@ mod imp {
         let (_, hkv, _) = k.dims3()?;
         let dv = v.dims()[2];
         let dims = AttnDims { hq, hkv, d, dv };
-        // cp.async moves 16-byte rows of k and v; q is read in 4-byte pairs
-        let misaligned = |t: &Tensor, bytes: usize| {
-            (t.layout().start_offset() * t.dtype().size_in_bytes()) % bytes != 0
-        };
-        if misaligned(k, 16) || misaligned(v, 16) || misaligned(q, 4) {
-            return Ok(Err(
-                "q, k or v starts at an offset unaligned for vector loads".into(),
-            ));
-        }
         let per_row = sel.dims()[3];
         let (entries, kind) = match sel {
             Selection::Blocks(s) => (
@@ -74,15 +65,26 @@ mod imp {
             ),
             Selection::Ranges(s) => (s.ranges(), SelKind::Ranges { per_row }),
         };
+        if !matches!(q.dtype(), DType::BF16 | DType::F16) {
+            return Ok(Err(format!(
+                "no {:?} selection kernel (bf16 and f16 only)",
+                q.dtype()
+            )));
+        }
+        // cp.async moves 16-byte rows of k and v; q is read in 4-byte pairs
+        let misaligned = |t: &Tensor, bytes: usize| {
+            (t.layout().start_offset() * t.dtype().size_in_bytes()) % bytes != 0
+        };
+        if misaligned(k, 16) || misaligned(v, 16) || misaligned(q, 4) {
+            return Ok(Err(
+                "q, k or v starts at an offset unaligned for vector loads".into(),
+            ));
+        }
         let stream = q.device().as_cuda_device()?.cuda_stream();
+        // from here an `Unsupported` also covers a device below sm_80 (no PTX family for it)
         let planned = match q.dtype() {
             DType::BF16 => kernels::plan_call::<half::bf16>(&stream, dims, seqs, kind, scale),
-            DType::F16 => kernels::plan_call::<half::f16>(&stream, dims, seqs, kind, scale),
-            got => {
-                return Ok(Err(format!(
-                    "no {got:?} selection kernel (bf16 and f16 only)"
-                )))
-            }
+            _ => kernels::plan_call::<half::f16>(&stream, dims, seqs, kind, scale),
         };
         match planned {
             Ok(call) => Ok(Ok(CudaSel {

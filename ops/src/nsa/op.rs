@@ -10,7 +10,7 @@ use fp8nsa_types::AttnDims;
 use super::cuda;
 use super::selection::HostSelection;
 use crate::error::{invalid, Error, Result};
-use crate::storage::{from_f32, SecondOutput};
+use crate::storage::{from_f32, ParkedError, SecondOutput};
 
 /// A call checked and planned for one device.
 pub(crate) enum SelPlan<'a> {
@@ -25,6 +25,7 @@ pub(crate) struct SelectionOp<'a> {
     scale: f32,
     plan: SelPlan<'a>,
     lse: SecondOutput,
+    err: ParkedError,
 }
 
 impl<'a> SelectionOp<'a> {
@@ -34,6 +35,7 @@ impl<'a> SelectionOp<'a> {
             scale,
             plan,
             lse: SecondOutput::new(),
+            err: ParkedError::new(),
         }
     }
 
@@ -56,7 +58,8 @@ impl<'a> SelectionOp<'a> {
         );
         let o = q
             .contiguous()?
-            .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, self)?;
+            .apply_op3_no_bwd(&k.contiguous()?, &v.contiguous()?, self)
+            .map_err(|e| self.err.or(e))?;
         Ok((o, self.lse.take()?))
     }
 
@@ -123,10 +126,15 @@ impl CustomOp3 for SelectionOp<'_> {
         vs: &CpuStorage,
         vl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let SelPlan::Cpu(plan, sel) = &self.plan else {
-            return Err(invalid("q", "the call was planned for CUDA and got CPU tensors").into());
-        };
-        Ok(self.cpu(plan, sel, (qs, ql), (ks, kl), (vs, vl))?)
+        self.err.park((|| {
+            let SelPlan::Cpu(plan, sel) = &self.plan else {
+                return Err(invalid(
+                    "q",
+                    "the call was planned for CUDA and got CPU tensors",
+                ));
+            };
+            self.cpu(plan, sel, (qs, ql), (ks, kl), (vs, vl))
+        })())
     }
 
     #[cfg(feature = "cuda")]
@@ -139,15 +147,18 @@ impl CustomOp3 for SelectionOp<'_> {
         vs: &candle_core::CudaStorage,
         vl: &Layout,
     ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
-        let SelPlan::Cuda(call) = &self.plan else {
-            return Err(
-                invalid("q", "the call was planned for the CPU and got CUDA tensors").into(),
-            );
-        };
-        let (o, lse) = cuda::run(call, self.dims, (qs, ql), (ks, kl), (vs, vl))?;
-        let tq = ql.dims()[0];
-        let AttnDims { hq, dv, .. } = self.dims;
-        self.lse.put(Storage::Cuda(lse), (tq, hq));
-        Ok((o, Shape::from((tq, hq, dv))))
+        self.err.park((|| {
+            let SelPlan::Cuda(call) = &self.plan else {
+                return Err(invalid(
+                    "q",
+                    "the call was planned for the CPU and got CUDA tensors",
+                ));
+            };
+            let (o, lse) = cuda::run(call, self.dims, (qs, ql), (ks, kl), (vs, vl))?;
+            let tq = ql.dims()[0];
+            let AttnDims { hq, dv, .. } = self.dims;
+            self.lse.put(Storage::Cuda(lse), (tq, hq));
+            Ok((o, Shape::from((tq, hq, dv))))
+        })())
     }
 }

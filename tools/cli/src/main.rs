@@ -207,10 +207,7 @@ fn inspect(file: &std::path::Path, expect: Option<&str>) -> ExitCode {
 fn dump_programs(out: &std::path::Path, plugin: Option<&str>) -> Result<()> {
     use fp8nsa::ActQuant;
     use fp8nsa_pjrt::programs::{self, AttnShape, LinearShape};
-    let pjrt_err = |e: fp8nsa_pjrt::Error| Error::Invalid {
-        arg: "pjrt",
-        msg: e.to_string(),
-    };
+    let pjrt_err = |e: fp8nsa_pjrt::Error| Error::Ops(fp8nsa::Error::Pjrt(e));
     let rt = match plugin {
         Some(p) => fp8nsa_pjrt::PjrtRuntime::load(p),
         None => fp8nsa_pjrt::PjrtRuntime::from_env(),

@@ -48,6 +48,8 @@ pub use weight::{pad_rows, plan_pad_rows, PadElement, PreparedWeight, WeightLayo
 /// [`plan_call`] before anything launches, so a refusal reaches the caller as a typed error.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Fp8Call {
+    /// The CUDA context it was planned for (its paths depend on the device).
+    context: usize,
     layout: WeightLayout,
     m: usize,
     act: ActQuant,
@@ -103,6 +105,7 @@ pub fn plan_call<T: Element>(
         }
     }
     Ok(Fp8Call {
+        context: stream.context().cu_ctx() as usize,
         layout: *layout,
         m,
         act,
@@ -138,6 +141,12 @@ pub fn execute<T: Element>(
     let (m, n, k) = (call.m, lay.n, lay.k);
     if call.dtype != Dtype::of::<T>() {
         return Err(invalid("x", "element type differs from the planned call's"));
+    }
+    if call.context != stream.context().cu_ctx() as usize {
+        return Err(invalid(
+            "stream",
+            "belongs to another device than the planned call's",
+        ));
     }
     if w.layout != lay {
         return Err(invalid("weight", "layout differs from the planned call's"));
@@ -218,6 +227,12 @@ pub fn execute<T: Element>(
         );
         launch::execute(&g, stream, &p, &args)
     };
+    let refused = call.fallback.is_some() && g.lt_refused(lt_problem(&lay, m, call.dtype));
+    if let (true, Some(fallback)) = (refused, call.fallback) {
+        // refused since this call was planned (a caller that plans once and executes often)
+        run(fallback)?;
+        return Ok(fallback);
+    }
     match (run(call.path), call.fallback) {
         (Ok(()), _) => Ok(call.path),
         (Err(e), Some(fallback)) => {

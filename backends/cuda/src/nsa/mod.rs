@@ -254,6 +254,8 @@ pub fn plan_selection(
 /// Made by [`plan_call`] before anything launches, so what the kernel does not take is
 /// known (and typed) before a caller commits to it.
 pub struct NsaCall {
+    /// The CUDA context it was planned for (its launch depends on the device).
+    context: usize,
     arrays: SeqArrays,
     kind: SelKind,
     dims: AttnDims,
@@ -285,6 +287,7 @@ pub fn plan_call<T: Element>(
     let g = gpu(stream)?;
     let (launch, steps) = plan_selection(&g.info, dims, &arrays, kind, dtype, scale)?;
     Ok(NsaCall {
+        context: stream.context().cu_ctx() as usize,
         arrays,
         kind,
         dims,
@@ -312,6 +315,12 @@ pub fn execute<T: Element>(
 ) -> Result<NsaPlan> {
     if call.dtype != Dtype::of::<T>() {
         return Err(invalid("q", "element type differs from the planned call's"));
+    }
+    if call.context != stream.context().cu_ctx() as usize {
+        return Err(invalid(
+            "stream",
+            "belongs to another device than the planned call's",
+        ));
     }
     let arrays = &call.arrays;
     let AttnDims { hq, hkv, d, dv } = call.dims;
