@@ -1,18 +1,22 @@
 //! CPU `Fp8Linear` vs Candle's f32 matmul (`candle_nn::Linear`) on the same, dequantized
-//! weight, measured in the same run. Prints the ratios at the end.
+//! weight, and vs Candle's own 8-bit path (`QMatMul` with Q8_0 weights, the format a Candle user
+//! would pick instead), measured in the same run. Prints the ratios, the CPU model and the SIMD
+//! tier at the end.
 //!
 //! `cargo bench --bench fp8_linear` (add `-- --quick` for a short run).
 
 mod util;
 
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use criterion::BenchmarkId;
 use fp8nsa::{ActQuant, Fp8BlockWeight, Fp8Linear};
 
 const N: usize = 4096;
 const K: usize = 4096;
-const MS: [usize; 2] = [1, 128];
+const MS: [usize; 4] = [1, 4, 16, 128];
 const BASELINE: &str = "candle_f32_matmul";
+const PEER: &str = "candle_q8_0_qmatmul";
 const OURS: [(&str, ActQuant); 2] = [
     ("fp8_w8a8_group", ActQuant::Group),
     ("fp8_w8a16", ActQuant::None),
@@ -25,12 +29,19 @@ fn main() {
     let w = Tensor::randn(0f32, 0.02, (N, K), &dev).unwrap();
     let wq = Fp8BlockWeight::quantize(&w, [128, 128]).unwrap();
     let dense = candle_nn::Linear::new(wq.dequantize(DType::F32).unwrap(), None);
+    let q8 = QMatMul::from_qtensor(
+        QTensor::quantize(&wq.dequantize(DType::F32).unwrap(), GgmlDType::Q8_0).unwrap(),
+    )
+    .unwrap();
     for m in MS {
         let x = Tensor::randn(0f32, 1.0, (m, K), &dev).unwrap();
         let mut g = c.benchmark_group(&group);
         g.throughput(criterion::Throughput::Elements((2 * m * N * K) as u64));
         g.bench_with_input(BenchmarkId::new(BASELINE, m), &x, |b, x| {
             b.iter(|| dense.forward(x).unwrap())
+        });
+        g.bench_with_input(BenchmarkId::new(PEER, m), &x, |b, x| {
+            b.iter(|| q8.forward(x).unwrap())
         });
         for (name, act) in OURS {
             let layer = Fp8Linear::new(wq.clone(), None, act).unwrap();
@@ -43,4 +54,6 @@ fn main() {
     c.final_summary();
     let params: Vec<String> = MS.iter().map(|m| m.to_string()).collect();
     util::print_ratios(&group, BASELINE, &OURS.map(|(n, _)| n), &params);
+    util::print_ratios(&group, PEER, &OURS.map(|(n, _)| n), &params);
+    util::print_machine();
 }

@@ -31,8 +31,8 @@
 //! The same layers run on CUDA tensors with the `cuda` feature (kernels compiled by nvcc at
 //! build time, cuBLASLt block scaling on sm_90); on the CPU otherwise.
 //!
-//! Each layer's `forward_with_path` returns which implementation ran; `RUST_LOG=fp8nsa=debug`
-//! (with a `tracing` subscriber) logs the same.
+//! `Fp8Linear::forward_with_path` and `SelectionAttention::forward_with_path` return which
+//! implementation ran; `RUST_LOG=fp8nsa=debug` (with a `tracing` subscriber) logs the same.
 
 pub use fp8nsa_ops::Error as OpsError;
 pub use fp8nsa_ops::{
@@ -54,6 +54,12 @@ pub mod cuda {
 /// The Llama-family decoder on these layers, its loaders and generation.
 pub mod models {
     pub use fp8nsa_models::*;
+}
+
+/// The CPU backend's instruction-set tier: which kernels run on this machine
+/// (`Tier::current()`), and the cap tests use to force each one.
+pub mod cpu {
+    pub use fp8nsa_cpu::simd::Tier;
 }
 
 /// The fp8 block-scaled format and layer, with the CPU kernel choice a path reports.

@@ -51,3 +51,21 @@ pub fn print_ratios(group: &str, baseline: &str, candidates: &[&str], params: &[
         }
     }
 }
+
+/// The CPU model and the SIMD tier the kernels ran at, for the record next to the numbers.
+pub fn print_machine() {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    println!(
+        "machine: {model}; SIMD tier {:?}; {} threads",
+        fp8nsa::cpu::Tier::current(),
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    );
+}

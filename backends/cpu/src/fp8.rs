@@ -102,9 +102,26 @@ fn decode_scaled_impl<A: crate::simd::Arith>(src: &[u8], scale: f32, dst: &mut [
 }
 
 crate::simd::simd_dispatch!(
-    /// `dst[i] = decode(src[i]) * scale` over the common length, vectorized.
-    pub fn decode_scaled => decode_scaled_impl(src: &[u8], scale: f32, dst: &mut [f32])
+    fn decode_scaled_loop => decode_scaled_impl(src: &[u8], scale: f32, dst: &mut [f32])
 );
+
+/// `dst[i] = decode(src[i]) * scale` over the common length, vectorized: through F16C on the
+/// AVX2 tier and up, plain loops below; bit-identical on every tier.
+///
+/// ```
+/// let mut out = [0f32; 3];
+/// fp8nsa_cpu::fp8::decode_scaled(&[0x38, 0xb8, 0x7f], 2.0, &mut out);
+/// assert_eq!(out[..2], [2.0, -2.0]);
+/// assert!(out[2].is_nan());
+/// ```
+pub fn decode_scaled(src: &[u8], scale: f32, dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::simd::Tier::current() >= crate::simd::Tier::Avx2 {
+        // SAFETY: the AVX2 tier is only in force where AVX2, FMA and F16C were detected.
+        return unsafe { crate::x86::decode_scaled(src, scale, dst) };
+    }
+    decode_scaled_loop(src, scale, dst)
+}
 
 #[cfg(test)]
 mod tests {

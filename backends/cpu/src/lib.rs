@@ -22,6 +22,8 @@ pub mod linear;
 pub mod nsa;
 pub mod nsa_select;
 pub mod quant;
-mod simd;
+pub mod simd;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 pub use error::{Error, Result};

@@ -9,9 +9,9 @@
 use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, Result};
-use crate::fp8::e4m3_to_f32;
+use crate::fp8::{decode_scaled, e4m3_to_f32};
 use crate::quant::{quantize_act, QuantizedAct};
-use crate::simd::{dot, simd_dispatch, Arith};
+use crate::simd::{dot, simd_dispatch, Arith, Tier};
 use fp8nsa_types::{ActQuant, LinearShape};
 
 /// Largest `m` served by the GEMV kernel.
@@ -111,11 +111,28 @@ impl LinearPlan {
             CpuKernel::Gemv => {
                 // yt is the transposed output [n, m]: each task owns a contiguous run of it
                 let mut yt = vec![0f32; s.n * s.m];
-                let xq = quantize_act(x, s.m, s.k, s.bk, act, false)?;
-                let rows = 8;
-                yt.par_chunks_mut(rows * s.m)
-                    .enumerate()
-                    .for_each(|(c, yt)| gemv_rows(&xq, w, sw, s, c * rows, yt));
+                let avx2 = Tier::current() >= Tier::Avx2;
+                // weight rows per task: enough work to amortize the hand-off at M = 1
+                let rows = if avx2 && s.m == 1 { 32 } else { 8 };
+                if avx2 && s.m > 1 {
+                    let xd = quantize_act(x, s.m, s.k, s.bk, act, true)?;
+                    yt.par_chunks_mut(rows * s.m)
+                        .enumerate()
+                        .for_each_init(Vec::new, |buf, (c, yt)| {
+                            gemv_small_rows(&xd.values, w, sw, s, c * rows, yt, buf)
+                        });
+                } else {
+                    let xq = quantize_act(x, s.m, s.k, s.bk, act, false)?;
+                    yt.par_chunks_mut(rows * s.m)
+                        .enumerate()
+                        .for_each(|(c, yt)| {
+                            if avx2 {
+                                gemv1_rows(&xq, w, sw, s, c * rows, yt)
+                            } else {
+                                gemv_rows(&xq, w, sw, s, c * rows, yt)
+                            }
+                        });
+                }
                 for (r, row) in out.chunks_exact_mut(s.n).enumerate() {
                     for (j, y) in row.iter_mut().enumerate() {
                         *y = yt[j * s.m + r];
@@ -206,9 +223,7 @@ fn gemv_rows_impl<A: Arith>(
             while c0 < k1 {
                 let c1 = (c0 + CHUNK).min(k1);
                 let b = &mut buf[..c1 - c0];
-                for (d, &c) in b.iter_mut().zip(&wrow[c0..c1]) {
-                    *d = e4m3_to_f32(c);
-                }
+                decode_scaled(&wrow[c0..c1], 1.0, b);
                 for (mi, p) in part[..m].iter_mut().enumerate() {
                     *p += dot::<A>(&x[mi * k + c0..mi * k + c1], b);
                 }
@@ -225,6 +240,132 @@ simd_dispatch!(fn gemv_rows => gemv_rows_impl(
     xq: &QuantizedAct<'_>, w: &[u8], sw: &[f32], s: LinearShape, n0: usize, yt: &mut [f32]
 ));
 
+/// [`gemv_rows`] at M = 1 (`yt` is `[rows]`), on the AVX2 tier: four weight rows per pass share
+/// each activation load, each decoded through F16C in registers.
+fn gemv1_rows(
+    xq: &QuantizedAct<'_>,
+    w: &[u8],
+    sw: &[f32],
+    s: LinearShape,
+    n0: usize,
+    yt: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        fn run(
+            xq: &QuantizedAct<'_>,
+            w: &[u8],
+            sw: &[f32],
+            s: LinearShape,
+            n0: usize,
+            yt: &mut [f32],
+        ) {
+            let (k, kbs) = (s.k, s.k_blocks());
+            let x = &xq.values[..];
+            let rows = yt.len();
+            // for the weight-row blocks of these rows: the activation scale times the weight
+            // scale of each K-block
+            let nb0 = n0 / s.bn;
+            let mut prod = vec![0f32; ((n0 + rows - 1) / s.bn + 1 - nb0) * kbs];
+            for (i, p) in prod.chunks_exact_mut(kbs).enumerate() {
+                for (kb, v) in p.iter_mut().enumerate() {
+                    *v = xq.scale(0, kb) * sw[(nb0 + i) * kbs + kb];
+                }
+            }
+            for r0 in (0..rows).step_by(4) {
+                // a short last group repeats its last row rather than branching per row
+                let n = [0, 1, 2, 3].map(|i| n0 + (r0 + i).min(rows - 1));
+                let wr = n.map(|n| &w[n * k..(n + 1) * k]);
+                let sc = n.map(|n| &prod[(n / s.bn - nb0) * kbs..(n / s.bn - nb0 + 1) * kbs]);
+                // SAFETY: this function is compiled for AVX2 + FMA + F16C, which the caller
+                // checked the CPU has.
+                let acc = unsafe { crate::x86::dot4_blocks(x, wr, s.bk, sc) };
+                let take = (rows - r0).min(4);
+                yt[r0..r0 + take].copy_from_slice(&acc[..take]);
+            }
+        }
+        if Tier::current() >= Tier::Avx2 {
+            // SAFETY: the AVX2 tier is only in force where AVX2, FMA and F16C were detected.
+            return unsafe { run(xq, w, sw, s, n0, yt) };
+        }
+    }
+    gemv_rows(xq, w, sw, s, n0, yt)
+}
+
+/// [`gemv_rows`] for `m > 1` on the AVX2 tier (`yt` is `[rows, m]`, `xd` the activations
+/// already multiplied by their scales): three weight rows at a time are decoded with their
+/// block scales into `buf`, then multiplied with four activation rows at a time in registers.
+/// Scaling each factor by its own block scale before the product is the contract's per-K-block
+/// scaling, distributed over the sum, as in the panel GEMM.
+fn gemv_small_rows(
+    xd: &[f32],
+    w: &[u8],
+    sw: &[f32],
+    s: LinearShape,
+    n0: usize,
+    yt: &mut [f32],
+    buf: &mut Vec<f32>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        fn run(
+            xd: &[f32],
+            w: &[u8],
+            sw: &[f32],
+            s: LinearShape,
+            n0: usize,
+            yt: &mut [f32],
+            buf: &mut Vec<f32>,
+        ) {
+            let (m, k) = (s.m, s.k);
+            let rows = yt.len() / m;
+            buf.resize(3 * k, 0.0);
+            for g0 in (0..rows).step_by(3) {
+                // a short last group repeats its last row rather than branching per row
+                let r = [0, 1, 2].map(|j| (g0 + j).min(rows - 1));
+                for (j, dst) in buf.chunks_exact_mut(k).enumerate() {
+                    dequant_row(w, sw, s, n0 + r[j], dst);
+                }
+                let wr: Vec<&[f32]> = buf.chunks_exact(k).collect();
+                for i0 in (0..m).step_by(4) {
+                    let xi = [0, 1, 2, 3].map(|i| (i0 + i).min(m - 1));
+                    let xr = xi.map(|i| &xd[i * k..(i + 1) * k]);
+                    // SAFETY: this function is compiled for AVX2 + FMA + F16C, which the caller
+                    // checked the CPU has.
+                    let d = unsafe { crate::x86::dot_4x3(xr, [wr[0], wr[1], wr[2]]) };
+                    for (j, _) in r.iter().enumerate().take(rows - g0) {
+                        for (i, row) in d.iter().enumerate().take(m - i0) {
+                            yt[(g0 + j) * m + i0 + i] = row[j];
+                        }
+                    }
+                }
+            }
+        }
+        if Tier::current() >= Tier::Avx2 {
+            // SAFETY: the AVX2 tier is only in force where AVX2, FMA and F16C were detected.
+            return unsafe { run(xd, w, sw, s, n0, yt, buf) };
+        }
+    }
+    // callers take this path only on the AVX2 tier
+    let _ = (xd, w, sw, s, n0, yt, buf);
+    unreachable!("gemv_small_rows runs on the AVX2 tier only")
+}
+
+/// Weight row `n` decoded and multiplied by its block scales into `dst [k]`.
+fn dequant_row(w: &[u8], sw: &[f32], s: LinearShape, n: usize, dst: &mut [f32]) {
+    let kbs = s.k_blocks();
+    for kb in 0..kbs {
+        let (k0, k1) = (kb * s.bk, (kb * s.bk + s.bk).min(s.k));
+        decode_scaled(
+            &w[n * s.k + k0..n * s.k + k1],
+            sw[(n / s.bn) * kbs + kb],
+            &mut dst[k0..k1],
+        );
+    }
+}
+
 /// Weight rows per panel and K columns per tile: a 256 x 1024 f32 tile (1 MiB) stays in L2
 /// while the product reads it, and each `gemm` call is large enough that operand packing costs
 /// little next to the multiply.
@@ -233,8 +374,7 @@ const TILE_K: usize = 1024;
 
 /// Writes `codes * block scale` of weight rows `n0..n0 + rows`, columns `c0..c1`, into
 /// `buf [rows, c1 - c0]`.
-#[inline(always)]
-fn dequant_tile_impl<A: Arith>(
+fn dequant_tile(
     w: &[u8],
     sw: &[f32],
     s: LinearShape,
@@ -252,17 +392,11 @@ fn dequant_tile_impl<A: Arith>(
             let end = ((kb + 1) * s.bk).min(c1);
             let scale = sw[(n / s.bn) * kbs + kb];
             let (src, dst) = (&w[n * s.k + c..n * s.k + end], &mut row[c - c0..end - c0]);
-            for (d, &q) in dst.iter_mut().zip(src) {
-                *d = e4m3_to_f32(q) * scale;
-            }
+            decode_scaled(src, scale, dst);
             c = end;
         }
     }
 }
-
-simd_dispatch!(fn dequant_tile => dequant_tile_impl(
-    w: &[u8], sw: &[f32], s: LinearShape, n0: usize, c0: usize, c1: usize, buf: &mut [f32]
-));
 
 fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: LinearShape, out: &mut [f32]) {
     let threads = rayon::current_num_threads();

@@ -1,6 +1,10 @@
 //! Runtime SIMD dispatch. Kernels are written once as plain loops that LLVM vectorizes, generic
 //! over [`Arith`]; [`simd_dispatch!`] compiles them a second time with AVX2+FMA enabled and picks
-//! that copy when the CPU has it. The default x86-64 target only guarantees SSE2.
+//! that copy when the CPU has it. The default x86-64 target only guarantees SSE2. What LLVM does
+//! not turn into fast code on its own (the e4m3 decode) is written out in `x86`.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::OnceLock;
 
 /// How a kernel multiplies and adds. `Fused` must only run where FMA exists (else `mul_add`
 /// becomes a slow libm call), which the dispatch guarantees.
@@ -26,22 +30,81 @@ impl Arith for Fused {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn has_avx2_fma() -> bool {
-    std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+/// The instruction-set tier the CPU kernels run at: the best this CPU has, unless capped.
+///
+/// ```
+/// use fp8nsa_cpu::simd::Tier;
+/// assert!(Tier::current() <= Tier::detected());
+/// assert_eq!(Tier::available()[0], Tier::Portable);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Tier {
+    /// Plain loops (any CPU; LLVM vectorizes them for SSE2).
+    Portable,
+    /// AVX2 + FMA + F16C: the plain loops compiled for it, and the explicit e4m3 kernels.
+    Avx2,
+    /// AVX-512 F / BW / VL on top of the AVX2 tier: the plain loops compiled for it (the explicit
+    /// kernels are the AVX2 ones).
+    Avx512,
+}
+
+static CAP: AtomicU8 = AtomicU8::new(Tier::Avx512 as u8);
+
+impl Tier {
+    /// The best tier this CPU has (detected once).
+    pub fn detected() -> Tier {
+        static DETECTED: OnceLock<Tier> = OnceLock::new();
+        *DETECTED.get_or_init(detect)
+    }
+
+    /// The tier the kernels run at now: [`Tier::detected`], capped by [`Tier::cap`].
+    #[inline]
+    pub fn current() -> Tier {
+        let cap = match CAP.load(Ordering::Relaxed) {
+            0 => Tier::Portable,
+            1 => Tier::Avx2,
+            _ => Tier::Avx512,
+        };
+        cap.min(Self::detected())
+    }
+
+    /// Caps the tier for the whole process and returns the tier now in force. Tests use it to
+    /// run every tier the machine has against the reference; a server has no reason to.
+    pub fn cap(tier: Tier) -> Tier {
+        CAP.store(tier as u8, Ordering::Relaxed);
+        Self::current()
+    }
+
+    /// The tiers this machine can run, lowest first.
+    pub fn available() -> Vec<Tier> {
+        [Tier::Portable, Tier::Avx2, Tier::Avx512]
+            .into_iter()
+            .filter(|t| *t <= Self::detected())
+            .collect()
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) fn has_avx512() -> bool {
-    std::is_x86_feature_detected!("avx512f")
-        && std::is_x86_feature_detected!("avx512bw")
-        && std::is_x86_feature_detected!("avx512vl")
-        && has_avx2_fma()
+fn detect() -> Tier {
+    use std::is_x86_feature_detected as has;
+    let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+    if avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vl") {
+        Tier::Avx512
+    } else if avx2 {
+        Tier::Avx2
+    } else {
+        Tier::Portable
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect() -> Tier {
+    Tier::Portable
 }
 
 /// `simd_dispatch!(vis fn name => impl_fn(args...) -> ret)` defines `name`, which calls
-/// `impl_fn::<Fused>` compiled for AVX-512 or AVX2+FMA when available and `impl_fn::<Plain>`
-/// otherwise.
+/// `impl_fn::<Fused>` compiled for AVX-512 or AVX2+FMA when [`Tier::current`] allows and
+/// `impl_fn::<Plain>` otherwise.
 /// `impl_fn` must be `#[inline(always)]` so it is compiled inside each copy.
 macro_rules! simd_dispatch {
     ($(#[$meta:meta])* $vis:vis fn $name:ident => $imp:ident ( $($arg:ident : $ty:ty),* $(,)? ) $(-> $ret:ty)?) => {
@@ -49,21 +112,21 @@ macro_rules! simd_dispatch {
         $vis fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
-                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
                 fn fast512($($arg: $ty),*) $(-> $ret)? {
                     $imp::<$crate::simd::Fused>($($arg),*)
                 }
-                #[target_feature(enable = "avx2,fma")]
+                #[target_feature(enable = "avx2,fma,f16c")]
                 fn fast($($arg: $ty),*) $(-> $ret)? {
                     $imp::<$crate::simd::Fused>($($arg),*)
                 }
-                if $crate::simd::has_avx512() {
-                    // SAFETY: AVX-512 F/BW/VL, AVX2 and FMA were detected on this CPU just above.
-                    return unsafe { fast512($($arg),*) };
-                }
-                if $crate::simd::has_avx2_fma() {
-                    // SAFETY: AVX2 and FMA were detected on this CPU just above.
-                    return unsafe { fast($($arg),*) };
+                match $crate::simd::Tier::current() {
+                    // SAFETY: the current tier never exceeds the detected one, and the AVX-512
+                    // tier is only detected with AVX-512 F/BW/VL, AVX2, FMA and F16C present.
+                    $crate::simd::Tier::Avx512 => return unsafe { fast512($($arg),*) },
+                    // SAFETY: the AVX2 tier is only detected with AVX2, FMA and F16C present.
+                    $crate::simd::Tier::Avx2 => return unsafe { fast($($arg),*) },
+                    $crate::simd::Tier::Portable => {}
                 }
             }
             $imp::<$crate::simd::Plain>($($arg),*)

@@ -1,0 +1,334 @@
+//! Explicit AVX2 kernels for the e4m3 decode, which LLVM does not turn into fast code from the
+//! branch-free scalar decoder (on AVX2 it becomes a chain of blends per byte).
+//!
+//! The decode goes through F16C. An e4m3fn byte `s eeee mmm` moved to the half-precision bit
+//! pattern `s 0eeee mmm0000000` is a half with the same sign, an exponent field of the same
+//! value and the same three leading mantissa bits. Its bias is 15 instead of 7, so its value is
+//! exactly the e4m3 value times 2^-8, subnormals included (a half subnormal `0.mmm · 2^-14` is
+//! `mmm · 2^-17`; the e4m3 one is `mmm · 2^-9`). `vcvtph2ps` converts eight such halves per
+//! instruction, exactly; the 2^8 goes into a scale the caller multiplies by anyway.
+//!
+//! The one code this gets wrong is NaN (`0x7f` / `0xff` become ±1.875 · 2^-8), so every kernel
+//! here also looks for NaN codes, two byte operations per 16 codes, and answers NaN as the
+//! scalar decoder does.
+//!
+//! Every function is `unsafe` because it is compiled for AVX2 + FMA + F16C: the caller must
+//! have checked that the CPU has them (`Tier::current() >= Tier::Avx2`).
+
+use std::arch::x86_64::*;
+
+use crate::fp8::e4m3_to_f32;
+
+/// What [`decode16`] is off by: its values are the codes' values times 2^-8.
+pub(crate) const DECODE_SHIFT: f32 = 256.0;
+
+/// 16 e4m3fn codes as two vectors of 8 f32, each value times 2^-8 (NaN codes excepted).
+#[inline(always)]
+unsafe fn decode16(b: __m128i) -> (__m256, __m256) {
+    // code in the high byte of a 16-bit lane; an arithmetic shift by one copies the sign into
+    // bit 14, which the mask clears: s 0eeee mmm 0000000
+    let w = _mm256_slli_epi16::<8>(_mm256_cvtepu8_epi16(b));
+    let h = _mm256_and_si256(
+        _mm256_srai_epi16::<1>(w),
+        _mm256_set1_epi16(0xbf80_u16 as i16),
+    );
+    (
+        _mm256_cvtph_ps(_mm256_castsi256_si128(h)),
+        _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(h)),
+    )
+}
+
+/// Folds 16 codes into a NaN detector: `(b + b) mod 256` is `0xfe` exactly for `0x7f` / `0xff`
+/// and at most `0xfc` otherwise, so the running byte maximum reaches `0xfe` iff a NaN was seen.
+#[inline(always)]
+unsafe fn nan_fold(seen: __m128i, b: __m128i) -> __m128i {
+    _mm_max_epu8(seen, _mm_add_epi8(b, b))
+}
+
+#[inline(always)]
+unsafe fn nan_seen(seen: __m128i) -> bool {
+    _mm_movemask_epi8(_mm_cmpeq_epi8(seen, _mm_set1_epi8(0xfe_u8 as i8))) != 0
+}
+
+#[inline(always)]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// `dst[i] = decode(src[i]) * scale` over the common length, NaN codes as NaN.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn decode_scaled(src: &[u8], scale: f32, dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    // (v · 2^-8) · (scale · 2^8) is the same real number as v · scale, rounded once: the
+    // result is bit-identical to the scalar decoder's
+    let s = _mm256_set1_ps(scale * DECODE_SHIFT);
+    let nan = _mm256_set1_ps(f32::NAN);
+    let (sp, dp) = (src.as_ptr(), dst.as_mut_ptr());
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: i + 16 <= n <= both lengths; unaligned loads and stores.
+        let b = _mm_loadu_si128(sp.add(i).cast());
+        let (lo, hi) = decode16(b);
+        let is_nan = _mm_cmpeq_epi8(_mm_and_si128(b, _mm_set1_epi8(0x7f)), _mm_set1_epi8(0x7f));
+        let m_lo = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(is_nan));
+        let m_hi = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(is_nan)));
+        _mm256_storeu_ps(dp.add(i), _mm256_blendv_ps(_mm256_mul_ps(lo, s), nan, m_lo));
+        _mm256_storeu_ps(
+            dp.add(i + 8),
+            _mm256_blendv_ps(_mm256_mul_ps(hi, s), nan, m_hi),
+        );
+        i += 16;
+    }
+    for j in i..n {
+        dst[j] = e4m3_to_f32(src[j]) * scale;
+    }
+}
+
+/// `Σ_kb scale_r[kb] · Σ_{k in kb} x[k] · decode(w_r[k])` for four weight rows over the same
+/// `x` (each activation load shared by the four rows), K-blocks of `bk` codes: the per-block
+/// scale is applied to the vector partial sums, so each row is reduced to a scalar once. A row
+/// with a NaN code gives NaN, as the scalar decoder would.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn dot4_blocks(
+    x: &[f32],
+    w: [&[u8]; 4],
+    bk: usize,
+    scales: [&[f32]; 4],
+) -> [f32; 4] {
+    let n = w.iter().fold(x.len(), |n, r| n.min(r.len()));
+    let xp = x.as_ptr();
+    let wp = w.map(|r| r.as_ptr());
+    let mut tot = [_mm256_setzero_ps(); 4];
+    let mut tail = [0f32; 4];
+    let mut seen = _mm_setzero_si128();
+    let mut k0 = 0;
+    let mut kb = 0;
+    while k0 < n {
+        let k1 = (k0 + bk).min(n);
+        let mut acc = [_mm256_setzero_ps(); 8];
+        let mut i = k0;
+        while i + 16 <= k1 {
+            // SAFETY: i + 16 <= k1 <= n <= every length; unaligned loads.
+            let (x0, x1) = (_mm256_loadu_ps(xp.add(i)), _mm256_loadu_ps(xp.add(i + 8)));
+            for r in 0..4 {
+                let b = _mm_loadu_si128(wp[r].add(i).cast());
+                seen = nan_fold(seen, b);
+                let (lo, hi) = decode16(b);
+                acc[2 * r] = _mm256_fmadd_ps(x0, lo, acc[2 * r]);
+                acc[2 * r + 1] = _mm256_fmadd_ps(x1, hi, acc[2 * r + 1]);
+            }
+            i += 16;
+        }
+        for r in 0..4 {
+            let sc = scales[r][kb];
+            let mut t = 0f32;
+            for j in i..k1 {
+                t = x[j].mul_add(e4m3_to_f32(w[r][j]), t);
+            }
+            tail[r] = t.mul_add(sc, tail[r]);
+            let s = _mm256_set1_ps(sc * DECODE_SHIFT);
+            tot[r] = _mm256_fmadd_ps(_mm256_add_ps(acc[2 * r], acc[2 * r + 1]), s, tot[r]);
+        }
+        k0 = k1;
+        kb += 1;
+    }
+    let mut out = [0f32; 4];
+    for (r, o) in out.iter_mut().enumerate() {
+        *o = hsum(tot[r]) + tail[r];
+    }
+    if nan_seen(seen) {
+        // rare: say which rows hold a NaN code (the tails already gave NaN by themselves)
+        for (r, o) in out.iter_mut().enumerate() {
+            if w[r][..n].iter().any(|&c| c & 0x7f == 0x7f) {
+                *o = f32::NAN;
+            }
+        }
+    }
+    out
+}
+
+/// `out[i][j] = Σ x_i[k] · w_j[k]` for four activation rows and three weight rows, all f32
+/// (the weight rows already decoded and scaled), over the common length: twelve accumulators,
+/// each activation load shared by three rows and each weight load by four.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn dot_4x3(x: [&[f32]; 4], w: [&[f32]; 3]) -> [[f32; 3]; 4] {
+    let n = x
+        .iter()
+        .map(|r| r.len())
+        .chain(w.iter().map(|r| r.len()))
+        .min()
+        .unwrap_or(0);
+    let xp = x.map(|r| r.as_ptr());
+    let wp = w.map(|r| r.as_ptr());
+    let mut acc = [[_mm256_setzero_ps(); 3]; 4];
+    let mut k = 0;
+    while k + 8 <= n {
+        // SAFETY: k + 8 <= n <= every length; unaligned loads.
+        let wv = [
+            _mm256_loadu_ps(wp[0].add(k)),
+            _mm256_loadu_ps(wp[1].add(k)),
+            _mm256_loadu_ps(wp[2].add(k)),
+        ];
+        for i in 0..4 {
+            let xv = _mm256_loadu_ps(xp[i].add(k));
+            for j in 0..3 {
+                acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+            }
+        }
+        k += 8;
+    }
+    let mut out = [[0f32; 3]; 4];
+    for i in 0..4 {
+        for j in 0..3 {
+            let mut tail = 0f32;
+            for t in k..n {
+                tail = x[i][t].mul_add(w[j][t], tail);
+            }
+            out[i][j] = hsum(acc[i][j]) + tail;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::simd::Tier;
+
+    fn avx2() -> bool {
+        Tier::detected() >= Tier::Avx2
+    }
+
+    #[test]
+    fn decode_matches_the_scalar_decoder_bit_for_bit() {
+        if !avx2() {
+            eprintln!("skipped: no AVX2 on this CPU (the portable tier is tested everywhere)");
+            return;
+        }
+        // every code, at every position of a vector and in the tail
+        let codes: Vec<u8> = (0..=255u8).chain(0..=255u8).chain(0..7).collect();
+        for scale in [1.0f32, 0.5, 3.0e-5, 7.6e35, 1e-12 / 448.0] {
+            let mut got = vec![0f32; codes.len()];
+            // SAFETY: AVX2 + FMA + F16C checked above.
+            unsafe { decode_scaled(&codes, scale, &mut got) };
+            for (c, g) in codes.iter().zip(&got) {
+                let want = e4m3_to_f32(*c) * scale;
+                assert!(
+                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                    "code {c:#04x} scale {scale:e}: {g:e} vs {want:e}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn dot4_blocks_matches_f64_and_propagates_nan() {
+        if !avx2() {
+            eprintln!("skipped: no AVX2 on this CPU");
+            return;
+        }
+        for (n, bk) in [
+            (0usize, 16),
+            (1, 16),
+            (15, 16),
+            (16, 16),
+            (17, 16),
+            (128, 128),
+            (300, 128),
+            (300, 40),
+        ] {
+            let x: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 17) as f32 - 8.0) * 0.25)
+                .collect();
+            // no NaN codes at first
+            let mut rows: Vec<Vec<u8>> = (0..4)
+                .map(|r| {
+                    (0..n)
+                        .map(|i| ((i * 11 + r * 53) % 256) as u8)
+                        .map(|c| if c & 0x7f == 0x7f { 0x7e } else { c })
+                        .collect()
+                })
+                .collect();
+            let scales: Vec<Vec<f32>> = (0..4)
+                .map(|r| {
+                    (0..n.div_ceil(bk).max(1))
+                        .map(|b| 0.5 + (r * 3 + b) as f32 * 0.75)
+                        .collect()
+                })
+                .collect();
+            let sc = [&scales[0][..], &scales[1], &scales[2], &scales[3]];
+            // SAFETY: AVX2 + FMA + F16C checked above.
+            let got = unsafe { dot4_blocks(&x, [&rows[0], &rows[1], &rows[2], &rows[3]], bk, sc) };
+            for r in 0..4 {
+                let term = |i: usize| {
+                    x[i] as f64 * e4m3_to_f32(rows[r][i]) as f64 * scales[r][i / bk] as f64
+                };
+                let want: f64 = (0..n).map(term).sum();
+                let mag: f64 = (0..n).map(|i| term(i).abs()).sum();
+                assert!(
+                    (got[r] as f64 - want).abs() <= 1e-6 * mag.max(1.0),
+                    "n {n} bk {bk} row {r}: {} vs {want}",
+                    got[r]
+                );
+            }
+            if n >= 17 {
+                // one NaN code in row 2's vector part, one in row 3's last (tail) position
+                rows[2][3] = 0xff;
+                rows[3][n - 1] = 0x7f;
+                // SAFETY: as above.
+                let got =
+                    unsafe { dot4_blocks(&x, [&rows[0], &rows[1], &rows[2], &rows[3]], bk, sc) };
+                assert!(!got[0].is_nan() && !got[1].is_nan(), "n {n}: {got:?}");
+                assert!(got[2].is_nan() && got[3].is_nan(), "n {n}: {got:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn dot_4x3_matches_f64() {
+        if !avx2() {
+            eprintln!("skipped: no AVX2 on this CPU");
+            return;
+        }
+        for n in [0usize, 1, 7, 8, 9, 64, 301] {
+            let row = |seed: usize| -> Vec<f32> {
+                (0..n)
+                    .map(|i| (((i + 3) * (seed + 7) * 2654435761) % 1000) as f32 / 250.0 - 2.0)
+                    .collect()
+            };
+            let xs: Vec<Vec<f32>> = (0..4).map(row).collect();
+            let ws: Vec<Vec<f32>> = (4..7).map(row).collect();
+            // SAFETY: AVX2 + FMA + F16C checked above.
+            let got =
+                unsafe { dot_4x3([&xs[0], &xs[1], &xs[2], &xs[3]], [&ws[0], &ws[1], &ws[2]]) };
+            for i in 0..4 {
+                for j in 0..3 {
+                    let want: f64 = xs[i]
+                        .iter()
+                        .zip(&ws[j])
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum();
+                    assert!(
+                        (got[i][j] as f64 - want).abs() <= 1e-5 * (n as f64 + 1.0),
+                        "n {n} [{i}][{j}]: {} vs {want}",
+                        got[i][j]
+                    );
+                }
+            }
+        }
+    }
+}

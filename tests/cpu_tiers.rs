@@ -1,0 +1,127 @@
+//! Every SIMD tier this CPU has, forced in turn (`fp8nsa::cpu::Tier::cap`), against the f64
+//! reference: the fp8 sweep (both CPU kernels, every activation scheme, non-aligned shapes,
+//! M = 1 and odd M, heterogeneous block scales) and NSA selection attention. An AVX-512 machine
+//! so checks its AVX2 and portable code too. The cap is process-wide, so this suite is its own
+//! test binary with one test.
+
+use candle_core::{DType, Module, Tensor};
+use fp8nsa::cpu::Tier;
+use fp8nsa::fp8::{CpuKernel, GEMV_MAX_M};
+use fp8nsa::nsa::{BlockSelection, SelectionAttention};
+use fp8nsa::{reference, ActQuant, Fp8BlockWeight, Fp8Linear, Fp8Path};
+use fp8nsa_test_support::*;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+
+fn fp8_sweep(rng: &mut StdRng, tier: Tier) {
+    let (n, k) = (576, 3884);
+    for block in [[128, 128], [64, 128]] {
+        let w = tensor(hetero(rng, n, k, block[0], block[1]), &[n, k]);
+        let wq = Fp8BlockWeight::quantize(&w, block).unwrap();
+        let bias = tensor(gaussian(rng, n), &[n]);
+        for act in [ActQuant::Group, ActQuant::None, ActQuant::Block2d { bm: 4 }] {
+            let layer = Fp8Linear::new(wq.clone(), Some(bias.clone()), act).unwrap();
+            for (m, dtype) in [
+                (1, DType::F32),
+                (1, DType::BF16),
+                (4, DType::F32),
+                (GEMV_MAX_M, DType::F32),
+                (GEMV_MAX_M + 1, DType::BF16),
+                (83, DType::F32),
+            ] {
+                let x = tensor(hetero(rng, m, k, 1, block[1]), &[m, k])
+                    .to_dtype(dtype)
+                    .unwrap();
+                let (y, path) = layer.forward_with_path(&x).unwrap();
+                let kernel = if m <= GEMV_MAX_M {
+                    CpuKernel::Gemv
+                } else {
+                    CpuKernel::PanelGemm
+                };
+                assert_eq!(path, Fp8Path::Cpu(kernel));
+                let want = reference::fp8_linear(&x, &wq, Some(&bias), act).unwrap();
+                let err = rel_frobenius(&y, &want);
+                let tol = if dtype == DType::F32 { 1e-3 } else { 8e-3 };
+                assert!(
+                    err < tol,
+                    "{tier:?} block={block:?} {act:?} m={m} {dtype:?}: rel err {err:e}"
+                );
+            }
+        }
+    }
+    // a NaN weight code poisons exactly its output column, on every kernel
+    let w = tensor(hetero(rng, 40, 300, 16, 128), &[40, 300]);
+    let wq = Fp8BlockWeight::quantize(&w, [16, 128]).unwrap();
+    let mut codes: Vec<u8> = wq.data().flatten_all().unwrap().to_vec1().unwrap();
+    codes[7 * 300 + 5] = 0x7f;
+    codes[30 * 300 + 299] = 0xff;
+    let data = Tensor::from_vec(codes, (40, 300), &candle_core::Device::Cpu).unwrap();
+    let wn = Fp8BlockWeight::from_parts(data, wq.scales().clone(), [16, 128]).unwrap();
+    let layer = Fp8Linear::new(wn, None, ActQuant::Group).unwrap();
+    for m in [1, 3, GEMV_MAX_M + 1] {
+        let x = tensor(gaussian(rng, m * 300), &[m, 300]);
+        let y: Vec<Vec<f32>> = layer.forward(&x).unwrap().to_vec2().unwrap();
+        for (r, row) in y.iter().enumerate() {
+            for (c, v) in row.iter().enumerate() {
+                assert_eq!(
+                    v.is_nan(),
+                    c == 7 || c == 30,
+                    "{tier:?} m={m} y[{r}][{c}] = {v}"
+                );
+            }
+        }
+    }
+}
+
+fn nsa_check(rng: &mut StdRng, tier: Tier) {
+    let (b, t, hq, hkv, d, bs, s) = (2, 200, 8, 2, 64, 16, 5);
+    let q = tensor(gaussian(rng, b * t * hq * d), &[b, t, hq, d]);
+    let k = tensor(gaussian(rng, b * t * hkv * d), &[b, t, hkv, d]);
+    let v = tensor(gaussian(rng, b * t * hkv * d), &[b, t, hkv, d]);
+    let nblocks = t.div_ceil(bs);
+    let mut idx = Vec::with_capacity(b * t * hkv * s);
+    for _ in 0..b * t * hkv {
+        let mut all: Vec<i32> = (0..nblocks as i32).collect();
+        all.shuffle(rng);
+        idx.extend_from_slice(&all[..s]);
+    }
+    let sel = BlockSelection::new(tensor_i32(idx, &[b, t, hkv, s]), bs).unwrap();
+    let (want, want_lse) = reference::nsa_selection(&q, &k, &v, &sel, None, None).unwrap();
+    let (o, lse) = SelectionAttention::new()
+        .min_len(0)
+        .with_lse(true)
+        .forward(&q, &k, &v, &sel)
+        .unwrap();
+    let err = rel_frobenius(&o, &want);
+    assert!(err < 1e-4, "{tier:?} nsa o: rel err {err:e}");
+    let (a, w): (Vec<f32>, Vec<f32>) = (
+        lse.unwrap().flatten_all().unwrap().to_vec1().unwrap(),
+        want_lse.flatten_all().unwrap().to_vec1().unwrap(),
+    );
+    for (i, (x, y)) in a.iter().zip(&w).enumerate() {
+        let ok = if y.is_infinite() {
+            *x == f32::NEG_INFINITY
+        } else {
+            (x - y).abs() < 1e-3 * (1.0 + y.abs())
+        };
+        assert!(ok, "{tier:?} lse[{i}] = {x}, want {y}");
+    }
+}
+
+fn tensor_i32(v: Vec<i32>, dims: &[usize]) -> Tensor {
+    Tensor::from_vec(v, dims, &candle_core::Device::Cpu).unwrap()
+}
+
+#[test]
+fn every_tier_matches_the_reference() {
+    let tiers = Tier::available();
+    eprintln!("tiers on this CPU: {tiers:?}");
+    for tier in tiers {
+        assert_eq!(Tier::cap(tier), tier);
+        let mut rng = rng(&format!("cpu_tier_{tier:?}"));
+        fp8_sweep(&mut rng, tier);
+        nsa_check(&mut rng, tier);
+    }
+    Tier::cap(Tier::Avx512);
+    assert_eq!(Tier::current(), Tier::detected());
+}
