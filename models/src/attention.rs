@@ -77,11 +77,59 @@ enum Impl {
 /// Per-layer decode state.
 #[derive(Clone, Debug)]
 pub(crate) enum AttnCache {
-    Dense {
-        k: Option<Tensor>,
-        v: Option<Tensor>,
-    },
+    Dense(KvBuf),
     Nsa(NsaCache),
+}
+
+/// Past keys and values `[B, capacity, Hkv, D]`, the first `len` positions valid. The buffers
+/// grow by doubling, so a decode step writes only its own token instead of copying the whole
+/// cache. They are written in place, so a clone copies them.
+#[derive(Debug, Default)]
+pub(crate) struct KvBuf {
+    kv: Option<(Tensor, Tensor)>,
+    len: usize,
+}
+
+impl Clone for KvBuf {
+    fn clone(&self) -> Self {
+        // sharing the buffers would let one clone overwrite the other's positions; a copy fails
+        // only where an allocation of the same size does, which `Clone` cannot report either
+        let copy = |t: &Tensor| t.copy().expect("copying a KV cache buffer");
+        let kv = self.kv.as_ref().map(|(k, v)| (copy(k), copy(v)));
+        Self { kv, len: self.len }
+    }
+}
+
+impl KvBuf {
+    /// Writes `k`, `v [B, T, Hkv, D]` after the valid positions and returns all keys and values
+    /// up to them. The new positions count only after [`KvBuf::commit`], so a step that fails
+    /// later leaves the cache as it was.
+    fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let t = k.dims()[1];
+        let need = self.len + t;
+        let cap = self.kv.as_ref().map_or(0, |(k, _)| k.dims()[1]);
+        if need > cap {
+            let mut dims = k.dims().to_vec();
+            dims[1] = need.max(2 * cap).max(64);
+            let grow = |old: Option<&Tensor>, like: &Tensor| -> Result<Tensor> {
+                let buf = Tensor::zeros(dims.as_slice(), like.dtype(), like.device())?;
+                if let Some(old) = old {
+                    buf.slice_set(&old.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
+                }
+                Ok(buf)
+            };
+            let old = self.kv.as_ref();
+            self.kv = Some((grow(old.map(|p| &p.0), k)?, grow(old.map(|p| &p.1), v)?));
+        }
+        let (kb, vb) = self.kv.as_ref().expect("allocated above");
+        kb.slice_set(&k.contiguous()?, 1, self.len)?;
+        vb.slice_set(&v.contiguous()?, 1, self.len)?;
+        Ok((kb.narrow(1, 0, need)?, vb.narrow(1, 0, need)?))
+    }
+
+    fn commit(&mut self, t: usize) {
+        self.len += t;
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -149,7 +197,7 @@ impl Attention {
 
     pub(crate) fn new_cache(&self) -> AttnCache {
         match self.imp {
-            Impl::Dense => AttnCache::Dense { k: None, v: None },
+            Impl::Dense => AttnCache::Dense(KvBuf::default()),
             Impl::Nsa(_) => AttnCache::Nsa(NsaCache::new()),
         }
     }
@@ -168,18 +216,11 @@ impl Attention {
         let v = self.v.forward(x)?.reshape((b, t, self.hkv, self.hd))?;
         let (q, k) = (rope.apply(&q, pos)?, rope.apply(&k, pos)?);
         let o = match (&self.imp, cache) {
-            (Impl::Dense, AttnCache::Dense { k: kc, v: vc }) => {
-                // the cache is only replaced once attention succeeded
-                let k = match kc.as_ref() {
-                    Some(old) => Tensor::cat(&[old, &k], 1)?,
-                    None => k,
-                };
-                let v = match vc.as_ref() {
-                    Some(old) => Tensor::cat(&[old, &v], 1)?,
-                    None => v,
-                };
+            (Impl::Dense, AttnCache::Dense(kv)) => {
+                // the new positions count only once attention succeeded
+                let (k, v) = kv.append(&k, &v)?;
                 let o = self.dense(&q, &k, &v, pos)?;
-                (*kc, *vc) = (Some(k), Some(v));
+                kv.commit(t);
                 o
             }
             (Impl::Nsa(nsa), AttnCache::Nsa(c)) => nsa.forward_step(x, &q, &k, &v, c)?,

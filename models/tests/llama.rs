@@ -57,6 +57,36 @@ fn cached_decode_equals_full_forward() {
     }
 }
 
+/// The dense cache is written in place: a clone must own its buffers, so two continuations of
+/// one prefix do not see each other's tokens (and each equals a fresh run).
+#[test]
+fn cloned_caches_are_independent() {
+    let m = model(ModelOptions::default());
+    // within the first buffer's capacity (64), so both caches write into what they cloned
+    let ids = prompt(50);
+    let mut a = m.new_cache();
+    m.forward(&ids[..40], &mut a).unwrap();
+    let mut b = a.clone();
+    let la = m.forward(&ids[40..], &mut a).unwrap();
+    let other: Vec<u32> = ids[40..].iter().map(|t| (t + 101) % 512).collect();
+    let lb = m.forward(&other, &mut b).unwrap();
+    let mut fresh = m.new_cache();
+    m.forward(&ids[..40], &mut fresh).unwrap();
+    let want_a = m.forward(&ids[40..], &mut fresh).unwrap();
+    let mut fresh = m.new_cache();
+    m.forward(&ids[..40], &mut fresh).unwrap();
+    let want_b = m.forward(&other, &mut fresh).unwrap();
+    assert!(max_abs_diff(&la, &want_a) < 1e-5);
+    assert!(max_abs_diff(&lb, &want_b) < 1e-5);
+    // a continues after b wrote its positions: it must still see its own
+    let next = m.forward(&[5], &mut a).unwrap();
+    let mut fresh = m.new_cache();
+    m.forward(&ids, &mut fresh).unwrap();
+    let want_next = m.forward(&[5], &mut fresh).unwrap();
+    assert!(max_abs_diff(&next, &want_next) < 1e-5);
+    assert_eq!((a.len(), b.len()), (51, 50));
+}
+
 #[test]
 fn fp8_model_stays_close_to_dense() {
     let dense = model(ModelOptions::default());
