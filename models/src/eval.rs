@@ -103,7 +103,9 @@ impl Report {
 }
 
 /// Builds each variant, prefills `prompt`, decodes `decode` greedy tokens, and compares the
-/// prefill logits with the first variant's (the reference, normally dense f32).
+/// prefill logits with the first variant's (the reference, normally dense f32). The timed
+/// work of the variants is interleaved (decode in rounds of 8 steps per variant), so their
+/// speeds are compared under the same machine conditions; all models are in memory at once.
 /// `on_event(message)` reports progress.
 pub fn compare(
     cfg: &LlamaConfig,
@@ -117,50 +119,74 @@ pub fn compare(
         return Err(crate::error::invalid("prompt", "needs at least one token"));
     }
     let mut reference: Option<Tensor> = None;
-    let mut out = Vec::with_capacity(variants.len());
+    // every model is built first and the timed work is interleaved (prefills in turn, then
+    // decode in rounds of a few steps per model), so a slow spell of the machine falls on all
+    // variants alike instead of on whichever ran then
+    struct Run {
+        model: Llama,
+        cache: crate::llama::Cache,
+        next: u32,
+        report: Report,
+    }
+    let mut runs = Vec::with_capacity(variants.len());
     for v in variants {
         on_event(&format!("building {}", v.name));
         let model = Llama::new(cfg, weights, &v.opts)?;
-        on_event(&format!("prefill {} tokens: {}", prompt.len(), v.name));
-        let mut cache = model.new_cache();
+        let cache = model.new_cache();
+        runs.push(Run {
+            model,
+            cache,
+            next: 0,
+            report: Report {
+                name: v.name.clone(),
+                prefill_tokens: prompt.len(),
+                prefill_s: 0.0,
+                decode_tokens: decode,
+                decode_s: 0.0,
+                max_dev: 0.0,
+                mean_dev: 0.0,
+                generated: Vec::with_capacity(decode),
+            },
+        });
+    }
+    for r in &mut runs {
+        on_event(&format!(
+            "prefill {} tokens: {}",
+            prompt.len(),
+            r.report.name
+        ));
         let t = Instant::now();
-        let logits = model.forward(prompt, &mut cache)?;
-        let prefill_s = t.elapsed().as_secs_f64();
-        let (max_dev, mean_dev) = match &reference {
-            None => (0.0, 0.0),
-            Some(r) => {
-                let d = (&logits - r)?.abs()?;
-                (d.max_all()?.to_scalar()?, d.mean_all()?.to_scalar()?)
-            }
-        };
-        on_event(&format!("decode {decode} tokens: {}", v.name));
-        let mut next = logits
+        let logits = r.model.forward(prompt, &mut r.cache)?;
+        r.report.prefill_s = t.elapsed().as_secs_f64();
+        if let Some(reference) = &reference {
+            let d = (&logits - reference)?.abs()?;
+            r.report.max_dev = d.max_all()?.to_scalar()?;
+            r.report.mean_dev = d.mean_all()?.to_scalar()?;
+        } else {
+            reference = Some(logits.clone());
+        }
+        r.next = logits
             .get(prompt.len() - 1)?
             .argmax(D::Minus1)?
             .to_scalar::<u32>()?;
-        let mut generated = Vec::with_capacity(decode);
-        let t = Instant::now();
-        for _ in 0..decode {
-            generated.push(next);
-            let l = model.forward(&[next], &mut cache)?;
-            next = l.get(0)?.argmax(D::Minus1)?.to_scalar::<u32>()?;
-        }
-        let decode_s = t.elapsed().as_secs_f64();
-        if reference.is_none() {
-            reference = Some(logits);
-        }
-        out.push(Report {
-            name: v.name.clone(),
-            prefill_tokens: prompt.len(),
-            prefill_s,
-            decode_tokens: decode,
-            decode_s,
-            max_dev,
-            mean_dev,
-            generated,
-        });
     }
-    Ok(out)
+    const ROUND: usize = 8;
+    let mut done = 0;
+    while done < decode {
+        let steps = ROUND.min(decode - done);
+        on_event(&format!("decode {done}..{} of {decode}", done + steps));
+        for r in &mut runs {
+            let t = Instant::now();
+            for _ in 0..steps {
+                r.report.generated.push(r.next);
+                let l = r.model.forward(&[r.next], &mut r.cache)?;
+                r.next = l.get(0)?.argmax(D::Minus1)?.to_scalar::<u32>()?;
+            }
+            r.report.decode_s += t.elapsed().as_secs_f64();
+        }
+        done += steps;
+    }
+    Ok(runs.into_iter().map(|r| r.report).collect())
 }
 
 /// The reports as a text table.
