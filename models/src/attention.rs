@@ -81,9 +81,21 @@ pub(crate) enum AttnCache {
     Nsa(NsaCache),
 }
 
-/// Past keys and values `[B, capacity, Hkv, D]`, the first `len` positions valid. The buffers
-/// grow by doubling, so a decode step writes only its own token instead of copying the whole
-/// cache. They are written in place, so a clone copies them.
+impl AttnCache {
+    /// Makes the positions the last step wrote count. The model calls this once the whole step
+    /// succeeded, so a failed step leaves every dense layer's cache as it was (the NSA cache
+    /// keeps its own state).
+    pub(crate) fn commit(&mut self, t: usize) {
+        if let AttnCache::Dense(kv) = self {
+            kv.len += t;
+        }
+    }
+}
+
+/// Past keys and values `[B, Hkv, capacity, D]` (the layout attention reads them in), the first
+/// `len` positions valid. The buffers grow by doubling, so a decode step writes only its own
+/// token, and attention reads the valid prefix as a strided view: nothing is copied per step
+/// in proportion to the context. The buffers are written in place, so a clone copies them.
 #[derive(Debug, Default)]
 pub(crate) struct KvBuf {
     kv: Option<(Tensor, Tensor)>,
@@ -102,33 +114,33 @@ impl Clone for KvBuf {
 
 impl KvBuf {
     /// Writes `k`, `v [B, T, Hkv, D]` after the valid positions and returns all keys and values
-    /// up to them. The new positions count only after [`KvBuf::commit`], so a step that fails
-    /// later leaves the cache as it was.
+    /// up to them as `[B, Hkv, len + T, D]` views. The new positions count only after
+    /// [`AttnCache::commit`].
     fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let t = k.dims()[1];
+        let (kt, vt) = (
+            k.transpose(1, 2)?.contiguous()?,
+            v.transpose(1, 2)?.contiguous()?,
+        );
+        let t = kt.dims()[2];
         let need = self.len + t;
-        let cap = self.kv.as_ref().map_or(0, |(k, _)| k.dims()[1]);
+        let cap = self.kv.as_ref().map_or(0, |(k, _)| k.dims()[2]);
         if need > cap {
-            let mut dims = k.dims().to_vec();
-            dims[1] = need.max(2 * cap).max(64);
+            let mut dims = kt.dims().to_vec();
+            dims[2] = need.max(2 * cap).max(64);
             let grow = |old: Option<&Tensor>, like: &Tensor| -> Result<Tensor> {
                 let buf = Tensor::zeros(dims.as_slice(), like.dtype(), like.device())?;
                 if let Some(old) = old {
-                    buf.slice_set(&old.narrow(1, 0, self.len)?.contiguous()?, 1, 0)?;
+                    buf.slice_set(&old.narrow(2, 0, self.len)?.contiguous()?, 2, 0)?;
                 }
                 Ok(buf)
             };
             let old = self.kv.as_ref();
-            self.kv = Some((grow(old.map(|p| &p.0), k)?, grow(old.map(|p| &p.1), v)?));
+            self.kv = Some((grow(old.map(|p| &p.0), &kt)?, grow(old.map(|p| &p.1), &vt)?));
         }
         let (kb, vb) = self.kv.as_ref().expect("allocated above");
-        kb.slice_set(&k.contiguous()?, 1, self.len)?;
-        vb.slice_set(&v.contiguous()?, 1, self.len)?;
-        Ok((kb.narrow(1, 0, need)?, vb.narrow(1, 0, need)?))
-    }
-
-    fn commit(&mut self, t: usize) {
-        self.len += t;
+        kb.slice_set(&kt, 2, self.len)?;
+        vb.slice_set(&vt, 2, self.len)?;
+        Ok((kb.narrow(2, 0, need)?, vb.narrow(2, 0, need)?))
     }
 }
 
@@ -218,10 +230,9 @@ impl Attention {
         let o = match (&self.imp, cache) {
             (Impl::Dense, AttnCache::Dense(kv)) => {
                 // the new positions count only once attention succeeded
-                let (k, v) = kv.append(&k, &v)?;
-                let o = self.dense(&q, &k, &v, pos)?;
-                kv.commit(t);
-                o
+                // the new positions count once the whole step succeeded (`AttnCache::commit`)
+                let (kh, vh) = kv.append(&k, &v)?;
+                self.dense(&q, &kh, &vh, pos)?
             }
             (Impl::Nsa(nsa), AttnCache::Nsa(c)) => nsa.forward_step(x, &q, &k, &v, c)?,
             _ => return Err(invalid("cache", "built for another attention kind")),
@@ -229,21 +240,20 @@ impl Attention {
         Ok(self.o.forward(&o.reshape((b, t, self.hq * self.hd))?)?)
     }
 
-    /// Causal softmax attention, `q [B, T, Hq, D]` at `pos..`, `k`/`v [B, Tk, Hkv, D]`.
+    /// Causal softmax attention, `q [B, T, Hq, D]` at `pos..`, `kh`/`vh [B, Hkv, Tk, D]`
+    /// (views of the cache).
     ///
     /// The G query heads of a kv head attend as G·T rows against that kv head's keys, so k and
     /// v are never expanded to Hq heads (at decode that copy was most of the layer's traffic).
-    fn dense(&self, q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> Result<Tensor> {
+    fn dense(&self, q: &Tensor, kh: &Tensor, vh: &Tensor, pos: usize) -> Result<Tensor> {
         let (b, t, _, _) = q.dims4()?;
-        let tk = k.dims()[1];
+        let tk = kh.dims()[2];
         let g = self.hq / self.hkv;
         // [B, Hq, T, D] -> [B, Hkv, G·T, D]: head h = kv · G + gi, row gi · T + i
         let qh = q
             .transpose(1, 2)?
             .contiguous()?
             .reshape((b, self.hkv, g * t, self.hd))?;
-        let kh = k.transpose(1, 2)?.contiguous()?; // [B, Hkv, Tk, D]
-        let vh = v.transpose(1, 2)?.contiguous()?;
         let mut s = (qh.matmul(&kh.t()?)? / (self.hd as f64).sqrt())?;
         if t > 1 {
             let mask: Vec<f32> = (0..g * t)
@@ -255,7 +265,7 @@ impl Attention {
             s = s.broadcast_add(&Tensor::from_vec(mask, (g * t, tk), q.device())?)?;
         }
         let p = candle_nn::ops::softmax_last_dim(&s)?;
-        Ok(p.matmul(&vh)? // [B, Hkv, G·T, D]
+        Ok(p.matmul(vh)? // [B, Hkv, G·T, D]
             .reshape((b, self.hq, t, self.hd))?
             .transpose(1, 2)?
             .contiguous()?)

@@ -173,8 +173,12 @@ impl Llama {
                 .forward(&(candle_nn::ops::silu(&b.gate.forward(&y)?)? * b.up.forward(&y)?)?)?;
             x = (x + m)?;
         }
+        let logits = self.lm_head.forward(&self.norm.forward(&x)?)?.squeeze(0)?;
+        // the whole step succeeded: the positions each layer wrote now count
+        for c in cache.layers.iter_mut() {
+            c.commit(t);
+        }
         cache.pos += t;
-        let logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
-        Ok(logits.squeeze(0)?)
+        Ok(logits)
     }
 }

@@ -10,6 +10,8 @@ pub const SMOLLM2: &str = "FP8NSA_REQUIRE_SMOLLM2";
 pub const JAX: &str = "FP8NSA_REQUIRE_JAX";
 /// Flag of a CUDA device (set by `benches/peers/run_gpu.sh` on the GPU machine).
 pub const GPU: &str = "FP8NSA_REQUIRE_GPU";
+/// The CPU has the AVX2 tier (AVX2 + FMA + F16C), so its explicit kernels are tested.
+pub const AVX2: &str = "FP8NSA_REQUIRE_AVX2";
 
 /// Whether `flag` is set to 1.
 pub fn required(flag: &str) -> bool {

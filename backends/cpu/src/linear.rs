@@ -1,6 +1,11 @@
 //! `y = x · Wᵀ` with fp8 block-scaled weights, two kernels:
-//! - [`CpuKernel::Gemv`] for `m <= GEMV_MAX_M` (decode): streams each weight byte once, decodes
-//!   in registers, applies `sx · sw` per K-block to the f32 partial dot product;
+//! - [`CpuKernel::Gemv`] for `m <= GEMV_MAX_M` (decode): streams each weight byte once. At
+//!   M = 1 it decodes in registers and applies `sx · sw` per K-block to the f32 partial dot
+//!   product (four weight rows per pass on the AVX2 tier). For M > 1 on the AVX2 tier it
+//!   decodes three weight rows at a time with their block scales into a small buffer and
+//!   multiplies them with activations already multiplied by theirs (the panel GEMM's
+//!   distribution of the scaling, below), four activation rows at a time in registers; the
+//!   portable tier applies `sx · sw` per K-block as at M = 1;
 //! - [`CpuKernel::PanelGemm`] otherwise: dequantizes a cache-sized panel of weight rows (codes
 //!   times their block scale) and multiplies it with the dequantized activations using the `gemm`
 //!   crate. Scaling each factor by its own block scale before the product is the contract's
@@ -111,23 +116,26 @@ impl LinearPlan {
             CpuKernel::Gemv => {
                 // yt is the transposed output [n, m]: each task owns a contiguous run of it
                 let mut yt = vec![0f32; s.n * s.m];
-                let avx2 = Tier::current() >= Tier::Avx2;
+                // read once: a concurrent `Tier::cap` must not change the path mid-call
+                let tier = Tier::current();
+                let avx2 = tier >= Tier::Avx2;
                 // weight rows per task: enough work to amortize the hand-off at M = 1
                 let rows = if avx2 && s.m == 1 { 32 } else { 8 };
                 if avx2 && s.m > 1 {
                     let xd = quantize_act(x, s.m, s.k, s.bk, act, true)?;
-                    yt.par_chunks_mut(rows * s.m)
-                        .enumerate()
-                        .for_each_init(Vec::new, |buf, (c, yt)| {
-                            gemv_small_rows(&xd.values, w, sw, s, c * rows, yt, buf)
-                        });
+                    yt.par_chunks_mut(rows * s.m).enumerate().for_each_init(
+                        Vec::new,
+                        |buf, (c, yt)| {
+                            gemv_small_rows(tier, &xd.values, w, sw, s, c * rows, yt, buf)
+                        },
+                    );
                 } else {
                     let xq = quantize_act(x, s.m, s.k, s.bk, act, false)?;
                     yt.par_chunks_mut(rows * s.m)
                         .enumerate()
                         .for_each(|(c, yt)| {
                             if avx2 {
-                                gemv1_rows(&xq, w, sw, s, c * rows, yt)
+                                gemv1_rows(tier, &xq, w, sw, s, c * rows, yt)
                             } else {
                                 gemv_rows(&xq, w, sw, s, c * rows, yt)
                             }
@@ -243,6 +251,7 @@ simd_dispatch!(fn gemv_rows => gemv_rows_impl(
 /// [`gemv_rows`] at M = 1 (`yt` is `[rows]`), on the AVX2 tier: four weight rows per pass share
 /// each activation load, each decoded through F16C in registers.
 fn gemv1_rows(
+    tier: Tier,
     xq: &QuantizedAct<'_>,
     w: &[u8],
     sw: &[f32],
@@ -285,8 +294,9 @@ fn gemv1_rows(
                 yt[r0..r0 + take].copy_from_slice(&acc[..take]);
             }
         }
-        if Tier::current() >= Tier::Avx2 {
-            // SAFETY: the AVX2 tier is only in force where AVX2, FMA and F16C were detected.
+        if tier >= Tier::Avx2 {
+            // SAFETY: `tier` came from `Tier::current()`, which is never above the detected
+            // tier, and the AVX2 tier is only detected with AVX2, FMA and F16C present.
             return unsafe { run(xq, w, sw, s, n0, yt) };
         }
     }
@@ -298,7 +308,9 @@ fn gemv1_rows(
 /// block scales into `buf`, then multiplied with four activation rows at a time in registers.
 /// Scaling each factor by its own block scale before the product is the contract's per-K-block
 /// scaling, distributed over the sum, as in the panel GEMM.
+#[allow(clippy::too_many_arguments)]
 fn gemv_small_rows(
+    tier: Tier,
     xd: &[f32],
     w: &[u8],
     sw: &[f32],
@@ -328,13 +340,13 @@ fn gemv_small_rows(
                 for (j, dst) in buf.chunks_exact_mut(k).enumerate() {
                     dequant_row(w, sw, s, n0 + r[j], dst);
                 }
-                let wr: Vec<&[f32]> = buf.chunks_exact(k).collect();
+                let wr = [&buf[..k], &buf[k..2 * k], &buf[2 * k..3 * k]];
                 for i0 in (0..m).step_by(4) {
                     let xi = [0, 1, 2, 3].map(|i| (i0 + i).min(m - 1));
                     let xr = xi.map(|i| &xd[i * k..(i + 1) * k]);
                     // SAFETY: this function is compiled for AVX2 + FMA + F16C, which the caller
                     // checked the CPU has.
-                    let d = unsafe { crate::x86::dot_4x3(xr, [wr[0], wr[1], wr[2]]) };
+                    let d = unsafe { crate::x86::dot_4x3(xr, wr) };
                     for (j, _) in r.iter().enumerate().take(rows - g0) {
                         for (i, row) in d.iter().enumerate().take(m - i0) {
                             yt[(g0 + j) * m + i0 + i] = row[j];
@@ -343,13 +355,14 @@ fn gemv_small_rows(
                 }
             }
         }
-        if Tier::current() >= Tier::Avx2 {
-            // SAFETY: the AVX2 tier is only in force where AVX2, FMA and F16C were detected.
+        if tier >= Tier::Avx2 {
+            // SAFETY: `tier` came from `Tier::current()`, which is never above the detected
+            // tier, and the AVX2 tier is only detected with AVX2, FMA and F16C present.
             return unsafe { run(xd, w, sw, s, n0, yt, buf) };
         }
     }
-    // callers take this path only on the AVX2 tier
-    let _ = (xd, w, sw, s, n0, yt, buf);
+    // callers take this path only with an AVX2 `tier`, the value passed here
+    let _ = (tier, xd, w, sw, s, n0, yt, buf);
     unreachable!("gemv_small_rows runs on the AVX2 tier only")
 }
 

