@@ -22,6 +22,7 @@ pub mod linear;
 pub mod nsa;
 pub mod nsa_select;
 pub mod quant;
+mod scratch;
 pub mod simd;
 #[cfg(target_arch = "x86_64")]
 mod x86;

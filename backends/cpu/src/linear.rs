@@ -15,7 +15,8 @@ use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, Result};
 use crate::fp8::{decode_scaled, e4m3_to_f32};
-use crate::quant::{quantize_act, QuantizedAct};
+use crate::quant::{quantize_act_in, QuantizedAct};
+use crate::scratch::with_f32;
 use crate::simd::{dot, simd_dispatch, Arith, Tier};
 use fp8nsa_types::{ActQuant, LinearShape};
 
@@ -112,46 +113,62 @@ impl LinearPlan {
         if let Some(b) = bias {
             check_len("bias", b.len(), s.n)?;
         }
-        match kernel {
-            CpuKernel::Gemv => {
-                // yt is the transposed output [n, m]: each task owns a contiguous run of it
-                let mut yt = vec![0f32; s.n * s.m];
-                // read once: a concurrent `Tier::cap` must not change the path mid-call
-                let tier = Tier::current();
-                let avx2 = tier >= Tier::Avx2;
-                // weight rows per task: enough work to amortize the hand-off at M = 1
-                let rows = if avx2 && s.m == 1 { 32 } else { 8 };
-                if avx2 && s.m > 1 {
-                    let xd = quantize_act(x, s.m, s.k, s.bk, act, true)?;
-                    yt.par_chunks_mut(rows * s.m).enumerate().for_each_init(
-                        Vec::new,
-                        |buf, (c, yt)| {
-                            gemv_small_rows(tier, &xd.values, w, sw, s, c * rows, yt, buf)
-                        },
-                    );
-                } else {
-                    let xq = quantize_act(x, s.m, s.k, s.bk, act, false)?;
-                    yt.par_chunks_mut(rows * s.m)
-                        .enumerate()
-                        .for_each(|(c, yt)| {
-                            if avx2 {
-                                gemv1_rows(tier, &xq, w, sw, s, c * rows, yt)
-                            } else {
-                                gemv_rows(&xq, w, sw, s, c * rows, yt)
+        let (m, k, bk) = (s.m, s.k, s.bk);
+        // the activations' quantized copy (none for W8A16) lives in a reused buffer
+        let act_len = if act == ActQuant::None { 0 } else { m * k };
+        with_f32(act_len, |abuf| -> Result<()> {
+            match kernel {
+                CpuKernel::Gemv => {
+                    // read once: a concurrent `Tier::cap` must not change the path mid-call
+                    let tier = Tier::current();
+                    let avx2 = tier >= Tier::Avx2;
+                    // weight rows per task: enough work to amortize the hand-off at M = 1
+                    let rows = if avx2 && m == 1 { 32 } else { 8 };
+                    // each task fills a contiguous run of the transposed output yt [n, m]; at
+                    // M = 1 that is `out` itself
+                    let mut gemv = |yt: &mut [f32]| -> Result<()> {
+                        if avx2 && m > 1 {
+                            let xd = quantize_act_in(x, m, k, bk, act, true, abuf)?;
+                            yt.par_chunks_mut(rows * m).enumerate().for_each(|(c, yt)| {
+                                with_f32(3 * k, |buf| {
+                                    gemv_small_rows(tier, &xd.values, w, sw, s, c * rows, yt, buf)
+                                })
+                            });
+                        } else {
+                            let xq = quantize_act_in(x, m, k, bk, act, false, abuf)?;
+                            yt.par_chunks_mut(rows * m)
+                                .enumerate()
+                                .for_each(|(c, yt)| {
+                                    if avx2 {
+                                        gemv1_rows(tier, &xq, w, sw, s, c * rows, yt)
+                                    } else {
+                                        gemv_rows(&xq, w, sw, s, c * rows, yt)
+                                    }
+                                });
+                        }
+                        Ok(())
+                    };
+                    if m == 1 {
+                        gemv(out)?;
+                    } else {
+                        with_f32(s.n * m, |yt| -> Result<()> {
+                            gemv(yt)?;
+                            for (r, row) in out.chunks_exact_mut(s.n).enumerate() {
+                                for (j, y) in row.iter_mut().enumerate() {
+                                    *y = yt[j * m + r];
+                                }
                             }
-                        });
-                }
-                for (r, row) in out.chunks_exact_mut(s.n).enumerate() {
-                    for (j, y) in row.iter_mut().enumerate() {
-                        *y = yt[j * s.m + r];
+                            Ok(())
+                        })?;
                     }
                 }
+                CpuKernel::PanelGemm => {
+                    let xd = quantize_act_in(x, m, k, bk, act, true, abuf)?;
+                    panel_gemm(&xd.values, w, sw, s, out);
+                }
             }
-            CpuKernel::PanelGemm => {
-                let xd = quantize_act(x, s.m, s.k, s.bk, act, true)?;
-                panel_gemm(&xd.values, w, sw, s, out);
-            }
-        }
+            Ok(())
+        })?;
         if let Some(b) = bias {
             out.par_chunks_mut(s.n).for_each(|row| {
                 for (y, b) in row.iter_mut().zip(b) {
@@ -200,7 +217,8 @@ fn dot_fp8<A: Arith>(x: &[f32], w: &[u8]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// Fills `yt [rows, m]` for weight rows `n0..`: one pass over those weight rows.
+/// Fills `yt [rows, m]` for weight rows `n0..` (overwriting it): one pass over those weight
+/// rows.
 #[inline(always)]
 fn gemv_rows_impl<A: Arith>(
     xq: &QuantizedAct<'_>,
@@ -216,6 +234,8 @@ fn gemv_rows_impl<A: Arith>(
     let mut buf = [0f32; CHUNK];
     let mut part = [0f32; GEMV_MAX_M];
     for (r, acc) in yt.chunks_exact_mut(m).enumerate() {
+        // `yt` is a reused buffer (or the caller's output): start each sum from zero
+        acc.fill(0.0);
         let n = n0 + r;
         let wrow = &w[n * k..(n + 1) * k];
         let sw_row = &sw[(n / s.bn) * kbs..(n / s.bn + 1) * kbs];
@@ -317,7 +337,7 @@ fn gemv_small_rows(
     s: LinearShape,
     n0: usize,
     yt: &mut [f32],
-    buf: &mut Vec<f32>,
+    buf: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -329,15 +349,14 @@ fn gemv_small_rows(
             s: LinearShape,
             n0: usize,
             yt: &mut [f32],
-            buf: &mut Vec<f32>,
+            buf: &mut [f32],
         ) {
             let (m, k) = (s.m, s.k);
             let rows = yt.len() / m;
-            buf.resize(3 * k, 0.0);
             for g0 in (0..rows).step_by(3) {
                 // a short last group repeats its last row rather than branching per row
                 let r = [0, 1, 2].map(|j| (g0 + j).min(rows - 1));
-                for (j, dst) in buf.chunks_exact_mut(k).enumerate() {
+                for (j, dst) in buf[..3 * k].chunks_exact_mut(k).enumerate() {
                     dequant_row(w, sw, s, n0 + r[j], dst);
                 }
                 let wr = [&buf[..k], &buf[k..2 * k], &buf[2 * k..3 * k]];
@@ -379,11 +398,12 @@ fn dequant_row(w: &[u8], sw: &[f32], s: LinearShape, n: usize, dst: &mut [f32]) 
     }
 }
 
-/// Weight rows per panel and K columns per tile: a 256 x 1024 f32 tile (1 MiB) stays in L2
-/// while the product reads it, and each `gemm` call is large enough that operand packing costs
-/// little next to the multiply.
-const PANEL_ROWS: usize = 256;
-const TILE_K: usize = 1024;
+/// Weight rows per panel (at most) and K columns per tile: a 128 x 512 f32 tile (256 KiB) stays
+/// in a 512 KiB L2 while `gemm` packs it, with room for the activations it streams (a 256 x 1024
+/// tile, 1 MiB, measured 5-15% slower on such a core), and each `gemm` call is still large
+/// enough that packing costs little next to the multiply.
+const PANEL_ROWS: usize = 128;
+const TILE_K: usize = 512;
 
 /// Writes `codes * block scale` of weight rows `n0..n0 + rows`, columns `c0..c1`, into
 /// `buf [rows, c1 - c0]`.
@@ -413,12 +433,10 @@ fn dequant_tile(
 
 fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: LinearShape, out: &mut [f32]) {
     let threads = rayon::current_num_threads();
-    // two panels per thread where n allows, 16 to PANEL_ROWS rows each
-    let p =
-        s.n.div_ceil(2 * threads)
-            .next_multiple_of(16)
-            .clamp(16, PANEL_ROWS)
-            .min(s.n);
+    // a multiple of `threads` panels of at most PANEL_ROWS rows, so every thread gets the same
+    // number of equal panels (the last may be a little shorter)
+    let panels = s.n.div_ceil(threads * PANEL_ROWS) * threads;
+    let p = s.n.div_ceil(panels);
     let kc = TILE_K.min(s.k);
     let per_panel = s.n.div_ceil(p) >= threads;
     let inner = if per_panel {
@@ -444,23 +462,25 @@ fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: LinearShape, out: &mut [f32]) 
             gemm_nt(s.m, rows, c1 - c0, lhs, rhs, dst, c0 > 0, inner);
         }
     };
-    let mut blocks = vec![0f32; s.m * s.n];
-    if per_panel {
-        blocks
-            .par_chunks_mut(p * s.m)
-            .enumerate()
-            .for_each_init(|| vec![0f32; p * kc], |buf, (i, dst)| panel(i, dst, buf));
-    } else {
-        let mut buf = vec![0f32; p * kc];
-        for (i, dst) in blocks.chunks_mut(p * s.m).enumerate() {
-            panel(i, dst, &mut buf);
+    with_f32(s.m * s.n, |blocks| {
+        if per_panel {
+            blocks
+                .par_chunks_mut(p * s.m)
+                .enumerate()
+                .for_each(|(i, dst)| with_f32(p * kc, |buf| panel(i, dst, buf)));
+        } else {
+            with_f32(p * kc, |buf| {
+                for (i, dst) in blocks.chunks_mut(p * s.m).enumerate() {
+                    panel(i, dst, buf);
+                }
+            });
         }
-    }
-    out.par_chunks_mut(s.n).enumerate().for_each(|(r, row)| {
-        for (i, block) in blocks.chunks(p * s.m).enumerate() {
-            let rows = block.len() / s.m;
-            row[i * p..i * p + rows].copy_from_slice(&block[r * rows..(r + 1) * rows]);
-        }
+        out.par_chunks_mut(s.n).enumerate().for_each(|(r, row)| {
+            for (i, block) in blocks.chunks(p * s.m).enumerate() {
+                let rows = block.len() / s.m;
+                row[i * p..i * p + rows].copy_from_slice(&block[r * rows..(r + 1) * rows]);
+            }
+        });
     });
 }
 
@@ -512,5 +532,41 @@ fn gemm_nt(
             false,
             par,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{quantize_act, quantize_weight};
+
+    /// The kernels write through reused scratch buffers and into the caller's `out`: whatever
+    /// those held before (NaN here) must not leak into the result.
+    #[test]
+    fn stale_output_and_scratch_contents_do_not_leak() {
+        let (n, k) = (37, 300);
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01).collect();
+        let (wq, sw) = quantize_weight(&w, n, k, 16, 128).unwrap();
+        for m in [1, 3, GEMV_MAX_M + 4] {
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.1).collect();
+            let shape = LinearShape { m, n, k, bn: 16, bk: 128 };
+            let p = plan(shape, ActQuant::Group).unwrap();
+            let mut clean = vec![0f32; m * n];
+            p.run(&x, &wq, &sw, None, &mut clean).unwrap();
+            // dirty this thread's scratch buffers, then run into a NaN-filled output
+            crate::scratch::with_f32(1 << 16, |b| b.fill(f32::NAN));
+            let mut dirty = vec![f32::NAN; m * n];
+            p.run(&x, &wq, &sw, None, &mut dirty).unwrap();
+            assert_eq!(clean, dirty, "m = {m}");
+            assert!(clean.iter().all(|v| v.is_finite()));
+            // the portable GEMV, whichever tier this CPU runs
+            let mm = m.min(GEMV_MAX_M);
+            let xq = quantize_act(&x[..mm * k], mm, k, 128, ActQuant::Group, false).unwrap();
+            let s = LinearShape { m: mm, ..shape };
+            let (mut a, mut b) = (vec![0f32; 8 * mm], vec![f32::NAN; 8 * mm]);
+            gemv_rows(&xq, &wq, &sw, s, 8, &mut a);
+            gemv_rows(&xq, &wq, &sw, s, 8, &mut b);
+            assert_eq!(a, b, "portable gemv, m = {mm}");
+        }
     }
 }

@@ -8,8 +8,18 @@ use crate::error::{check_len, check_positive, Result};
 use crate::fp8::{fake_quant_slice, quantize, scale_for_amax};
 use fp8nsa_types::ActQuant;
 
+/// Largest magnitude in `xs`, NaN ignored. Eight independent lanes let it vectorize (a single
+/// running `max` is a serial chain LLVM keeps scalar).
 fn amax(xs: &[f32]) -> f32 {
-    xs.iter().fold(0f32, |a, &x| a.max(x.abs()))
+    let mut lanes = [0f32; 8];
+    let chunks = xs.chunks_exact(8);
+    let tail = chunks.remainder().iter().fold(0f32, |a, &x| a.max(x.abs()));
+    for c in chunks {
+        for (l, &x) in lanes.iter_mut().zip(c) {
+            *l = l.max(x.abs());
+        }
+    }
+    lanes.iter().fold(tail, |a, &l| a.max(l))
 }
 
 /// Quantizes a row-major `[n, k]` weight in `bn x bk` blocks (edge blocks partial).
@@ -80,6 +90,32 @@ pub fn quantize_act(
     mode: ActQuant,
     dequantize: bool,
 ) -> Result<QuantizedAct<'_>> {
+    if mode == ActQuant::None {
+        return quantize_act_in(x, m, k, bk, mode, dequantize, &mut []);
+    }
+    let mut values = vec![0f32; x.len()];
+    let q = quantize_act_in(x, m, k, bk, mode, dequantize, &mut values)?;
+    let (scales, rows_per_scale, k_blocks) = (q.scales, q.rows_per_scale, q.k_blocks);
+    Ok(QuantizedAct {
+        values: Cow::Owned(values),
+        scales,
+        rows_per_scale,
+        k_blocks,
+    })
+}
+
+/// [`quantize_act`] writing the values into `buf` (`m * k` long, its contents overwritten), so a
+/// caller can reuse one buffer across calls. [`ActQuant::None`] leaves `buf` alone (it may be
+/// empty) and borrows `x`.
+pub fn quantize_act_in<'a>(
+    x: &'a [f32],
+    m: usize,
+    k: usize,
+    bk: usize,
+    mode: ActQuant,
+    dequantize: bool,
+    buf: &'a mut [f32],
+) -> Result<QuantizedAct<'a>> {
     for (arg, v) in [("m", m), ("k", k), ("bk", bk)] {
         check_positive(arg, v)?;
     }
@@ -100,32 +136,45 @@ pub fn quantize_act(
             bm.min(m)
         }
     };
-    let mut values = vec![0f32; m * k];
+    check_len("activation buffer", buf.len(), m * k)?;
     let mut scales = vec![0f32; m.div_ceil(rows_per_scale) * kbs];
-    values
-        .par_chunks_mut(rows_per_scale * k)
-        .zip(x.par_chunks(rows_per_scale * k))
-        .zip(scales.par_chunks_mut(kbs))
-        .for_each(|((out, x), scales)| {
-            let rows = x.len() / k;
-            for (kb, s) in scales.iter_mut().enumerate() {
-                let (k0, k1) = (kb * bk, (kb * bk + bk).min(k));
-                let a = (0..rows).fold(0f32, |a, r| a.max(amax(&x[r * k + k0..r * k + k1])));
-                *s = scale_for_amax(a);
-                let mul = if dequantize { *s } else { 1.0 };
-                for r in 0..rows {
-                    let span = r * k + k0..r * k + k1;
-                    fake_quant_slice(&x[span.clone()], *s, mul, &mut out[span]);
-                }
+    let quant = |((out, x), scales): ((&mut [f32], &[f32]), &mut [f32])| {
+        let rows = x.len() / k;
+        for (kb, s) in scales.iter_mut().enumerate() {
+            let (k0, k1) = (kb * bk, (kb * bk + bk).min(k));
+            let a = (0..rows).fold(0f32, |a, r| a.max(amax(&x[r * k + k0..r * k + k1])));
+            *s = scale_for_amax(a);
+            let mul = if dequantize { *s } else { 1.0 };
+            for r in 0..rows {
+                let span = r * k + k0..r * k + k1;
+                fake_quant_slice(&x[span.clone()], *s, mul, &mut out[span]);
             }
-        });
+        }
+    };
+    let chunk = rows_per_scale * k;
+    // a decode step's few rows are quicker done here than handed to the pool
+    if m * k <= PAR_MIN_ELEMS {
+        buf.chunks_mut(chunk)
+            .zip(x.chunks(chunk))
+            .zip(scales.chunks_mut(kbs))
+            .for_each(quant);
+    } else {
+        buf.par_chunks_mut(chunk)
+            .zip(x.par_chunks(chunk))
+            .zip(scales.par_chunks_mut(kbs))
+            .for_each(quant);
+    }
     Ok(QuantizedAct {
-        values: Cow::Owned(values),
+        values: Cow::Borrowed(buf),
         scales,
         rows_per_scale,
         k_blocks: kbs,
     })
 }
+
+/// Below this many activations, quantizing on the calling thread beats a hand-off to the pool
+/// (a 16 x 4096 decode batch takes a few microseconds).
+const PAR_MIN_ELEMS: usize = 1 << 16;
 
 #[cfg(test)]
 mod tests {
