@@ -143,6 +143,14 @@ impl Llama {
 
     /// Logits `[T, vocab]` (f32) of `tokens`, appended to what `cache` has seen.
     pub fn forward(&self, tokens: &[u32], cache: &mut Cache) -> Result<Tensor> {
+        // The step runs on a thread of the rayon pool its kernels use, so each parallel kernel
+        // starts on a running worker with the caller's thread taking part. Called from outside
+        // the pool, every kernel would instead queue its work, wake the workers and put the
+        // caller to sleep until they finish: hundreds of hand-offs per decode step.
+        rayon::scope(|_| self.forward_in_pool(tokens, cache))
+    }
+
+    fn forward_in_pool(&self, tokens: &[u32], cache: &mut Cache) -> Result<Tensor> {
         let t = tokens.len();
         if t == 0 {
             return Err(crate::error::invalid("tokens", "needs at least one token"));

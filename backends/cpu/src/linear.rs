@@ -136,15 +136,13 @@ impl LinearPlan {
                             });
                         } else {
                             let xq = quantize_act_in(x, m, k, bk, act, false, abuf)?;
-                            yt.par_chunks_mut(rows * m)
-                                .enumerate()
-                                .for_each(|(c, yt)| {
-                                    if avx2 {
-                                        gemv1_rows(tier, &xq, w, sw, s, c * rows, yt)
-                                    } else {
-                                        gemv_rows(&xq, w, sw, s, c * rows, yt)
-                                    }
-                                });
+                            yt.par_chunks_mut(rows * m).enumerate().for_each(|(c, yt)| {
+                                if avx2 {
+                                    gemv1_rows(tier, &xq, w, sw, s, c * rows, yt)
+                                } else {
+                                    gemv_rows(&xq, w, sw, s, c * rows, yt)
+                                }
+                            });
                         }
                         Ok(())
                     };
@@ -437,7 +435,10 @@ fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: LinearShape, out: &mut [f32]) 
     // number of equal panels (the last may be a little shorter)
     let panels = s.n.div_ceil(threads * PANEL_ROWS) * threads;
     let p = s.n.div_ceil(panels);
-    let kc = TILE_K.min(s.k);
+    // K in equal tiles of about TILE_K (576 is one tile, not 512 + a thin 64 whose product
+    // would re-read and re-write the whole output block for little work)
+    let kc =
+        s.k.div_ceil((s.k as f64 / TILE_K as f64).round().max(1.0) as usize);
     let per_panel = s.n.div_ceil(p) >= threads;
     let inner = if per_panel {
         gemm::Parallelism::None
@@ -545,11 +546,21 @@ mod tests {
     #[test]
     fn stale_output_and_scratch_contents_do_not_leak() {
         let (n, k) = (37, 300);
-        let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01).collect();
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01)
+            .collect();
         let (wq, sw) = quantize_weight(&w, n, k, 16, 128).unwrap();
         for m in [1, 3, GEMV_MAX_M + 4] {
-            let x: Vec<f32> = (0..m * k).map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.1).collect();
-            let shape = LinearShape { m, n, k, bn: 16, bk: 128 };
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.1)
+                .collect();
+            let shape = LinearShape {
+                m,
+                n,
+                k,
+                bn: 16,
+                bk: 128,
+            };
             let p = plan(shape, ActQuant::Group).unwrap();
             let mut clean = vec![0f32; m * n];
             p.run(&x, &wq, &sw, None, &mut clean).unwrap();
