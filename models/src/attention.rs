@@ -30,17 +30,17 @@ impl Rope {
     pub(crate) fn new(cfg: &LlamaConfig) -> Result<Self> {
         let hd = cfg.head_dim();
         let max = cfg.max_position_embeddings.max(1);
-        let inv: Vec<f32> = (0..hd / 2)
-            .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64) as f32)
-            .collect();
+        let (inv, attn_factor) = cfg.rope_scaling()?.frequencies(cfg.rope_theta, hd);
+        let inv: Vec<f32> = inv.iter().map(|&f| f as f32).collect();
         let inv = Tensor::from_vec(inv, (1, hd / 2), &Device::Cpu)?;
         let t = Tensor::arange(0u32, max as u32, &Device::Cpu)?
             .to_dtype(DType::F32)?
             .reshape((max, 1))?;
         let f = t.broadcast_mul(&inv)?;
+        // YaRN's attention temperature scales q·k through both rotated factors
         Ok(Self {
-            cos: f.cos()?,
-            sin: f.sin()?,
+            cos: (f.cos()? * attn_factor)?,
+            sin: (f.sin()? * attn_factor)?,
             style: cfg.rope_style,
         })
     }
@@ -269,5 +269,72 @@ impl Attention {
             .reshape((b, self.hq, t, self.hd))?
             .transpose(1, 2)?
             .contiguous()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rope(scaling: serde_json::Value) -> Rope {
+        let cfg = LlamaConfig {
+            rope_scaling: Some(scaling),
+            ..LlamaConfig::tiny()
+        };
+        Rope::new(&cfg).unwrap()
+    }
+
+    fn x() -> Tensor {
+        // [B = 1, T = 1, H = 2, D = 64]
+        let v: Vec<f32> = (0..128)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+            .collect();
+        Tensor::from_vec(v, (1, 1, 2, 64), &Device::Cpu).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
+    /// Linear scaling by 2 is position interpolation: position 2p rotates as plain RoPE's p.
+    #[test]
+    fn linear_scaling_interpolates_positions() {
+        let plain = rope(serde_json::Value::Null);
+        let lin = rope(serde_json::json!({"type": "linear", "factor": 2.0}));
+        for p in [1, 7, 300] {
+            let d = max_diff(
+                &lin.apply(&x(), 2 * p).unwrap(),
+                &plain.apply(&x(), p).unwrap(),
+            );
+            assert!(d < 1e-4, "p = {p}: {d}");
+            assert!(max_diff(&lin.apply(&x(), p).unwrap(), &plain.apply(&x(), p).unwrap()) > 1e-2);
+        }
+    }
+
+    /// A rotation keeps each pair's length; YaRN's tables also carry its attention factor.
+    #[test]
+    fn yarn_scales_by_its_attention_factor() {
+        let yarn = rope(serde_json::json!({"rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 1024}));
+        let norm = |t: &Tensor| {
+            t.sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        };
+        let want = (0.1 * 4f32.ln() + 1.0).powi(2);
+        for p in [0, 5, 2000] {
+            let r = norm(&yarn.apply(&x(), p).unwrap()) / norm(&x());
+            assert!((r - want).abs() < 1e-4 * want, "p = {p}: {r} vs {want}");
+        }
     }
 }

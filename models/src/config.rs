@@ -3,6 +3,7 @@ use serde::Deserialize;
 use crate::attention::AttentionKind;
 use crate::error::{invalid, Result};
 use crate::linear::LinearKind;
+use crate::rope::RopeScaling;
 
 /// How rotary embeddings pair the dimensions of a head: GGUF files store q/k permuted for
 /// interleaved pairs `(0, 1), (2, 3), ..`; Hugging Face checkpoints use halves `(i, i + D/2)`.
@@ -37,7 +38,8 @@ pub struct LlamaConfig {
     pub bos_token_id: Option<u32>,
     #[serde(default)]
     pub eos_token_id: Option<u32>,
-    /// Only plain RoPE is implemented; a config asking for scaling is refused, not misread.
+    /// `linear`, `llama3` or `yarn` scaling ([`RopeScaling`]); any other kind is refused, not
+    /// misread.
     #[serde(default)]
     pub rope_scaling: Option<serde_json::Value>,
     #[serde(skip)]
@@ -85,6 +87,11 @@ impl LlamaConfig {
             .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
+    /// The parsed `rope_scaling`.
+    pub fn rope_scaling(&self) -> Result<RopeScaling> {
+        RopeScaling::parse(self.rope_scaling.as_ref(), self.max_position_embeddings)
+    }
+
     pub fn validate(&self) -> Result<()> {
         let positive = [
             ("vocab_size", self.vocab_size),
@@ -109,12 +116,7 @@ impl LlamaConfig {
                 ),
             ));
         }
-        if self.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err(invalid(
-                "rope_scaling",
-                "RoPE scaling (Llama 3.1 / YaRN / linear) is not implemented",
-            ));
-        }
+        self.rope_scaling()?;
         if self.head_dim() % 2 != 0 {
             return Err(invalid("head_dim", "must be even for rotary embeddings"));
         }

@@ -23,6 +23,7 @@ mod generate;
 mod linear;
 mod llama;
 pub mod locate;
+mod rope;
 pub mod tokenizer;
 mod weights;
 
@@ -32,4 +33,5 @@ pub use error::{Error, Result};
 pub use generate::{generate, perplexity, Sampling};
 pub use linear::{Linear, LinearKind};
 pub use llama::{Cache, Llama};
+pub use rope::RopeScaling;
 pub use weights::Weights;

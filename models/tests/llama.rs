@@ -242,21 +242,35 @@ fn bad_configs_and_weights_are_errors() {
 }
 
 #[test]
-fn rope_scaling_is_refused_not_misread() {
-    let cfg: LlamaConfig = serde_json::from_str(
-        r#"{"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
-            "num_attention_heads": 2, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}"#,
-    )
-    .unwrap();
-    let e = cfg.validate().unwrap_err();
+fn rope_scaling_kinds_load_and_unknown_ones_are_refused() {
+    let with = |scaling: &str| -> LlamaConfig {
+        serde_json::from_str(&format!(
+            r#"{{"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+                "num_hidden_layers": 1, "num_attention_heads": 2, "rope_scaling": {scaling}}}"#
+        ))
+        .unwrap()
+    };
+    let unknown = with(r#"{"rope_type": "longrope", "factor": 8.0}"#);
+    let e = unknown.validate().unwrap_err();
     assert!(
-        matches!(
-            e,
-            Error::Invalid {
-                arg: "rope_scaling",
-                ..
-            }
-        ),
+        matches!(&e, Error::Invalid { arg: "rope_scaling", msg } if msg.contains("longrope")),
         "{e}"
     );
+    // each supported kind builds and runs a model (the tables themselves are checked against
+    // the published formulas in the crate's unit tests)
+    let plain = with("null");
+    let w = Weights::random(&plain, 3).unwrap();
+    for scaling in [
+        r#"{"type": "linear", "factor": 4.0}"#,
+        r#"{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 2}"#,
+        r#"{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2}"#,
+    ] {
+        let cfg = with(scaling);
+        let m = Llama::new(&cfg, &w, &ModelOptions::default()).unwrap();
+        let logits = m.forward(&[1, 4, 7, 2], &mut m.new_cache()).unwrap();
+        assert_eq!(logits.dims(), &[4, 10]);
+        let v: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(v.iter().all(|x| x.is_finite()), "{scaling}");
+    }
 }
