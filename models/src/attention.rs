@@ -1,4 +1,5 @@
 use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::RmsNorm;
 use fp8nsa_ops::nsa::{Compressor, Gates, NativeSparseAttention, NsaCache, NsaConfig, NsaDims};
 
 use crate::config::{LlamaConfig, ModelOptions, RopeStyle};
@@ -150,6 +151,9 @@ pub(crate) struct Attention {
     k: Linear,
     v: Linear,
     o: Linear,
+    /// Qwen3's per-head RMSNorm of q and k before RoPE (`q_norm` / `k_norm`, weight
+    /// `[head_dim]`); Llama has none.
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
     hq: usize,
     hkv: usize,
     hd: usize,
@@ -191,11 +195,34 @@ impl Attention {
                 Impl::Nsa(Box::new(nsa))
             }
         };
+        let norm = |n: &str| w.get_opt(&format!("{prefix}.{n}.weight"));
+        let qk_norm = match (norm("q_norm"), norm("k_norm")) {
+            (Some(q), Some(k)) => {
+                for (name, t) in [("q_norm", &q), ("k_norm", &k)] {
+                    if t.dims() != [hd] {
+                        return Err(invalid(
+                            "weights",
+                            format!("{prefix}.{name}.weight is {:?}, expected [{hd}]", t.dims()),
+                        ));
+                    }
+                }
+                let eps = cfg.rms_norm_eps;
+                Some((RmsNorm::new(q, eps), RmsNorm::new(k, eps)))
+            }
+            (None, None) => None,
+            _ => {
+                return Err(invalid(
+                    "weights",
+                    format!("{prefix} has only one of q_norm and k_norm"),
+                ))
+            }
+        };
         Ok(Self {
             q: lin("q_proj")?,
             k: lin("k_proj")?,
             v: lin("v_proj")?,
             o: lin("o_proj")?,
+            qk_norm,
             hq,
             hkv,
             hd,
@@ -226,6 +253,10 @@ impl Attention {
         let q = self.q.forward(x)?.reshape((b, t, self.hq, self.hd))?;
         let k = self.k.forward(x)?.reshape((b, t, self.hkv, self.hd))?;
         let v = self.v.forward(x)?.reshape((b, t, self.hkv, self.hd))?;
+        let (q, k) = match &self.qk_norm {
+            Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
+            None => (q, k),
+        };
         let (q, k) = (rope.apply(&q, pos)?, rope.apply(&k, pos)?);
         let o = match (&self.imp, cache) {
             (Impl::Dense, AttnCache::Dense(kv)) => {

@@ -22,6 +22,7 @@ mod act;
 mod error;
 mod kernel;
 mod python;
+mod scale;
 mod selection;
 mod settings;
 mod shape;
@@ -30,6 +31,7 @@ pub use act::ActQuant;
 pub use error::{Error, Result};
 pub use kernel::{BackendKind, CudaFp8Kernel, CudaFp8Path, MmaTile, TpuKernel};
 pub use python::{find_python_package_file, python_site_dirs, XLA_CPU_PLUGIN};
+pub use scale::ScaleDType;
 pub use selection::{EntryIssue, Spans};
 pub use settings::{
     Settings, BACKEND_ENV, CUDA_FP8_KERNEL_ENV, DEFAULT_MIN_LEN, NSA_MIN_LEN_ENV, PJRT_PLUGIN_ENV,

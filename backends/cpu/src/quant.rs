@@ -6,7 +6,7 @@ use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, Result};
 use crate::fp8::{fake_quant_slice, quantize, scale_for_amax};
-use fp8nsa_types::ActQuant;
+use fp8nsa_types::{ActQuant, ScaleDType};
 
 /// Largest magnitude in `xs`, NaN ignored. Eight independent lanes let it vectorize (a single
 /// running `max` is a serial chain LLVM keeps scalar).
@@ -31,6 +31,20 @@ pub fn quantize_weight(
     bn: usize,
     bk: usize,
 ) -> Result<(Vec<u8>, Vec<f32>)> {
+    quantize_weight_as(w, n, k, bn, bk, ScaleDType::F32)
+}
+
+/// [`quantize_weight`] with scales that `scale_dtype` stores exactly: each block's f32 scale is
+/// rounded up to that dtype ([`ScaleDType::round_up`]) before its codes are computed, so the
+/// codes match the scale a checkpoint keeps.
+pub fn quantize_weight_as(
+    w: &[f32],
+    n: usize,
+    k: usize,
+    bn: usize,
+    bk: usize,
+    scale_dtype: ScaleDType,
+) -> Result<(Vec<u8>, Vec<f32>)> {
     for (arg, v) in [("n", n), ("k", k), ("bn", bn), ("bk", bk)] {
         check_positive(arg, v)?;
     }
@@ -49,7 +63,7 @@ pub fn quantize_weight(
             for (kb, s) in scales.iter_mut().enumerate() {
                 let (k0, k1) = (kb * bk, (kb * bk + bk).min(k));
                 let a = (0..rows).fold(0f32, |a, r| a.max(amax(&w[r * k + k0..r * k + k1])));
-                *s = scale_for_amax(a);
+                *s = scale_dtype.round_up(scale_for_amax(a));
                 for r in 0..rows {
                     for i in r * k + k0..r * k + k1 {
                         codes[i] = quantize(w[i], *s);
@@ -200,6 +214,32 @@ mod tests {
         }
         // the block amax maps to exactly 448
         assert!(q.iter().any(|&c| e4m3_to_f32(c).abs() == E4M3_MAX));
+    }
+
+    /// bf16 scales: every scale a bf16 value at or above the f32 one, so no element saturates
+    /// and the round trip is as tight as with f32 scales up to bf16's step.
+    #[test]
+    fn bf16_scales_are_bf16_values_rounded_up() {
+        let (n, k, bn, bk) = (19, 260, 8, 128);
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 10f32.powi((i / k % 5) as i32 - 2))
+            .collect();
+        let (_, s32) = quantize_weight(&w, n, k, bn, bk).unwrap();
+        let (q, s) = quantize_weight_as(&w, n, k, bn, bk, ScaleDType::Bf16).unwrap();
+        for (a, b) in s.iter().zip(&s32) {
+            assert_eq!(a.to_bits() & 0xffff, 0, "{a} is not a bf16 value");
+            assert!(a >= b && *a <= b * (1.0 + 1.0 / 128.0), "{a} vs {b}");
+        }
+        let kbs = k.div_ceil(bk);
+        for r in 0..n {
+            for c in 0..k {
+                let sc = s[(r / bn) * kbs + c / bk];
+                let back = e4m3_to_f32(q[r * k + c]) * sc;
+                let bound = (w[r * k + c].abs() / 16.0).max(sc * 2f32.powi(-10)) * 1.0001;
+                assert!((back - w[r * k + c]).abs() <= bound, "{r},{c}");
+                assert!(e4m3_to_f32(q[r * k + c]).abs() <= E4M3_MAX);
+            }
+        }
     }
 
     #[test]

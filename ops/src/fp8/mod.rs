@@ -7,7 +7,7 @@ mod pjrt;
 pub(crate) mod weight;
 
 pub use fp8nsa_cpu::linear::{CpuKernel, GEMV_MAX_M};
-pub use fp8nsa_types::ActQuant;
+pub use fp8nsa_types::{ActQuant, ScaleDType};
 pub use linear::Fp8Linear;
 pub use op::Fp8Path;
 pub use weight::Fp8BlockWeight;

@@ -2,6 +2,7 @@ use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
 use crate::error::{invalid, shape_err, Error, Result};
+use fp8nsa_types::ScaleDType;
 
 /// A weight `W [N, K]` (out x in, the Hugging Face layout) stored as fp8 e4m3fn bytes with one
 /// f32 dequantization scale per `bn x bk` block: `W_real[n, k] ≈ W[n, k] · scales[n/bn, k/bk]`.
@@ -61,6 +62,25 @@ impl Fp8BlockWeight {
     /// Quantizes a real `[N, K]` weight (f32, bf16, f16 or f64) in `[bn, bk]` blocks:
     /// `scale = max(amax(block), 1e-12) / 448`, codes `sat(rne(w / scale))`.
     pub fn quantize(w: &Tensor, block: [usize; 2]) -> Result<Self> {
+        Self::quantize_as(w, block, ScaleDType::F32)
+    }
+
+    /// [`Self::quantize`] with scales a checkpoint can store in `scale_dtype` exactly: each
+    /// block's scale is rounded up to that dtype before its codes are computed (Qwen3-FP8
+    /// checkpoints keep bf16 scales). The scales tensor stays f32.
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use fp8nsa_ops::{Fp8BlockWeight, ScaleDType};
+    ///
+    /// let w = Tensor::new(&[[0.3f32, -1.7], [2.9, 0.01]], &Device::Cpu)?;
+    /// let q = Fp8BlockWeight::quantize_as(&w, [1, 2], ScaleDType::Bf16)?;
+    /// for s in q.scales().flatten_all()?.to_vec1::<f32>()? {
+    ///     assert_eq!(s.to_bits() & 0xffff, 0); // a bf16 value
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn quantize_as(w: &Tensor, block: [usize; 2], scale_dtype: ScaleDType) -> Result<Self> {
         check_block(block)?;
         let (n, k) = match *w.dims() {
             [n, k] if n > 0 && k > 0 => (n, k),
@@ -78,7 +98,8 @@ impl Fp8BlockWeight {
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        let (codes, scales) = fp8nsa_cpu::quant::quantize_weight(&host, n, k, block[0], block[1])?;
+        let (codes, scales) =
+            fp8nsa_cpu::quant::quantize_weight_as(&host, n, k, block[0], block[1], scale_dtype)?;
         let dev = w.device();
         Ok(Self {
             data: Tensor::from_vec(codes, (n, k), dev)?,

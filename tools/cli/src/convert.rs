@@ -1,6 +1,6 @@
 //! Quantizing a safetensors checkpoint to fp8 e4m3fn with 2-D block scales, in the layout of
 //! DeepSeek-V3 / Qwen3-FP8 checkpoints: each converted `X.weight` becomes F8_E4M3 bytes plus an
-//! f32 `X.weight_scale_inv` (the dequantization multiplier), and `config.json` gains a
+//! f32 or bf16 `X.weight_scale_inv` (the dequantization multiplier), and `config.json` gains a
 //! `quantization_config`. This is the library side of `fp8nsa quantize`.
 //!
 //! ```no_run
@@ -24,7 +24,7 @@ use regex_lite::Regex;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
-use fp8nsa::Fp8BlockWeight;
+use fp8nsa::{Fp8BlockWeight, ScaleDType};
 
 use crate::{Error, Result};
 
@@ -41,6 +41,9 @@ pub struct QuantizeOptions {
     /// Candidates whose name matches are left as they are and listed in
     /// `modules_to_not_convert`.
     pub exclude: String,
+    /// The dtype of the written `weight_scale_inv`: f32 (DeepSeek-V3's, the default) or bf16
+    /// (Qwen3-FP8's; each scale rounded up to bf16 before the codes are computed).
+    pub scale_dtype: ScaleDType,
 }
 
 impl Default for QuantizeOptions {
@@ -49,6 +52,7 @@ impl Default for QuantizeOptions {
             block: [128, 128],
             include: r"\.weight$".into(),
             exclude: r"(embed|lm_head|norm)".into(),
+            scale_dtype: ScaleDType::F32,
         }
     }
 }
@@ -280,15 +284,23 @@ fn convert_file(
         }
         let dtype = candle_dtype(view.dtype()).expect("candidates are float");
         let w = Tensor::from_raw_buffer(view.data(), dtype, view.shape(), &Device::Cpu)?;
-        let q = Fp8BlockWeight::quantize(&w, opts.block)?;
+        let q = Fp8BlockWeight::quantize_as(&w, opts.block, opts.scale_dtype)?;
         let codes = q.data().flatten_all()?.to_vec1::<u8>()?;
-        let scales: Vec<u8> = q
-            .scales()
-            .flatten_all()?
-            .to_vec1::<f32>()?
-            .iter()
-            .flat_map(|s| s.to_le_bytes())
-            .collect();
+        let scale_values = q.scales().flatten_all()?.to_vec1::<f32>()?;
+        let (scale_dtype, scales): (Dtype, Vec<u8>) = match opts.scale_dtype {
+            ScaleDType::F32 => (
+                Dtype::F32,
+                scale_values.iter().flat_map(|s| s.to_le_bytes()).collect(),
+            ),
+            // quantize_as made every scale a bf16 value: its top 16 bits are the bf16 exactly
+            ScaleDType::Bf16 => (
+                Dtype::BF16,
+                scale_values
+                    .iter()
+                    .flat_map(|s| ((s.to_bits() >> 16) as u16).to_le_bytes())
+                    .collect(),
+            ),
+        };
         let scale_name = format!("{}_scale_inv", name);
         out.push((
             name.clone(),
@@ -298,7 +310,7 @@ fn convert_file(
         ));
         out.push((
             scale_name,
-            Dtype::F32,
+            scale_dtype,
             q.scales().dims().to_vec(),
             Cow::Owned(scales),
         ));

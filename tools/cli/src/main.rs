@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use fp8nsa::models::{eval, locate, tokenizer, LlamaConfig, Weights};
+use fp8nsa::ScaleDType;
 use fp8nsa_cli::convert::{bytes_to_convert, quantize_checkpoint, QuantizeOptions};
 use fp8nsa_cli::{Error, Result};
 
@@ -114,6 +115,9 @@ enum Command {
         /// Regex of the names to leave alone (listed in `modules_to_not_convert`).
         #[arg(long, default_value = "(embed|lm_head|norm)")]
         exclude: String,
+        /// dtype of the written scales: f32 (as DeepSeek-V3) or bf16 (as Qwen3-FP8).
+        #[arg(long, default_value = "f32")]
+        scale_dtype: ScaleDType,
     },
 }
 
@@ -141,6 +145,7 @@ fn main() -> ExitCode {
             block,
             include,
             exclude,
+            scale_dtype,
         }) => quantize(
             input,
             output,
@@ -148,6 +153,7 @@ fn main() -> ExitCode {
                 block,
                 include,
                 exclude,
+                scale_dtype,
             },
         ),
         Some(Command::Inspect { file, expect }) => return inspect(&file, expect.as_deref()),

@@ -2,7 +2,8 @@
 //! are picked up from `quantization_config`, `modules_to_not_convert` stays dense.
 
 use candle_core::{DType, Tensor};
-use fp8nsa::models::{Llama, LlamaConfig, ModelOptions, Weights};
+use fp8nsa::models::{LinearKind, Llama, LlamaConfig, Model, ModelOptions, Weights};
+use fp8nsa::{ActQuant, Fp8BlockWeight, ScaleDType};
 use fp8nsa_cli::convert::{quantize_checkpoint, QuantizeOptions};
 
 fn write_hf(dir: &std::path::Path, cfg: &LlamaConfig) {
@@ -74,4 +75,386 @@ fn quantized_hf_checkpoint_loads_as_fp8_and_matches_dense() {
             .unwrap())
     .sqrt();
     assert!(rel > 0.0 && rel < 0.2, "fp8 checkpoint vs dense: {rel}");
+}
+
+fn rel(a: &Tensor, b: &Tensor) -> f32 {
+    let sq = |t: &Tensor| {
+        t.sqr()
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    };
+    (sq(&(a - b).unwrap()) / sq(a)).sqrt()
+}
+
+/// Qwen3-FP8 stores `weight_scale_inv` in bf16 (some checkpoints in f16): `fp8nsa quantize
+/// --scale-dtype bf16` writes that layout, and checkpoints with bf16 or f16 scales load with
+/// their scale values widened exactly.
+#[test]
+fn bf16_and_f16_scales_are_written_and_loaded_exactly() {
+    let cfg = LlamaConfig {
+        num_hidden_layers: 2,
+        ..LlamaConfig::tiny()
+    };
+    let src = tempfile::tempdir().unwrap();
+    write_hf(src.path(), &cfg);
+    let convert = |scale_dtype| {
+        let dst = tempfile::tempdir().unwrap();
+        let opts = QuantizeOptions {
+            scale_dtype,
+            ..QuantizeOptions::default()
+        };
+        quantize_checkpoint(src.path(), dst.path(), &opts, &mut |_, _| {}).unwrap();
+        dst
+    };
+    let f32_dir = convert(ScaleDType::F32);
+    let bf16_dir = convert(ScaleDType::Bf16);
+    let file = |d: &tempfile::TempDir| d.path().join("model.safetensors");
+    let scale = "model.layers.0.mlp.down_proj.weight_scale_inv";
+    let bytes = std::fs::read(file(&bf16_dir)).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(st.tensor(scale).unwrap().dtype(), safetensors::Dtype::BF16);
+    let bytes = std::fs::read(file(&f32_dir)).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(st.tensor(scale).unwrap().dtype(), safetensors::Dtype::F32);
+
+    // the f32 checkpoint with its scales narrowed to f16, as some checkpoints ship them (the
+    // weights' scales here, ~1e-4, are normal f16 numbers)
+    let f16_dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        f32_dir.path().join("config.json"),
+        f16_dir.path().join("config.json"),
+    )
+    .unwrap();
+    let mut tensors =
+        candle_core::safetensors::load(file(&f32_dir), &candle_core::Device::Cpu).unwrap();
+    for (name, t) in tensors.iter_mut() {
+        if name.ends_with("_scale_inv") {
+            *t = t.to_dtype(DType::F16).unwrap();
+        }
+    }
+    candle_core::safetensors::save(&tensors, file(&f16_dir)).unwrap();
+    let want_f16: Vec<f32> = tensors[scale]
+        .to_dtype(DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+
+    let ids: Vec<u32> = (0..24)
+        .map(|i| (i * 7 + 3) % cfg.vocab_size as u32)
+        .collect();
+    let (_, dense_w) = Weights::load_hf_dir(src.path()).unwrap();
+    let dense = Llama::new(&cfg, &dense_w, &ModelOptions::default()).unwrap();
+    let reference = dense.forward(&ids, &mut dense.new_cache()).unwrap();
+    // W8A16, so the comparison sees the weights alone (a W8A8 model's activation codes flip
+    // under any perturbation, which would hide the scales' effect)
+    let w8a16 = ModelOptions {
+        linear: LinearKind::Fp8 {
+            block: [128, 128],
+            act: ActQuant::None,
+        },
+        ..Default::default()
+    };
+    let (_, w32) = Weights::load_hf_dir(f32_dir.path()).unwrap();
+    let m32 = Llama::new(&cfg, &w32, &w8a16).unwrap();
+    let base = m32.forward(&ids, &mut m32.new_cache()).unwrap();
+    let module = "model.layers.0.mlp.down_proj";
+    for (dir, want_scales) in [(&bf16_dir, None), (&f16_dir, Some(&want_f16))] {
+        let (_, w) = Weights::load_hf_dir(dir.path()).unwrap();
+        let (_, scales, block) = w.fp8(module).unwrap().expect("stored as fp8");
+        assert_eq!(block, [128, 128]);
+        let got: Vec<f32> = scales.flatten_all().unwrap().to_vec1().unwrap();
+        let m = Llama::new(&cfg, &w, &w8a16).unwrap();
+        assert_eq!(m.fp8_layer_count(), 2 * 7);
+        let logits = m.forward(&ids, &mut m.new_cache()).unwrap();
+        match want_scales {
+            // f16: the f32 checkpoint's codes, scales off by at most f16's half step (2^-12)
+            Some(want) => {
+                assert_eq!(&got, want);
+                let r = rel(&base, &logits);
+                assert!(r > 0.0 && r < 2e-3, "f16 scales vs f32 scales: {r}");
+            }
+            // bf16: its own codes for its rounded-up scales, as accurate as f32 scales
+            None => {
+                assert!(got.iter().all(|s| s.to_bits() & 0xffff == 0 && *s > 0.0));
+                let (r, r32) = (rel(&reference, &logits), rel(&reference, &base));
+                assert!(
+                    r < 0.2 && r < 1.5 * r32,
+                    "bf16 scales vs dense: {r} (f32: {r32})"
+                );
+            }
+        }
+    }
+}
+
+/// A row-major `[rows, cols]` f64 matrix times a vector: `W x`.
+fn matvec(w: &[f64], x: &[f64]) -> Vec<f64> {
+    w.chunks_exact(x.len())
+        .map(|row| row.iter().zip(x).map(|(a, b)| a * b).sum())
+        .collect()
+}
+
+fn rms_norm(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
+    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+    let r = 1.0 / (ms + eps).sqrt();
+    x.iter().zip(w).map(|(v, g)| v * r * g).collect()
+}
+
+/// Qwen3's forward in f64 from plain weights, written from the architecture's definition
+/// (embedding; per layer RMSNorm, q/k/v, per-head q/k RMSNorm, RoPE on halves, causal GQA
+/// softmax attention, o; RMSNorm, SiLU(gate) * up, down; final RMSNorm, tied head): logits
+/// `[T, vocab]` for `tokens` from position 0.
+fn qwen3_reference(cfg: &LlamaConfig, w: &dyn Fn(&str) -> Vec<f64>, tokens: &[u32]) -> Vec<f64> {
+    let (h, hd) = (cfg.hidden_size, cfg.head_dim());
+    let (hq, hkv) = (cfg.num_attention_heads, cfg.kv_heads());
+    let eps = cfg.rms_norm_eps;
+    let embed = w("model.embed_tokens.weight");
+    let mut xs: Vec<Vec<f64>> = tokens
+        .iter()
+        .map(|&t| embed[t as usize * h..(t as usize + 1) * h].to_vec())
+        .collect();
+    let rope = |v: &mut [f64], pos: usize| {
+        for i in 0..hd / 2 {
+            let a = pos as f64 * cfg.rope_theta.powf(-2.0 * i as f64 / hd as f64);
+            let (x1, x2) = (v[i], v[i + hd / 2]);
+            v[i] = x1 * a.cos() - x2 * a.sin();
+            v[i + hd / 2] = x2 * a.cos() + x1 * a.sin();
+        }
+    };
+    for l in 0..cfg.num_hidden_layers {
+        let p = |n: &str| w(&format!("model.layers.{l}.{n}"));
+        let (wq, wk, wv, wo) = (
+            p("self_attn.q_proj.weight"),
+            p("self_attn.k_proj.weight"),
+            p("self_attn.v_proj.weight"),
+            p("self_attn.o_proj.weight"),
+        );
+        let (qn, kn) = (p("self_attn.q_norm.weight"), p("self_attn.k_norm.weight"));
+        let mut qs = Vec::new();
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        for (pos, x) in xs.iter().enumerate() {
+            let y = rms_norm(x, &p("input_layernorm.weight"), eps);
+            let (mut q, mut k) = (matvec(&wq, &y), matvec(&wk, &y));
+            for head in q.chunks_exact_mut(hd) {
+                let n = rms_norm(head, &qn, eps);
+                head.copy_from_slice(&n);
+            }
+            for head in k.chunks_exact_mut(hd) {
+                let n = rms_norm(head, &kn, eps);
+                head.copy_from_slice(&n);
+            }
+            for head in q.chunks_exact_mut(hd).chain(k.chunks_exact_mut(hd)) {
+                rope(head, pos);
+            }
+            qs.push(q);
+            ks.push(k);
+            vs.push(matvec(&wv, &y));
+        }
+        for (i, x) in xs.iter_mut().enumerate() {
+            let mut o = vec![0f64; hq * hd];
+            for head in 0..hq {
+                let kvh = head / (hq / hkv);
+                let q = &qs[i][head * hd..(head + 1) * hd];
+                let s: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        let k = &ks[j][kvh * hd..(kvh + 1) * hd];
+                        q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for (j, ej) in e.iter().enumerate() {
+                    let v = &vs[j][kvh * hd..(kvh + 1) * hd];
+                    for (d, vv) in v.iter().enumerate() {
+                        o[head * hd + d] += ej / z * vv;
+                    }
+                }
+            }
+            for (xv, a) in x.iter_mut().zip(matvec(&wo, &o)) {
+                *xv += a;
+            }
+            let y = rms_norm(x, &p("post_attention_layernorm.weight"), eps);
+            let g = matvec(&p("mlp.gate_proj.weight"), &y);
+            let u = matvec(&p("mlp.up_proj.weight"), &y);
+            let a: Vec<f64> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            for (xv, d) in x.iter_mut().zip(matvec(&p("mlp.down_proj.weight"), &a)) {
+                *xv += d;
+            }
+        }
+    }
+    let norm = w("model.norm.weight");
+    xs.iter()
+        .flat_map(|x| matvec(&embed, &rms_norm(x, &norm, eps)))
+        .collect()
+}
+
+/// A random Qwen3 checkpoint in the published layout (bf16 tensors, per-head `q_norm` /
+/// `k_norm`, explicit `head_dim` with heads x head_dim != hidden, a non-aligned intermediate
+/// size), quantized the way Qwen ships it (bf16 `weight_scale_inv`), loaded through
+/// `Model::load_hf` and run W8A16: its logits against an f64 forward on the dequantized
+/// weights, for prefill and for token-by-token decode.
+#[test]
+fn qwen3_fp8_checkpoint_matches_an_f64_reference() {
+    let cfg = LlamaConfig {
+        vocab_size: 300,
+        hidden_size: 256,
+        intermediate_size: 320,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: Some(2),
+        head_dim: Some(128),
+        rms_norm_eps: 1e-6,
+        rope_theta: 1_000_000.0,
+        ..LlamaConfig::tiny()
+    };
+    let src = tempfile::tempdir().unwrap();
+    let w = Weights::random(&cfg, 11).unwrap();
+    let mut map: std::collections::HashMap<String, Tensor> = w
+        .names()
+        .map(|n| (n.clone(), w.get(n).unwrap().to_dtype(DType::BF16).unwrap()))
+        .collect();
+    for l in 0..cfg.num_hidden_layers {
+        for (j, n) in ["q_norm", "k_norm"].iter().enumerate() {
+            let g: Vec<f32> = (0..128)
+                .map(|i| 1.0 + 0.3 * ((i * 7 + l * 5 + j * 3) as f32).sin())
+                .collect();
+            let t = Tensor::new(g, &candle_core::Device::Cpu).unwrap();
+            map.insert(
+                format!("model.layers.{l}.self_attn.{n}.weight"),
+                t.to_dtype(DType::BF16).unwrap(),
+            );
+        }
+    }
+    candle_core::safetensors::save(&map, src.path().join("model.safetensors")).unwrap();
+    let json = serde_json::json!({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": 2,
+        "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 4096, "tie_word_embeddings": true,
+        "attention_bias": false, "torch_dtype": "bfloat16", "hidden_act": "silu"
+    });
+    std::fs::write(src.path().join("config.json"), json.to_string()).unwrap();
+    let dst = tempfile::tempdir().unwrap();
+    let opts = QuantizeOptions {
+        scale_dtype: ScaleDType::Bf16,
+        ..QuantizeOptions::default()
+    };
+    quantize_checkpoint(src.path(), dst.path(), &opts, &mut |_, _| {}).unwrap();
+
+    let w8a16 = ModelOptions {
+        linear: LinearKind::Fp8 {
+            block: [128, 128],
+            act: ActQuant::None,
+        },
+        ..Default::default()
+    };
+    let model = Model::load_hf(dst.path(), &w8a16).unwrap();
+    assert_eq!(model.model_type(), "qwen3");
+    assert_eq!(model.llama().fp8_layer_count(), 2 * 7);
+
+    let (_, qw) = Weights::load_hf_dir(dst.path()).unwrap();
+    let get = |name: &str| -> Vec<f64> {
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        let t = match qw.fp8(module).unwrap() {
+            Some((data, scales, block)) => Fp8BlockWeight::from_parts(data, scales, block)
+                .unwrap()
+                .dequantize(DType::F32)
+                .unwrap(),
+            None => qw.get(name).unwrap(),
+        };
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let tokens: Vec<u32> = (0..9).map(|i| (i * 37 + 5) % 300).collect();
+    let want = qwen3_reference(&cfg, &get, &tokens);
+    let rel_to_want = |got: &[f32], want: &[f64]| {
+        let num: f64 = got
+            .iter()
+            .zip(want)
+            .map(|(g, w)| (*g as f64 - w).powi(2))
+            .sum();
+        let den: f64 = want.iter().map(|w| w * w).sum();
+        (num / den).sqrt()
+    };
+    let logits: Vec<f32> = model
+        .forward(&tokens, &mut model.new_cache())
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let r = rel_to_want(&logits, &want);
+    assert!(r < 1e-4, "prefill vs f64 reference: {r}");
+    // the same positions through the cache: a 5-token prefill, then one token per step
+    let mut cache = model.new_cache();
+    model.forward(&tokens[..5], &mut cache).unwrap();
+    for (i, &t) in tokens.iter().enumerate().skip(5) {
+        let row: Vec<f32> = model
+            .forward(&[t], &mut cache)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let v = cfg.vocab_size;
+        let r = rel_to_want(&row, &want[i * v..(i + 1) * v]);
+        assert!(r < 1e-4, "decode at {i} vs f64 reference: {r}");
+    }
+}
+
+#[test]
+fn unknown_model_types_are_refused_with_the_supported_list() {
+    let cfg = LlamaConfig {
+        num_hidden_layers: 1,
+        ..LlamaConfig::tiny()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    write_hf(dir.path(), &cfg);
+    let path = dir.path().join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    // write_hf's config has no model_type: that is an error too
+    let e = Model::load_hf(dir.path(), &ModelOptions::default()).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            fp8nsa::models::Error::Invalid {
+                arg: "model_type",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    for (t, ok) in [("llama", true), ("mixtral", false), ("qwen3", false)] {
+        json["model_type"] = t.into();
+        std::fs::write(&path, json.to_string()).unwrap();
+        let r = Model::load_hf(dir.path(), &ModelOptions::default());
+        match (ok, r) {
+            (true, Ok(m)) => assert_eq!(m.model_type(), t),
+            (false, Err(fp8nsa::models::Error::Invalid { arg, msg })) => {
+                // an unknown type names the supported ones; qwen3 without q/k norms is refused
+                assert!(arg == "model_type" || arg == "weights", "{t}: {arg}: {msg}");
+                if arg == "model_type" {
+                    assert!(msg.contains("llama, qwen3"), "{msg}");
+                }
+            }
+            (_, r) => panic!("{t}: {:?}", r.map(|m| m.model_type().to_string())),
+        }
+    }
 }

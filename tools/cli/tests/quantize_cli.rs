@@ -199,6 +199,8 @@ fn cli_errors_are_messages_not_panics() {
     );
     let (ok, err) = run(&["quantize", "a", "-o", "b", "--block", "0x128"]);
     assert!(!ok && err.contains("positive"), "{err}");
+    let (ok, err) = run(&["quantize", "a", "-o", "b", "--scale-dtype", "f8"]);
+    assert!(!ok && err.contains("f32 or bf16"), "{err}");
     // not a safetensors file
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("bad.safetensors");

@@ -1,0 +1,99 @@
+//! One entry point for a Hugging Face model directory, dispatching on `config.json`'s
+//! `model_type`.
+
+use std::path::Path;
+
+use candle_core::Tensor;
+
+use crate::config::ModelOptions;
+use crate::error::{invalid, Error, Result};
+use crate::llama::{Cache, Llama};
+use crate::weights::Weights;
+
+/// The `model_type`s [`Model::load_hf`] runs.
+pub const SUPPORTED_MODEL_TYPES: [&str; 2] = ["llama", "qwen3"];
+
+/// A decoder loaded from a Hugging Face directory (`config.json` + `*.safetensors`, fp8
+/// checkpoints included): Llama 1-3 (RoPE scaling included) and Qwen3 (dense; its per-head
+/// q/k RMSNorm) both run as [`Llama`], which picks up `q_norm` / `k_norm` where the weights
+/// have them.
+///
+/// ```no_run
+/// use fp8nsa_models::{Model, ModelOptions};
+///
+/// // e.g. a Qwen/Qwen3-0.6B-FP8 snapshot: fp8 weights with bf16 block scales stay fp8
+/// let model = Model::load_hf("Qwen3-0.6B-FP8/".as_ref(), &ModelOptions::default())?;
+/// let mut cache = model.new_cache();
+/// let logits = model.forward(&[9707, 11, 1879], &mut cache)?; // [3, vocab], f32
+/// assert_eq!(logits.dims()[0], 3);
+/// # Ok::<(), fp8nsa_models::Error>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct Model {
+    model_type: String,
+    inner: Llama,
+}
+
+impl Model {
+    /// Loads `dir`; `opts` applies to every architecture (linear and attention kinds,
+    /// `modules_to_not_convert`).
+    pub fn load_hf(dir: &Path, opts: &ModelOptions) -> Result<Self> {
+        let cfg_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|e| Error::File {
+            path: cfg_path.clone(),
+            msg: e.to_string(),
+        })?;
+        let raw: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::File {
+            path: cfg_path.clone(),
+            msg: e.to_string(),
+        })?;
+        let model_type = raw
+            .get("model_type")
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| invalid("model_type", "config.json has no `model_type`"))?
+            .to_string();
+        if !SUPPORTED_MODEL_TYPES.contains(&model_type.as_str()) {
+            return Err(invalid(
+                "model_type",
+                format!(
+                    "`{model_type}` is not supported (supported: {})",
+                    SUPPORTED_MODEL_TYPES.join(", ")
+                ),
+            ));
+        }
+        let (cfg, weights) = Weights::load_hf_dir(dir)?;
+        if model_type == "qwen3"
+            && weights
+                .get_opt("model.layers.0.self_attn.q_norm.weight")
+                .is_none()
+        {
+            return Err(invalid(
+                "weights",
+                "a qwen3 checkpoint needs model.layers.N.self_attn.{q,k}_norm.weight",
+            ));
+        }
+        Ok(Self {
+            model_type,
+            inner: Llama::new(&cfg, &weights, opts)?,
+        })
+    }
+
+    /// `config.json`'s `model_type`.
+    pub fn model_type(&self) -> &str {
+        &self.model_type
+    }
+
+    /// The decoder itself (configuration, fp8 layer count).
+    pub fn llama(&self) -> &Llama {
+        &self.inner
+    }
+
+    pub fn new_cache(&self) -> Cache {
+        self.inner.new_cache()
+    }
+
+    /// Logits `[T, vocab]` (f32) of `tokens`, appended to what `cache` has seen.
+    pub fn forward(&self, tokens: &[u32], cache: &mut Cache) -> Result<Tensor> {
+        self.inner.forward(tokens, cache)
+    }
+}
