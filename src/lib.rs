@@ -36,8 +36,8 @@
 
 pub use fp8nsa_ops::Error as OpsError;
 pub use fp8nsa_ops::{
-    ActQuant, Backend, CudaFp8Kernel, CudaFp8Path, Fp8BlockWeight, Fp8Linear, Fp8Path, PjrtRuntime,
-    ScaleDType, Settings, TpuKernel,
+    ActQuant, Backend, CudaFp8Kernel, CudaFp8Path, Fp8BlockWeight, Fp8Experts, Fp8Linear, Fp8Path,
+    PjrtRuntime, ScaleDType, Settings, TpuKernel,
 };
 pub use fp8nsa_ops::{Error, Result};
 /// The shared vocabulary (shapes, sequences, selections as spans, kernel choices, settings)
@@ -74,5 +74,7 @@ pub mod nsa {
 
 /// f64 reference implementations of the numerics contract.
 pub mod reference {
-    pub use fp8nsa_ops::reference::{fp8_linear, nsa_layer, nsa_selection, NsaLayerReference};
+    pub use fp8nsa_ops::reference::{
+        fp8_experts, fp8_linear, nsa_layer, nsa_selection, NsaLayerReference,
+    };
 }

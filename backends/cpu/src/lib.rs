@@ -17,6 +17,7 @@
 //! ```
 
 mod error;
+pub mod experts;
 pub mod fp8;
 pub mod linear;
 pub mod nsa;

@@ -121,29 +121,15 @@ impl LinearPlan {
                 CpuKernel::Gemv => {
                     // read once: a concurrent `Tier::cap` must not change the path mid-call
                     let tier = Tier::current();
-                    let avx2 = tier >= Tier::Avx2;
-                    // weight rows per task: enough work to amortize the hand-off at M = 1
-                    let rows = if avx2 && m == 1 { 32 } else { 8 };
+                    let rows = gemv_task_rows(tier, m);
                     // each task fills a contiguous run of the transposed output yt [n, m]; at
                     // M = 1 that is `out` itself
                     let mut gemv = |yt: &mut [f32]| -> Result<()> {
-                        if avx2 && m > 1 {
-                            let xd = quantize_act_in(x, m, k, bk, act, true, abuf)?;
-                            yt.par_chunks_mut(rows * m).enumerate().for_each(|(c, yt)| {
-                                with_f32(3 * k, |buf| {
-                                    gemv_small_rows(tier, &xd.values, w, sw, s, c * rows, yt, buf)
-                                })
-                            });
-                        } else {
-                            let xq = quantize_act_in(x, m, k, bk, act, false, abuf)?;
-                            yt.par_chunks_mut(rows * m).enumerate().for_each(|(c, yt)| {
-                                if avx2 {
-                                    gemv1_rows(tier, &xq, w, sw, s, c * rows, yt)
-                                } else {
-                                    gemv_rows(&xq, w, sw, s, c * rows, yt)
-                                }
-                            });
-                        }
+                        let deq = gemv_wants_scaled_act(tier, m);
+                        let xq = quantize_act_in(x, m, k, bk, act, deq, abuf)?;
+                        yt.par_chunks_mut(rows * m)
+                            .enumerate()
+                            .for_each(|(c, yt)| gemv_task(tier, &xq, w, sw, s, c * rows, yt));
                         Ok(())
                     };
                     if m == 1 {
@@ -175,6 +161,43 @@ impl LinearPlan {
             });
         }
         Ok(())
+    }
+}
+
+/// Weight rows per GEMV task: enough work to amortize the hand-off at M = 1.
+pub(crate) fn gemv_task_rows(tier: Tier, m: usize) -> usize {
+    if tier >= Tier::Avx2 && m == 1 {
+        32
+    } else {
+        8
+    }
+}
+
+/// Whether [`gemv_task`] takes the activations already multiplied by their scales
+/// (`quantize_act(.., dequantize = true)`) for this tier and `m`.
+pub(crate) fn gemv_wants_scaled_act(tier: Tier, m: usize) -> bool {
+    tier >= Tier::Avx2 && m > 1
+}
+
+/// One GEMV task: `yt [rows, m]` (transposed output) for weight rows `n0..` of `w`, with `xq`
+/// quantized as [`gemv_wants_scaled_act`] says. `tier` must be at most `Tier::current()`.
+pub(crate) fn gemv_task(
+    tier: Tier,
+    xq: &QuantizedAct<'_>,
+    w: &[u8],
+    sw: &[f32],
+    s: LinearShape,
+    n0: usize,
+    yt: &mut [f32],
+) {
+    if gemv_wants_scaled_act(tier, s.m) {
+        with_f32(3 * s.k, |buf| {
+            gemv_small_rows(tier, &xq.values, w, sw, s, n0, yt, buf)
+        })
+    } else if tier >= Tier::Avx2 {
+        gemv1_rows(tier, xq, w, sw, s, n0, yt)
+    } else {
+        gemv_rows(xq, w, sw, s, n0, yt)
     }
 }
 

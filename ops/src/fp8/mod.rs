@@ -1,11 +1,13 @@
 //! The fp8 e4m3fn block-scaled format and the layer built on it.
 
 mod cuda;
+mod experts;
 mod linear;
 mod op;
 mod pjrt;
 pub(crate) mod weight;
 
+pub use experts::Fp8Experts;
 pub use fp8nsa_cpu::linear::{CpuKernel, GEMV_MAX_M};
 pub use fp8nsa_types::{ActQuant, ScaleDType};
 pub use linear::Fp8Linear;

@@ -134,6 +134,31 @@ pub fn fp8_linear(
     Ok(Tensor::from_vec(y, dims, x.device())?)
 }
 
+/// The grouped expert GEMM by definition: rows grouped by expert (`counts[e]` rows for expert
+/// `e`, in order), each group through [`fp8_linear`] with its expert's weight, in f64.
+pub fn fp8_experts(
+    x: &Tensor,
+    experts: &[Fp8BlockWeight],
+    counts: &[usize],
+    act: ActQuant,
+) -> Result<Tensor> {
+    if counts.len() != experts.len() {
+        return Err(crate::error::invalid(
+            "counts",
+            format!("one per expert ({}), got {}", experts.len(), counts.len()),
+        ));
+    }
+    let mut parts = Vec::new();
+    let mut r0 = 0;
+    for (w, &c) in experts.iter().zip(counts) {
+        if c > 0 {
+            parts.push(fp8_linear(&x.narrow(0, r0, c)?, w, None, act)?);
+            r0 += c;
+        }
+    }
+    Ok(Tensor::cat(&parts, 0)?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

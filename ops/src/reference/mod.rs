@@ -4,5 +4,5 @@
 mod fp8;
 mod nsa;
 
-pub use fp8::fp8_linear;
+pub use fp8::{fp8_experts, fp8_linear};
 pub use nsa::{nsa_layer, nsa_selection, NsaLayerReference};

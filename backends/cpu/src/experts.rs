@@ -1,0 +1,280 @@
+//! Grouped fp8 GEMM for mixture-of-experts layers: `E` expert weights `[E, N, K]` (e4m3 codes)
+//! with block scales `[E, ceil(N/bn), ceil(K/bk)]`, and token rows grouped by expert (the
+//! "contiguous" layout: expert `e` takes the next `counts[e]` rows of `x`).
+//!
+//! Decode sends a few rows to each of a few experts: every such expert's GEMV runs as tasks of
+//! **one** parallel region, one pass over each routed expert's weight rows. An expert with more
+//! than [`GEMV_MAX_M`] rows (prefill) runs the panel GEMM of [`crate::linear`] on its own.
+
+use rayon::prelude::*;
+
+use crate::error::{check_len, check_positive, invalid, Result};
+use crate::linear::{gemv_task, gemv_task_rows, gemv_wants_scaled_act, plan, GEMV_MAX_M};
+use crate::quant::{quantize_act_in, QuantizedAct};
+use crate::scratch::with_f32;
+use crate::simd::Tier;
+use fp8nsa_types::{ActQuant, LinearShape};
+
+/// Shape of a grouped call's weights: `e` experts of `[n, k]` in `bn x bk` blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertsShape {
+    pub e: usize,
+    pub n: usize,
+    pub k: usize,
+    pub bn: usize,
+    pub bk: usize,
+}
+
+impl ExpertsShape {
+    /// Scales per expert.
+    pub fn scales_per_expert(&self) -> usize {
+        self.n.div_ceil(self.bn) * self.k.div_ceil(self.bk)
+    }
+
+    fn linear(&self, m: usize) -> LinearShape {
+        LinearShape {
+            m,
+            n: self.n,
+            k: self.k,
+            bn: self.bn,
+            bk: self.bk,
+        }
+    }
+}
+
+/// `out [T, n]`: row `t` of `x [T, k]` times expert `e`'s dequantized weight, where `e` is the
+/// group row `t` falls in (`counts [e]`, summing to `T`; empty groups allowed). Activations are
+/// quantized per `act` within each expert's group, as `e` separate
+/// [`crate::linear::fp8_linear`] calls would.
+///
+/// ```
+/// use fp8nsa_cpu::experts::{grouped, ExpertsShape};
+/// use fp8nsa_types::ActQuant;
+///
+/// // two experts of [1, 2]: expert 0 doubles the sum, expert 1 negates it (codes 1.0 / -1.0)
+/// let s = ExpertsShape { e: 2, n: 1, k: 2, bn: 128, bk: 128 };
+/// let w = [0x38, 0x38, 0xb8, 0xb8];
+/// let sw = [2.0, 1.0];
+/// let mut out = [0f32; 3];
+/// grouped(&[1.0, 2.0, 3.0, 4.0, 0.5, 0.5], &[1, 2], &w, &sw, s, ActQuant::None, &mut out)?;
+/// assert_eq!(out, [6.0, -7.0, -1.0]);
+/// # Ok::<(), fp8nsa_cpu::Error>(())
+/// ```
+pub fn grouped(
+    x: &[f32],
+    counts: &[usize],
+    w: &[u8],
+    sw: &[f32],
+    s: ExpertsShape,
+    act: ActQuant,
+    out: &mut [f32],
+) -> Result<()> {
+    for (arg, v) in [
+        ("e", s.e),
+        ("n", s.n),
+        ("k", s.k),
+        ("bn", s.bn),
+        ("bk", s.bk),
+    ] {
+        check_positive(arg, v)?;
+    }
+    if let ActQuant::Block2d { bm } = act {
+        check_positive("bm", bm)?;
+    }
+    check_len("counts", counts.len(), s.e)?;
+    let t: usize = counts.iter().sum();
+    if t == 0 {
+        return Err(invalid("counts", "route at least one row"));
+    }
+    check_len("x", x.len(), t * s.k)?;
+    check_len("weight", w.len(), s.e * s.n * s.k)?;
+    check_len("weight scales", sw.len(), s.e * s.scales_per_expert())?;
+    check_len("out", out.len(), t * s.n)?;
+    let (nk, spe) = (s.n * s.k, s.scales_per_expert());
+    let starts: Vec<usize> = counts
+        .iter()
+        .scan(0, |acc, &c| {
+            let r = *acc;
+            *acc += c;
+            Some(r)
+        })
+        .collect();
+    // prefill-sized groups: the panel GEMM, one expert at a time, each parallel inside
+    for (e, (&m, &r0)) in counts.iter().zip(&starts).enumerate() {
+        if m > GEMV_MAX_M {
+            plan(s.linear(m), act)?.run(
+                &x[r0 * s.k..(r0 + m) * s.k],
+                &w[e * nk..(e + 1) * nk],
+                &sw[e * spe..(e + 1) * spe],
+                None,
+                &mut out[r0 * s.n..(r0 + m) * s.n],
+            )?;
+        }
+    }
+    let small: Vec<(usize, usize, usize)> = counts
+        .iter()
+        .zip(&starts)
+        .enumerate()
+        .filter(|(_, (&m, _))| m > 0 && m <= GEMV_MAX_M)
+        .map(|(e, (&m, &r0))| (e, m, r0))
+        .collect();
+    if small.is_empty() {
+        return Ok(());
+    }
+    // read once: a concurrent `Tier::cap` must not change the path mid-call
+    let tier = Tier::current();
+    let rows_small: usize = small.iter().map(|&(_, m, _)| m).sum();
+    with_f32(rows_small * s.k, |abuf| -> Result<()> {
+        with_f32(rows_small * s.n, |ybuf| -> Result<()> {
+            // each small expert's quantized rows and transposed output yt [n, m], carved from
+            // the two buffers
+            let mut acts: Vec<QuantizedAct<'_>> = Vec::with_capacity(small.len());
+            let mut yts: Vec<&mut [f32]> = Vec::with_capacity(small.len());
+            let (mut arest, mut yrest) = (&mut abuf[..], &mut ybuf[..]);
+            for &(_, m, r0) in &small {
+                let (a, ar) = std::mem::take(&mut arest).split_at_mut(m * s.k);
+                let (y, yr) = std::mem::take(&mut yrest).split_at_mut(m * s.n);
+                (arest, yrest) = (ar, yr);
+                let deq = gemv_wants_scaled_act(tier, m);
+                let xe = &x[r0 * s.k..(r0 + m) * s.k];
+                acts.push(quantize_act_in(xe, m, s.k, s.bk, act, deq, a)?);
+                yts.push(y);
+            }
+            // every task of every small expert in one parallel region
+            let mut tasks = Vec::new();
+            for ((i, &(e, m, _)), yt) in small.iter().enumerate().zip(yts) {
+                let rows = gemv_task_rows(tier, m);
+                for (c, chunk) in yt.chunks_mut(rows * m).enumerate() {
+                    tasks.push((i, e, c * rows, chunk));
+                }
+            }
+            tasks.into_par_iter().for_each(|(i, e, n0, yt)| {
+                let m = small[i].1;
+                gemv_task(
+                    tier,
+                    &acts[i],
+                    &w[e * nk..(e + 1) * nk],
+                    &sw[e * spe..(e + 1) * spe],
+                    s.linear(m),
+                    n0,
+                    yt,
+                )
+            });
+            let mut off = 0;
+            for &(_, m, r0) in &small {
+                let yt = &ybuf[off..off + m * s.n];
+                for (r, row) in out[r0 * s.n..(r0 + m) * s.n]
+                    .chunks_exact_mut(s.n)
+                    .enumerate()
+                {
+                    for (j, y) in row.iter_mut().enumerate() {
+                        *y = yt[j * m + r];
+                    }
+                }
+                off += m * s.n;
+            }
+            Ok(())
+        })?;
+        Ok(())
+    })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Error;
+    use crate::linear::fp8_linear;
+    use crate::quant::quantize_weight;
+
+    /// One grouped call equals one `fp8_linear` per expert on its rows, bit for bit: the same
+    /// kernels on the same quantized rows, only scheduled together.
+    #[test]
+    fn grouped_equals_one_linear_per_expert() {
+        let s = ExpertsShape {
+            e: 5,
+            n: 43,
+            k: 300,
+            bn: 16,
+            bk: 128,
+        };
+        let (mut w, mut sw) = (Vec::new(), Vec::new());
+        for e in 0..s.e {
+            let we: Vec<f32> = (0..s.n * s.k)
+                .map(|i| ((i * 31 + e * 7) % 97) as f32 - 48.0)
+                .map(|v| v * 10f32.powi((e % 3) as i32 - 1))
+                .collect();
+            let (q, sc) = quantize_weight(&we, s.n, s.k, s.bn, s.bk).unwrap();
+            w.extend(q);
+            sw.extend(sc);
+        }
+        let counts = [0, 1, 3, GEMV_MAX_M + 4, 2];
+        let t: usize = counts.iter().sum();
+        let x: Vec<f32> = (0..t * s.k)
+            .map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.1)
+            .collect();
+        for act in [ActQuant::Group, ActQuant::None, ActQuant::Block2d { bm: 2 }] {
+            let mut got = vec![f32::NAN; t * s.n];
+            grouped(&x, &counts, &w, &sw, s, act, &mut got).unwrap();
+            let mut r0 = 0;
+            for (e, &m) in counts.iter().enumerate() {
+                if m == 0 {
+                    continue;
+                }
+                let shape = s.linear(m);
+                let (nk, spe) = (s.n * s.k, s.scales_per_expert());
+                let mut want = vec![0f32; m * s.n];
+                fp8_linear(
+                    &x[r0 * s.k..(r0 + m) * s.k],
+                    &w[e * nk..(e + 1) * nk],
+                    &sw[e * spe..(e + 1) * spe],
+                    None,
+                    shape,
+                    act,
+                    &mut want,
+                )
+                .unwrap();
+                assert_eq!(
+                    &got[r0 * s.n..(r0 + m) * s.n],
+                    &want[..],
+                    "{act:?} expert {e}"
+                );
+                r0 += m;
+            }
+        }
+    }
+
+    #[test]
+    fn bad_calls_are_errors() {
+        let s = ExpertsShape {
+            e: 2,
+            n: 1,
+            k: 2,
+            bn: 1,
+            bk: 1,
+        };
+        let (w, sw) = ([0x38u8; 4], [1.0f32; 4]);
+        let mut out = [0f32; 2];
+        let g = |x: &[f32], counts: &[usize], out: &mut [f32]| {
+            grouped(x, counts, &w, &sw, s, ActQuant::Group, out)
+        };
+        assert!(matches!(
+            g(&[1.0; 4], &[1], &mut out),
+            Err(Error::Shape { arg: "counts", .. })
+        ));
+        assert!(matches!(
+            g(&[], &[0, 0], &mut []),
+            Err(Error::Invalid { arg: "counts", .. })
+        ));
+        assert!(matches!(
+            g(&[1.0; 2], &[1, 1], &mut out),
+            Err(Error::Shape { arg: "x", .. })
+        ));
+        assert!(matches!(
+            g(&[1.0; 4], &[1, 1], &mut out[..1]),
+            Err(Error::Shape { arg: "out", .. })
+        ));
+        g(&[1.0; 4], &[2, 0], &mut out).unwrap();
+        assert_eq!(out, [2.0, 2.0]);
+    }
+}

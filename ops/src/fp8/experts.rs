@@ -1,0 +1,216 @@
+//! `Fp8Experts`: the weights of one projection of every expert of a mixture-of-experts layer,
+//! called once per layer with the tokens routed to them (grouped fp8 GEMM).
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use fp8nsa_cpu::experts::{grouped, ExpertsShape};
+
+use super::weight::host_bytes;
+use super::{ActQuant, Fp8BlockWeight};
+use crate::error::{invalid, shape_err, Error, Result};
+
+/// `E` experts' `[N, K]` fp8 weights with the same block size, stored together (`[E, N, K]`
+/// codes, `[E, ceil(N/bn), ceil(K/bk)]` scales), and the activation scheme of their calls.
+///
+/// Two call shapes, as DeepGEMM has them: [`Fp8Experts::forward_contiguous`] (token rows
+/// grouped by expert, prefill) and [`Fp8Experts::forward_masked`] (a fixed-size slot of rows per
+/// expert with a count of valid ones, decode). Both run as one grouped call: at decode every
+/// routed expert's GEMV is a task of one parallel region, one pass over its weight rows.
+/// CPU only so far; CUDA and PJRT tensors get `Error::Unsupported`.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use fp8nsa_ops::{ActQuant, Fp8BlockWeight, Fp8Experts};
+///
+/// let dev = Device::Cpu;
+/// let experts: Vec<Fp8BlockWeight> = (0..4)
+///     .map(|e| Fp8BlockWeight::quantize(&Tensor::full(e as f32 + 1.0, (3, 8), &dev)?, [128, 128]))
+///     .collect::<Result<_, _>>()?;
+/// let layer = Fp8Experts::new(&experts, ActQuant::Group)?;
+/// let x = Tensor::ones((3, 8), candle_core::DType::F32, &dev)?;
+/// // rows 0 and 1 to expert 1, row 2 to expert 3
+/// let y = layer.forward_contiguous(&x, &[0, 2, 0, 1])?.to_vec2::<f32>()?;
+/// let close = |row: &[f32], v: f32| row.iter().all(|y| (y - v).abs() < 1e-4 * v);
+/// assert!(close(&y[0], 16.0) && close(&y[1], 16.0)); // 8 ones times 2
+/// assert!(close(&y[2], 32.0)); // 8 ones times 4
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct Fp8Experts {
+    codes: Arc<[u8]>,
+    scales: Arc<[f32]>,
+    shape: ExpertsShape,
+    act: ActQuant,
+}
+
+impl Fp8Experts {
+    /// Stacks `experts` (at least one, all of the same shape and block size).
+    pub fn new(experts: &[Fp8BlockWeight], act: ActQuant) -> Result<Self> {
+        act.validate()?;
+        let first = experts
+            .first()
+            .ok_or_else(|| invalid("experts", "needs at least one expert"))?;
+        let ([n, k], [bn, bk]) = (first.shape(), first.block());
+        let shape = ExpertsShape {
+            e: experts.len(),
+            n,
+            k,
+            bn,
+            bk,
+        };
+        let mut codes = Vec::with_capacity(shape.e * n * k);
+        let mut scales = Vec::with_capacity(shape.e * shape.scales_per_expert());
+        for (i, w) in experts.iter().enumerate() {
+            if w.shape() != [n, k] || w.block() != [bn, bk] {
+                return Err(invalid(
+                    "experts",
+                    format!(
+                        "expert {i} is {:?} in {:?} blocks, expert 0 is [{n}, {k}] in [{bn}, {bk}]",
+                        w.shape(),
+                        w.block()
+                    ),
+                ));
+            }
+            codes.extend(host_bytes("experts", w.data())?);
+            scales.extend(
+                w.scales()
+                    .to_device(&Device::Cpu)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?,
+            );
+        }
+        Ok(Self {
+            codes: codes.into(),
+            scales: scales.into(),
+            shape,
+            act,
+        })
+    }
+
+    pub fn num_experts(&self) -> usize {
+        self.shape.e
+    }
+
+    /// `[E, N, K]`.
+    pub fn shape(&self) -> [usize; 3] {
+        [self.shape.e, self.shape.n, self.shape.k]
+    }
+
+    pub fn act(&self) -> ActQuant {
+        self.act
+    }
+
+    fn check_x(&self, x: &Tensor, rank: usize) -> Result<()> {
+        if !matches!(x.device(), Device::Cpu) {
+            return Err(Error::Unsupported {
+                op: "fp8-experts",
+                device: format!("{:?}", x.device()),
+                hint: "the grouped expert GEMM runs on the CPU only so far",
+            });
+        }
+        if !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+            return Err(Error::DType {
+                arg: "x",
+                expected: "f32, bf16 or f16",
+                got: x.dtype(),
+            });
+        }
+        if x.rank() != rank || x.dims().last() != Some(&self.shape.k) {
+            let want = if rank == 2 { "[T, K]" } else { "[E, M, K]" };
+            return Err(shape_err(
+                "x",
+                format!("{want} with K = {}", self.shape.k),
+                x.dims(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_counts(&self, counts: &[usize]) -> Result<()> {
+        if counts.len() != self.shape.e {
+            return Err(invalid(
+                "counts",
+                format!(
+                    "needs one count per expert ({}), got {}",
+                    self.shape.e,
+                    counts.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `y [T, N]` for `x [T, K]` whose rows are grouped by expert: expert `e` takes the next
+    /// `counts[e]` rows (counts sum to `T`; zeros allowed).
+    pub fn forward_contiguous(&self, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        self.check_x(x, 2)?;
+        self.check_counts(counts)?;
+        let t = x.dims()[0];
+        if counts.iter().sum::<usize>() != t {
+            return Err(invalid(
+                "counts",
+                format!(
+                    "must sum to the {t} rows of x, got {}",
+                    counts.iter().sum::<usize>()
+                ),
+            ));
+        }
+        let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let mut out = vec![0f32; t * self.shape.n];
+        grouped(
+            &xs,
+            counts,
+            &self.codes,
+            &self.scales,
+            self.shape,
+            self.act,
+            &mut out,
+        )?;
+        Ok(Tensor::from_vec(out, (t, self.shape.n), &Device::Cpu)?.to_dtype(x.dtype())?)
+    }
+
+    /// `y [E, M, N]` for `x [E, M, K]`: expert `e` takes rows `0..counts[e]` of its slot;
+    /// the other rows of `y` are zero.
+    pub fn forward_masked(&self, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        self.check_x(x, 3)?;
+        self.check_counts(counts)?;
+        let (e, m, k, n) = (self.shape.e, x.dims()[1], self.shape.k, self.shape.n);
+        if x.dims()[0] != e {
+            return Err(shape_err("x", format!("[{e}, M, {k}]"), x.dims()));
+        }
+        if let Some((i, &c)) = counts.iter().enumerate().find(|(_, &c)| c > m) {
+            return Err(invalid(
+                "counts",
+                format!("expert {i} has {c} rows, more than the slot of {m}"),
+            ));
+        }
+        let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let t: usize = counts.iter().sum();
+        let mut out = vec![0f32; e * m * n];
+        if t > 0 {
+            let packed: Vec<f32> = counts
+                .iter()
+                .enumerate()
+                .flat_map(|(i, &c)| &xs[i * m * k..(i * m + c) * k])
+                .copied()
+                .collect();
+            let mut y = vec![0f32; t * n];
+            grouped(
+                &packed,
+                counts,
+                &self.codes,
+                &self.scales,
+                self.shape,
+                self.act,
+                &mut y,
+            )?;
+            let mut r = 0;
+            for (i, &c) in counts.iter().enumerate() {
+                out[i * m * n..(i * m + c) * n].copy_from_slice(&y[r * n..(r + c) * n]);
+                r += c;
+            }
+        }
+        Ok(Tensor::from_vec(out, (e, m, n), &Device::Cpu)?.to_dtype(x.dtype())?)
+    }
+}
