@@ -674,3 +674,110 @@ fn experts_bad_calls_are_errors() {
         .forward_contiguous(&x.narrow(0, 0, 0).unwrap(), &[0, 0, 0])
         .is_err());
 }
+
+/// The MoE block against a per-token f64 computation: routing (softmax, top-k, renormalized)
+/// in f64, each chosen expert through the reference linear, SwiGLU in f64, weighted sum.
+#[test]
+fn moe_block_matches_a_per_token_f64_reference() {
+    let mut rng = rng("moe_block");
+    let (e, h, i, block) = (6, 200, 136, [128, 128]);
+    let gate = experts(&mut rng, e, i, h, block);
+    let up = experts(&mut rng, e, i, h, block);
+    let down = experts(&mut rng, e, h, i, block);
+    let router = tensor(gaussian(&mut rng, e * h), &[e, h]);
+    let rv: Vec<f64> = router
+        .to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    for (act, tol) in [(ActQuant::None, 1e-4), (ActQuant::Group, 1e-2)] {
+        let stack = |ws: &[Fp8BlockWeight]| fp8nsa::Fp8Experts::new(ws, act).unwrap();
+        let moe = fp8nsa::Fp8Moe::new(
+            router.clone(),
+            stack(&gate),
+            stack(&up),
+            stack(&down),
+            2,
+            true,
+        )
+        .unwrap();
+        for t in [1, 5] {
+            let x = tensor(gaussian(&mut rng, t * h), &[t, h]);
+            let y = moe.forward(&x).unwrap();
+            let (chosen, _) = moe.route(&x).unwrap();
+            let mut want = Vec::with_capacity(t * h);
+            for tok in 0..t {
+                let xt = x.narrow(0, tok, 1).unwrap().to_dtype(DType::F64).unwrap();
+                let xv: Vec<f64> = xt
+                    .to_dtype(DType::F64)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                let logits: Vec<f64> = (0..e)
+                    .map(|ex| (0..h).map(|c| rv[ex * h + c] * xv[c]).sum())
+                    .collect();
+                let m = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let p: Vec<f64> = logits.iter().map(|l| (l - m).exp()).collect();
+                let mut order: Vec<usize> = (0..e).collect();
+                order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
+                assert_eq!(
+                    &order[..2],
+                    &chosen[tok * 2..tok * 2 + 2],
+                    "routing of token {tok}"
+                );
+                let z: f64 = order[..2].iter().map(|&ex| p[ex]).sum();
+                let mut acc = vec![0f64; h];
+                for &ex in &order[..2] {
+                    let g = reference::fp8_linear(&xt, &gate[ex], None, act).unwrap();
+                    let u = reference::fp8_linear(&xt, &up[ex], None, act).unwrap();
+                    let g: Vec<f64> = g
+                        .to_dtype(DType::F64)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                    let u: Vec<f64> = u
+                        .to_dtype(DType::F64)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                    let a: Vec<f64> = g
+                        .iter()
+                        .zip(&u)
+                        .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                        .collect();
+                    let a = Tensor::from_vec(a, (1, i), &Device::Cpu).unwrap();
+                    let d = reference::fp8_linear(&a, &down[ex], None, act).unwrap();
+                    let d: Vec<f64> = d
+                        .to_dtype(DType::F64)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap();
+                    for (o, v) in acc.iter_mut().zip(d) {
+                        *o += p[ex] / z * v;
+                    }
+                }
+                want.extend(acc);
+            }
+            let want = Tensor::from_vec(want, (t, h), &Device::Cpu).unwrap();
+            let err = rel_frobenius(&y, &want);
+            assert!(err < tol, "{act:?} T = {t}: {err:e}");
+        }
+    }
+    // top_k outside 1..=E
+    let stack = |ws: &[Fp8BlockWeight]| fp8nsa::Fp8Experts::new(ws, ActQuant::Group).unwrap();
+    let bad = fp8nsa::Fp8Moe::new(router, stack(&gate), stack(&up), stack(&down), 7, true);
+    assert!(
+        matches!(bad, Err(Error::Invalid { arg: "top_k", .. })),
+        "{bad:?}"
+    );
+}

@@ -3,6 +3,7 @@
 mod cuda;
 mod experts;
 mod linear;
+mod moe;
 mod op;
 mod pjrt;
 pub(crate) mod weight;
@@ -11,5 +12,6 @@ pub use experts::Fp8Experts;
 pub use fp8nsa_cpu::linear::{CpuKernel, GEMV_MAX_M};
 pub use fp8nsa_types::{ActQuant, ScaleDType};
 pub use linear::Fp8Linear;
+pub use moe::Fp8Moe;
 pub use op::Fp8Path;
 pub use weight::Fp8BlockWeight;
