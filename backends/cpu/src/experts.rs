@@ -45,7 +45,8 @@ impl ExpertsShape {
 /// `out [T, n]`: row `t` of `x [T, k]` times expert `e`'s dequantized weight, where `e` is the
 /// group row `t` falls in (`counts [e]`, summing to `T`; empty groups allowed). Activations are
 /// quantized per `act` within each expert's group, as `e` separate
-/// [`crate::linear::fp8_linear`] calls would.
+/// [`crate::linear::fp8_linear`] calls would. `nan_free` as
+/// [`crate::linear::LinearPlan::assume_nan_free`], for all experts.
 ///
 /// ```
 /// use fp8nsa_cpu::experts::{grouped, ExpertsShape};
@@ -56,7 +57,7 @@ impl ExpertsShape {
 /// let w = [0x38, 0x38, 0xb8, 0xb8];
 /// let sw = [2.0, 1.0];
 /// let mut out = [0f32; 3];
-/// grouped(&[1.0, 2.0, 3.0, 4.0, 0.5, 0.5], &[1, 2], &w, &sw, s, ActQuant::None, &mut out)?;
+/// grouped(&[1.0, 2.0, 3.0, 4.0, 0.5, 0.5], &[1, 2], &w, &sw, s, ActQuant::None, true, &mut out)?;
 /// assert_eq!(out, [6.0, -7.0, -1.0]);
 /// # Ok::<(), fp8nsa_cpu::Error>(())
 /// ```
@@ -67,6 +68,7 @@ pub fn grouped(
     sw: &[f32],
     s: ExpertsShape,
     act: ActQuant,
+    nan_free: bool,
     out: &mut [f32],
 ) -> Result<()> {
     for (arg, v) in [
@@ -102,7 +104,7 @@ pub fn grouped(
     // prefill-sized groups: the panel GEMM, one expert at a time, each parallel inside
     for (e, (&m, &r0)) in counts.iter().zip(&starts).enumerate() {
         if m > GEMV_MAX_M {
-            plan(s.linear(m), act)?.run(
+            plan(s.linear(m), act)?.assume_nan_free(nan_free).run(
                 &x[r0 * s.k..(r0 + m) * s.k],
                 &w[e * nk..(e + 1) * nk],
                 &sw[e * spe..(e + 1) * spe],
@@ -158,6 +160,7 @@ pub fn grouped(
                     s.linear(m),
                     n0,
                     yt,
+                    nan_free,
                 )
             });
             let mut off = 0;
@@ -215,7 +218,7 @@ mod tests {
             .collect();
         for act in [ActQuant::Group, ActQuant::None, ActQuant::Block2d { bm: 2 }] {
             let mut got = vec![f32::NAN; t * s.n];
-            grouped(&x, &counts, &w, &sw, s, act, &mut got).unwrap();
+            grouped(&x, &counts, &w, &sw, s, act, true, &mut got).unwrap();
             let mut r0 = 0;
             for (e, &m) in counts.iter().enumerate() {
                 if m == 0 {
@@ -256,7 +259,7 @@ mod tests {
         let (w, sw) = ([0x38u8; 4], [1.0f32; 4]);
         let mut out = [0f32; 2];
         let g = |x: &[f32], counts: &[usize], out: &mut [f32]| {
-            grouped(x, counts, &w, &sw, s, ActQuant::Group, out)
+            grouped(x, counts, &w, &sw, s, ActQuant::Group, false, out)
         };
         assert!(matches!(
             g(&[1.0; 4], &[1], &mut out),

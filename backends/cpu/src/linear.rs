@@ -68,6 +68,7 @@ pub struct LinearPlan {
     shape: LinearShape,
     act: ActQuant,
     kernel: CpuKernel,
+    nan_free: bool,
 }
 
 /// Checks a call's shape and activation scheme and picks its kernel.
@@ -80,6 +81,7 @@ pub fn plan(shape: LinearShape, act: ActQuant) -> Result<LinearPlan> {
         shape,
         act,
         kernel: CpuKernel::for_shape(&shape),
+        nan_free: false,
     })
 }
 
@@ -90,6 +92,15 @@ impl LinearPlan {
 
     pub fn shape(&self) -> LinearShape {
         self.shape
+    }
+
+    /// Declares that the weight this plan runs on holds no NaN code (`0x7f` / `0xff`), which
+    /// lets the M = 1 AVX2 kernel skip its per-code NaN scan (~15% of its time). Weights are
+    /// immutable, so a caller checks once per weight (`Fp8BlockWeight` does). A false claim
+    /// gives finite garbage instead of NaN in the affected outputs, nothing worse.
+    pub fn assume_nan_free(mut self, nan_free: bool) -> Self {
+        self.nan_free = nan_free;
+        self
     }
 
     /// Computes `out [m, n] = x [m, k] · dequant(W)ᵀ + bias` per the numerics contract.
@@ -127,9 +138,10 @@ impl LinearPlan {
                     let mut gemv = |yt: &mut [f32]| -> Result<()> {
                         let deq = gemv_wants_scaled_act(tier, m);
                         let xq = quantize_act_in(x, m, k, bk, act, deq, abuf)?;
-                        yt.par_chunks_mut(rows * m)
-                            .enumerate()
-                            .for_each(|(c, yt)| gemv_task(tier, &xq, w, sw, s, c * rows, yt));
+                        let nan_free = self.nan_free;
+                        yt.par_chunks_mut(rows * m).enumerate().for_each(|(c, yt)| {
+                            gemv_task(tier, &xq, w, sw, s, c * rows, yt, nan_free)
+                        });
                         Ok(())
                     };
                     if m == 1 {
@@ -180,7 +192,9 @@ pub(crate) fn gemv_wants_scaled_act(tier: Tier, m: usize) -> bool {
 }
 
 /// One GEMV task: `yt [rows, m]` (transposed output) for weight rows `n0..` of `w`, with `xq`
-/// quantized as [`gemv_wants_scaled_act`] says. `tier` must be at most `Tier::current()`.
+/// quantized as [`gemv_wants_scaled_act`] says. `tier` must be at most `Tier::current()`;
+/// `nan_free` as [`LinearPlan::assume_nan_free`].
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gemv_task(
     tier: Tier,
     xq: &QuantizedAct<'_>,
@@ -189,13 +203,14 @@ pub(crate) fn gemv_task(
     s: LinearShape,
     n0: usize,
     yt: &mut [f32],
+    nan_free: bool,
 ) {
     if gemv_wants_scaled_act(tier, s.m) {
         with_f32(3 * s.k, |buf| {
             gemv_small_rows(tier, &xq.values, w, sw, s, n0, yt, buf)
         })
     } else if tier >= Tier::Avx2 {
-        gemv1_rows(tier, xq, w, sw, s, n0, yt)
+        gemv1_rows(tier, xq, w, sw, s, n0, yt, nan_free)
     } else {
         gemv_rows(xq, w, sw, s, n0, yt)
     }
@@ -291,6 +306,7 @@ simd_dispatch!(fn gemv_rows => gemv_rows_impl(
 
 /// [`gemv_rows`] at M = 1 (`yt` is `[rows]`), on the AVX2 tier: four weight rows per pass share
 /// each activation load, each decoded through F16C in registers.
+#[allow(clippy::too_many_arguments)]
 fn gemv1_rows(
     tier: Tier,
     xq: &QuantizedAct<'_>,
@@ -299,6 +315,7 @@ fn gemv1_rows(
     s: LinearShape,
     n0: usize,
     yt: &mut [f32],
+    nan_free: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -310,6 +327,7 @@ fn gemv1_rows(
             s: LinearShape,
             n0: usize,
             yt: &mut [f32],
+            nan_free: bool,
         ) {
             let (k, kbs) = (s.k, s.k_blocks());
             let x = &xq.values[..];
@@ -330,7 +348,13 @@ fn gemv1_rows(
                 let sc = n.map(|n| &prod[(n / s.bn - nb0) * kbs..(n / s.bn - nb0 + 1) * kbs]);
                 // SAFETY: this function is compiled for AVX2 + FMA + F16C, which the caller
                 // checked the CPU has.
-                let acc = unsafe { crate::x86::dot4_blocks(x, wr, s.bk, sc) };
+                let acc = unsafe {
+                    if nan_free {
+                        crate::x86::dot4_blocks::<false>(x, wr, s.bk, sc)
+                    } else {
+                        crate::x86::dot4_blocks::<true>(x, wr, s.bk, sc)
+                    }
+                };
                 let take = (rows - r0).min(4);
                 yt[r0..r0 + take].copy_from_slice(&acc[..take]);
             }
@@ -338,7 +362,7 @@ fn gemv1_rows(
         if tier >= Tier::Avx2 {
             // SAFETY: `tier` came from `Tier::current()`, which is never above the detected
             // tier, and the AVX2 tier is only detected with AVX2, FMA and F16C present.
-            return unsafe { run(xq, w, sw, s, n0, yt) };
+            return unsafe { run(xq, w, sw, s, n0, yt, nan_free) };
         }
     }
     gemv_rows(xq, w, sw, s, n0, yt)

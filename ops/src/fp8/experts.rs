@@ -42,6 +42,8 @@ pub struct Fp8Experts {
     scales: Arc<[f32]>,
     shape: ExpertsShape,
     act: ActQuant,
+    /// No code of any expert is NaN (scanned once here): the decode GEMV may skip its check.
+    nan_free: bool,
 }
 
 impl Fp8Experts {
@@ -80,7 +82,9 @@ impl Fp8Experts {
                     .to_vec1::<f32>()?,
             );
         }
+        let nan_free = !codes.iter().any(|&c| c & 0x7f == 0x7f);
         Ok(Self {
+            nan_free,
             codes: codes.into(),
             scales: scales.into(),
             shape,
@@ -165,6 +169,7 @@ impl Fp8Experts {
             &self.scales,
             self.shape,
             self.act,
+            self.nan_free,
             &mut out,
         )?;
         Ok(Tensor::from_vec(out, (t, self.shape.n), &Device::Cpu)?.to_dtype(x.dtype())?)
@@ -203,6 +208,7 @@ impl Fp8Experts {
                 &self.scales,
                 self.shape,
                 self.act,
+                self.nan_free,
                 &mut y,
             )?;
             let mut r = 0;

@@ -90,7 +90,9 @@ impl<'a> Fp8LinearOp<'a> {
             }
         };
         let mut out = vec![0f32; s.m * s.n];
-        plan.run(&x, &codes, scales, self.layer.bias_host(), &mut out)?;
+        let nan_free = self.layer.weight().nan_free(&codes);
+        plan.assume_nan_free(nan_free)
+            .run(&x, &codes, scales, self.layer.bias_host(), &mut out)?;
         Ok(from_f32(out, xs.dtype()))
     }
 }

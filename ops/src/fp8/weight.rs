@@ -28,6 +28,10 @@ pub struct Fp8BlockWeight {
     data: Tensor,
     scales: Tensor,
     block: [usize; 2],
+    /// Whether no code is NaN (`0x7f` / `0xff`), found by one scan of the codes the first time a
+    /// CPU kernel asks: the weights never change, and a NaN-free weight lets the decode GEMV
+    /// skip its per-code NaN check.
+    nan_free: std::sync::OnceLock<bool>,
 }
 
 fn check_block(block: [usize; 2]) -> Result<()> {
@@ -102,6 +106,7 @@ impl Fp8BlockWeight {
             fp8nsa_cpu::quant::quantize_weight_as(&host, n, k, block[0], block[1], scale_dtype)?;
         let dev = w.device();
         Ok(Self {
+            nan_free: std::sync::OnceLock::new(),
             data: Tensor::from_vec(codes, (n, k), dev)?,
             scales: Tensor::from_vec(scales, (n.div_ceil(block[0]), k.div_ceil(block[1])), dev)?,
             block,
@@ -156,6 +161,7 @@ impl Fp8BlockWeight {
             }
         };
         Ok(Self {
+            nan_free: std::sync::OnceLock::new(),
             data,
             scales: scales.contiguous()?,
             block,
@@ -207,6 +213,13 @@ impl Fp8BlockWeight {
     }
 
     /// The e4m3fn bytes as a U8 `[N, K]` tensor.
+    /// Whether `codes` (this weight's codes, on the host) hold no NaN code; scanned once.
+    pub(crate) fn nan_free(&self, codes: &[u8]) -> bool {
+        *self
+            .nan_free
+            .get_or_init(|| !codes.iter().any(|&c| c & 0x7f == 0x7f))
+    }
+
     pub fn data(&self) -> &Tensor {
         &self.data
     }
