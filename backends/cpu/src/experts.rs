@@ -42,14 +42,22 @@ impl ExpertsShape {
     }
 }
 
+/// The experts' weights: codes `[e, n, k]`, scales `[e, ceil(n/bn), ceil(k/bk)]`, and whether no
+/// code is NaN (as [`crate::linear::LinearPlan::assume_nan_free`], for all experts).
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertWeights<'a> {
+    pub codes: &'a [u8],
+    pub scales: &'a [f32],
+    pub nan_free: bool,
+}
+
 /// `out [T, n]`: row `t` of `x [T, k]` times expert `e`'s dequantized weight, where `e` is the
 /// group row `t` falls in (`counts [e]`, summing to `T`; empty groups allowed). Activations are
 /// quantized per `act` within each expert's group, as `e` separate
-/// [`crate::linear::fp8_linear`] calls would. `nan_free` as
-/// [`crate::linear::LinearPlan::assume_nan_free`], for all experts.
+/// [`crate::linear::fp8_linear`] calls would.
 ///
 /// ```
-/// use fp8nsa_cpu::experts::{grouped, ExpertsShape};
+/// use fp8nsa_cpu::experts::{grouped, ExpertWeights, ExpertsShape};
 /// use fp8nsa_types::ActQuant;
 ///
 /// // two experts of [1, 2]: expert 0 doubles the sum, expert 1 negates it (codes 1.0 / -1.0)
@@ -57,20 +65,24 @@ impl ExpertsShape {
 /// let w = [0x38, 0x38, 0xb8, 0xb8];
 /// let sw = [2.0, 1.0];
 /// let mut out = [0f32; 3];
-/// grouped(&[1.0, 2.0, 3.0, 4.0, 0.5, 0.5], &[1, 2], &w, &sw, s, ActQuant::None, true, &mut out)?;
+/// let weights = ExpertWeights { codes: &w, scales: &sw, nan_free: true };
+/// grouped(&[1.0, 2.0, 3.0, 4.0, 0.5, 0.5], &[1, 2], weights, s, ActQuant::None, &mut out)?;
 /// assert_eq!(out, [6.0, -7.0, -1.0]);
 /// # Ok::<(), fp8nsa_cpu::Error>(())
 /// ```
 pub fn grouped(
     x: &[f32],
     counts: &[usize],
-    w: &[u8],
-    sw: &[f32],
+    weights: ExpertWeights<'_>,
     s: ExpertsShape,
     act: ActQuant,
-    nan_free: bool,
     out: &mut [f32],
 ) -> Result<()> {
+    let ExpertWeights {
+        codes: w,
+        scales: sw,
+        nan_free,
+    } = weights;
     for (arg, v) in [
         ("e", s.e),
         ("n", s.n),
@@ -218,7 +230,12 @@ mod tests {
             .collect();
         for act in [ActQuant::Group, ActQuant::None, ActQuant::Block2d { bm: 2 }] {
             let mut got = vec![f32::NAN; t * s.n];
-            grouped(&x, &counts, &w, &sw, s, act, true, &mut got).unwrap();
+            let weights = ExpertWeights {
+                codes: &w,
+                scales: &sw,
+                nan_free: true,
+            };
+            grouped(&x, &counts, weights, s, act, &mut got).unwrap();
             let mut r0 = 0;
             for (e, &m) in counts.iter().enumerate() {
                 if m == 0 {
@@ -259,7 +276,12 @@ mod tests {
         let (w, sw) = ([0x38u8; 4], [1.0f32; 4]);
         let mut out = [0f32; 2];
         let g = |x: &[f32], counts: &[usize], out: &mut [f32]| {
-            grouped(x, counts, &w, &sw, s, ActQuant::Group, false, out)
+            let weights = ExpertWeights {
+                codes: &w,
+                scales: &sw,
+                nan_free: false,
+            };
+            grouped(x, counts, weights, s, ActQuant::Group, out)
         };
         assert!(matches!(
             g(&[1.0; 4], &[1], &mut out),

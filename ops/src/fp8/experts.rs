@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
-use fp8nsa_cpu::experts::{grouped, ExpertsShape};
+use fp8nsa_cpu::experts::{grouped, ExpertWeights, ExpertsShape};
 
 use super::weight::host_bytes;
 use super::{ActQuant, Fp8BlockWeight};
@@ -92,6 +92,14 @@ impl Fp8Experts {
         })
     }
 
+    fn weights(&self) -> ExpertWeights<'_> {
+        ExpertWeights {
+            codes: &self.codes,
+            scales: &self.scales,
+            nan_free: self.nan_free,
+        }
+    }
+
     pub fn num_experts(&self) -> usize {
         self.shape.e
     }
@@ -162,16 +170,7 @@ impl Fp8Experts {
         }
         let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let mut out = vec![0f32; t * self.shape.n];
-        grouped(
-            &xs,
-            counts,
-            &self.codes,
-            &self.scales,
-            self.shape,
-            self.act,
-            self.nan_free,
-            &mut out,
-        )?;
+        grouped(&xs, counts, self.weights(), self.shape, self.act, &mut out)?;
         Ok(Tensor::from_vec(out, (t, self.shape.n), &Device::Cpu)?.to_dtype(x.dtype())?)
     }
 
@@ -204,11 +203,9 @@ impl Fp8Experts {
             grouped(
                 &packed,
                 counts,
-                &self.codes,
-                &self.scales,
+                self.weights(),
                 self.shape,
                 self.act,
-                self.nan_free,
                 &mut y,
             )?;
             let mut r = 0;
