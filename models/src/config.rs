@@ -42,8 +42,38 @@ pub struct LlamaConfig {
     /// misread.
     #[serde(default)]
     pub rope_scaling: Option<serde_json::Value>,
+    /// Mixture-of-experts fields (Qwen3-MoE); none for a dense model.
+    #[serde(flatten)]
+    pub moe: MoeConfig,
     #[serde(skip)]
     pub rope_style: RopeStyle,
+}
+
+/// The mixture-of-experts part of a config (Qwen3-MoE field names). A layer runs an MoE block
+/// when `num_experts > 0`, it is not in `mlp_only_layers`, and `(layer + 1) %
+/// decoder_sparse_step == 0`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+pub struct MoeConfig {
+    #[serde(default)]
+    pub num_experts: usize,
+    #[serde(default)]
+    pub num_experts_per_tok: usize,
+    #[serde(default)]
+    pub moe_intermediate_size: usize,
+    #[serde(default)]
+    pub norm_topk_prob: bool,
+    #[serde(default)]
+    pub decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    pub mlp_only_layers: Vec<usize>,
+}
+
+impl MoeConfig {
+    /// Whether layer `l` is an MoE layer.
+    pub fn is_moe_layer(&self, l: usize) -> bool {
+        let step = self.decoder_sparse_step.unwrap_or(1).max(1);
+        self.num_experts > 0 && !self.mlp_only_layers.contains(&l) && (l + 1) % step == 0
+    }
 }
 
 fn default_eps() -> f64 {
@@ -74,6 +104,7 @@ impl LlamaConfig {
             bos_token_id: Some(1),
             eos_token_id: Some(2),
             rope_scaling: None,
+            moe: MoeConfig::default(),
             rope_style: RopeStyle::Half,
         }
     }
@@ -117,6 +148,21 @@ impl LlamaConfig {
             ));
         }
         self.rope_scaling()?;
+        let m = &self.moe;
+        if m.num_experts > 0 {
+            if m.num_experts_per_tok == 0 || m.num_experts_per_tok > m.num_experts {
+                return Err(invalid(
+                    "num_experts_per_tok",
+                    format!(
+                        "must be in 1..={} (num_experts), got {}",
+                        m.num_experts, m.num_experts_per_tok
+                    ),
+                ));
+            }
+            if m.moe_intermediate_size == 0 {
+                return Err(invalid("moe_intermediate_size", "must be at least 1"));
+            }
+        }
         if self.head_dim() % 2 != 0 {
             return Err(invalid("head_dim", "must be even for rotary embeddings"));
         }

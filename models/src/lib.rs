@@ -29,7 +29,7 @@ pub mod tokenizer;
 mod weights;
 
 pub use attention::AttentionKind;
-pub use config::{LlamaConfig, ModelOptions, RopeStyle};
+pub use config::{LlamaConfig, ModelOptions, MoeConfig, RopeStyle};
 pub use error::{Error, Result};
 pub use generate::{generate, perplexity, Sampling};
 pub use linear::{Linear, LinearKind};

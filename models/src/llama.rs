@@ -3,18 +3,107 @@ use candle_nn::{Embedding, RmsNorm};
 
 use crate::attention::{Attention, AttnCache, Rope};
 use crate::config::{LlamaConfig, ModelOptions};
-use crate::error::Result;
+use crate::error::{invalid, Result};
 use crate::linear::{Linear, LinearKind};
 use crate::weights::Weights;
+use fp8nsa_ops::{Fp8BlockWeight, Fp8Experts, Fp8Moe};
 
 #[derive(Clone, Debug)]
 struct Block {
     ln1: RmsNorm,
     attn: Attention,
     ln2: RmsNorm,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    mlp: Mlp,
+}
+
+#[derive(Clone, Debug)]
+enum Mlp {
+    /// SwiGLU: `down(silu(gate(x)) * up(x))`.
+    Dense {
+        gate: Linear,
+        up: Linear,
+        down: Linear,
+    },
+    /// Qwen3-MoE: a dense router over fp8 experts.
+    Moe(Fp8Moe),
+}
+
+impl Mlp {
+    fn forward(&self, y: &Tensor) -> Result<Tensor> {
+        Ok(match self {
+            Mlp::Dense { gate, up, down } => {
+                down.forward(&(candle_nn::ops::silu(&gate.forward(y)?)? * up.forward(y)?)?)?
+            }
+            Mlp::Moe(moe) => moe.forward(y)?,
+        })
+    }
+
+    fn fp8_count(&self) -> usize {
+        match self {
+            Mlp::Dense { gate, up, down } => [gate, up, down]
+                .iter()
+                .filter(|l| matches!(l, Linear::Fp8(_)))
+                .count(),
+            Mlp::Moe(moe) => 3 * moe.num_experts(),
+        }
+    }
+}
+
+/// The MoE block of layer prefix `p`: router `{p}.mlp.gate.weight` (dense), experts
+/// `{p}.mlp.experts.{e}.{gate,up,down}_proj`, each fp8 (stored so, or quantized on load by
+/// `LinearKind::Fp8`).
+fn moe_block(
+    cfg: &LlamaConfig,
+    w: &Weights,
+    p: &str,
+    opts: &ModelOptions,
+    keep_dense: &dyn Fn(&str) -> bool,
+) -> Result<Mlp> {
+    let m = &cfg.moe;
+    // the router stays dense in published checkpoints; one quantized anyway is dequantized
+    let router = match w.fp8(&format!("{p}.mlp.gate"))? {
+        Some((data, scales, block)) => {
+            Fp8BlockWeight::from_parts(data, scales, block)?.dequantize(candle_core::DType::F32)?
+        }
+        None => w.get(&format!("{p}.mlp.gate.weight"))?,
+    };
+    let mut stacks = Vec::with_capacity(3);
+    for proj in ["gate_proj", "up_proj", "down_proj"] {
+        let mut ws = Vec::with_capacity(m.num_experts);
+        let mut act = None;
+        for e in 0..m.num_experts {
+            let name = format!("{p}.mlp.experts.{e}.{proj}");
+            match Linear::build(w, &name, opts.linear, keep_dense(&name))? {
+                Linear::Fp8(l) => {
+                    act = Some(l.act());
+                    ws.push(l.weight().clone());
+                }
+                Linear::Dense(_) => {
+                    return Err(invalid(
+                        "linear",
+                        format!(
+                            "{name} is dense: MoE experts run as fp8 only (store them in fp8 or \
+                             build with LinearKind::Fp8)"
+                        ),
+                    ))
+                }
+            }
+        }
+        let act = act.ok_or_else(|| invalid("num_experts", "must be at least 1"))?;
+        stacks.push(Fp8Experts::new(&ws, act)?);
+    }
+    let down = stacks.pop().expect("three stacks");
+    let up = stacks.pop().expect("three stacks");
+    let gate = stacks.pop().expect("three stacks");
+    let moe = Fp8Moe::new(
+        router,
+        gate,
+        up,
+        down,
+        m.num_experts_per_tok,
+        m.norm_topk_prob,
+    )?;
+    Ok(Mlp::Moe(moe))
 }
 
 /// A Llama-family decoder (RMSNorm, RoPE, GQA attention, SwiGLU MLP, tied or untied head) on
@@ -80,13 +169,20 @@ impl Llama {
                 let name = format!("{p}.mlp.{n}");
                 Linear::build(w, &name, opts.linear, keep_dense(&name))
             };
+            let mlp = if cfg.moe.is_moe_layer(l) {
+                moe_block(cfg, w, &p, opts, &keep_dense)?
+            } else {
+                Mlp::Dense {
+                    gate: lin("gate_proj")?,
+                    up: lin("up_proj")?,
+                    down: lin("down_proj")?,
+                }
+            };
             blocks.push(Block {
                 ln1: norm(&format!("{p}.input_layernorm.weight"))?,
                 attn: Attention::new(cfg, w, &format!("{p}.self_attn"), opts, &keep_dense)?,
                 ln2: norm(&format!("{p}.post_attention_layernorm.weight"))?,
-                gate: lin("gate_proj")?,
-                up: lin("up_proj")?,
-                down: lin("down_proj")?,
+                mlp,
             });
             on_layer(l + 1, cfg.num_hidden_layers);
         }
@@ -118,7 +214,8 @@ impl Llama {
         &self.cfg
     }
 
-    /// How many projections (output head included) run as [`Linear::Fp8`].
+    /// How many projections (output head included, each expert of an MoE layer counted) run
+    /// in fp8.
     pub fn fp8_layer_count(&self) -> usize {
         let fp8 = |l: &Linear| matches!(l, Linear::Fp8(_)) as usize;
         fp8(&self.lm_head)
@@ -126,10 +223,7 @@ impl Llama {
                 .blocks
                 .iter()
                 .map(|b| {
-                    b.attn.projections().iter().map(|l| fp8(l)).sum::<usize>()
-                        + fp8(&b.gate)
-                        + fp8(&b.up)
-                        + fp8(&b.down)
+                    b.attn.projections().iter().map(|l| fp8(l)).sum::<usize>() + b.mlp.fp8_count()
                 })
                 .sum::<usize>()
     }
@@ -175,10 +269,7 @@ impl Llama {
                 .attn
                 .forward(&b.ln1.forward(&x)?, cache.pos, &self.rope, c)?;
             x = (x + h)?;
-            let y = b.ln2.forward(&x)?;
-            let m = b
-                .down
-                .forward(&(candle_nn::ops::silu(&b.gate.forward(&y)?)? * b.up.forward(&y)?)?)?;
+            let m = b.mlp.forward(&b.ln2.forward(&x)?)?;
             x = (x + m)?;
         }
         let logits = self.lm_head.forward(&self.norm.forward(&x)?)?.squeeze(0)?;

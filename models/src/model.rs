@@ -11,12 +11,12 @@ use crate::llama::{Cache, Llama};
 use crate::weights::Weights;
 
 /// The `model_type`s [`Model::load_hf`] runs.
-pub const SUPPORTED_MODEL_TYPES: [&str; 2] = ["llama", "qwen3"];
+pub const SUPPORTED_MODEL_TYPES: [&str; 3] = ["llama", "qwen3", "qwen3_moe"];
 
 /// A decoder loaded from a Hugging Face directory (`config.json` + `*.safetensors`, fp8
-/// checkpoints included): Llama 1-3 (RoPE scaling included) and Qwen3 (dense; its per-head
-/// q/k RMSNorm) both run as [`Llama`], which picks up `q_norm` / `k_norm` where the weights
-/// have them.
+/// checkpoints included): Llama 1-3 (RoPE scaling included), Qwen3 (its per-head q/k RMSNorm)
+/// and Qwen3-MoE (MoE layers as [`fp8nsa_ops::Fp8Moe`] over fp8 experts) all run as [`Llama`],
+/// which picks up `q_norm` / `k_norm` and MoE layers where the config and weights have them.
 ///
 /// ```no_run
 /// use fp8nsa_models::{Model, ModelOptions};
@@ -62,14 +62,14 @@ impl Model {
             ));
         }
         let (cfg, weights) = Weights::load_hf_dir(dir)?;
-        if model_type == "qwen3"
+        if model_type.starts_with("qwen3")
             && weights
                 .get_opt("model.layers.0.self_attn.q_norm.weight")
                 .is_none()
         {
             return Err(invalid(
                 "weights",
-                "a qwen3 checkpoint needs model.layers.N.self_attn.{q,k}_norm.weight",
+                "a qwen3 / qwen3_moe checkpoint needs model.layers.N.self_attn.{q,k}_norm.weight",
             ));
         }
         Ok(Self {

@@ -271,6 +271,7 @@ fn config_from_gguf(c: &gguf_file::Content) -> Result<LlamaConfig> {
             .get("tokenizer.ggml.eos_token_id")
             .and_then(|v| v.to_u32().ok()),
         rope_scaling: None,
+        moe: Default::default(),
         rope_style: RopeStyle::Interleaved,
     };
     cfg.validate()?;

@@ -83,6 +83,10 @@ impl Fp8Moe {
         self.top_k
     }
 
+    pub fn num_experts(&self) -> usize {
+        self.gate.num_experts()
+    }
+
     /// For `x [T, H]`: each token's `top_k` experts (highest probability first; ties to the
     /// lower index) and their weights, flattened `[T * top_k]`.
     pub fn route(&self, x: &Tensor) -> Result<(Vec<usize>, Vec<f32>)> {

@@ -51,7 +51,7 @@ impl Default for QuantizeOptions {
         Self {
             block: [128, 128],
             include: r"\.weight$".into(),
-            exclude: r"(embed|lm_head|norm)".into(),
+            exclude: r"(embed|lm_head|norm|mlp\.gate\.weight$)".into(),
             scale_dtype: ScaleDType::F32,
         }
     }

@@ -113,7 +113,7 @@ enum Command {
         #[arg(long, default_value = r"\.weight$")]
         include: String,
         /// Regex of the names to leave alone (listed in `modules_to_not_convert`).
-        #[arg(long, default_value = "(embed|lm_head|norm)")]
+        #[arg(long, default_value = r"(embed|lm_head|norm|mlp\.gate\.weight$)")]
         exclude: String,
         /// dtype of the written scales: f32 (as DeepSeek-V3) or bf16 (as Qwen3-FP8).
         #[arg(long, default_value = "f32")]

@@ -206,7 +206,8 @@ fn rms_norm(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
 
 /// Qwen3's forward in f64 from plain weights, written from the architecture's definition
 /// (embedding; per layer RMSNorm, q/k/v, per-head q/k RMSNorm, RoPE on halves, causal GQA
-/// softmax attention, o; RMSNorm, SiLU(gate) * up, down; final RMSNorm, tied head): logits
+/// softmax attention, o; RMSNorm, SiLU(gate) * up, down — or, in a Qwen3-MoE layer, the top-k
+/// experts' SwiGLU weighted by the router's softmax; final RMSNorm, tied head): logits
 /// `[T, vocab]` for `tokens` from position 0.
 fn qwen3_reference(cfg: &LlamaConfig, w: &dyn Fn(&str) -> Vec<f64>, tokens: &[u32]) -> Vec<f64> {
     let (h, hd) = (cfg.hidden_size, cfg.head_dim());
@@ -280,14 +281,43 @@ fn qwen3_reference(cfg: &LlamaConfig, w: &dyn Fn(&str) -> Vec<f64>, tokens: &[u3
                 *xv += a;
             }
             let y = rms_norm(x, &p("post_attention_layernorm.weight"), eps);
-            let g = matvec(&p("mlp.gate_proj.weight"), &y);
-            let u = matvec(&p("mlp.up_proj.weight"), &y);
-            let a: Vec<f64> = g
-                .iter()
-                .zip(&u)
-                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
-                .collect();
-            for (xv, d) in x.iter_mut().zip(matvec(&p("mlp.down_proj.weight"), &a)) {
+            let swiglu = |pre: &str| {
+                let g = matvec(&p(&format!("{pre}gate_proj.weight")), &y);
+                let u = matvec(&p(&format!("{pre}up_proj.weight")), &y);
+                let a: Vec<f64> = g
+                    .iter()
+                    .zip(&u)
+                    .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                    .collect();
+                matvec(&p(&format!("{pre}down_proj.weight")), &a)
+            };
+            let m = &cfg.moe;
+            let out = if m.is_moe_layer(l) {
+                // softmax over the router's logits, the top k, renormalized if asked
+                let logits = matvec(&p("mlp.gate.weight"), &y);
+                let mx = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = logits.iter().map(|v| (v - mx).exp()).collect();
+                let z: f64 = e.iter().sum();
+                let mut order: Vec<usize> = (0..e.len()).collect();
+                order.sort_by(|&a, &b| e[b].total_cmp(&e[a]));
+                let top = &order[..m.num_experts_per_tok];
+                let zk: f64 = top.iter().map(|&i| e[i]).sum();
+                let mut acc = vec![0f64; h];
+                for &ex in top {
+                    let wgt = if m.norm_topk_prob {
+                        e[ex] / zk
+                    } else {
+                        e[ex] / z
+                    };
+                    for (a, v) in acc.iter_mut().zip(swiglu(&format!("mlp.experts.{ex}."))) {
+                        *a += wgt * v;
+                    }
+                }
+                acc
+            } else {
+                swiglu("mlp.")
+            };
+            for (xv, d) in x.iter_mut().zip(out) {
                 *xv += d;
             }
         }
@@ -457,4 +487,162 @@ fn unknown_model_types_are_refused_with_the_supported_list() {
             (_, r) => panic!("{t}: {:?}", r.map(|m| m.model_type().to_string())),
         }
     }
+}
+
+/// A random Qwen3-MoE checkpoint in the published layout (router `mlp.gate.weight`, experts
+/// `mlp.experts.{e}.{gate,up,down}_proj`, a dense layer through `mlp_only_layers`, expert width
+/// not a multiple of the block), quantized by `fp8nsa quantize` (router, norms and embeddings
+/// kept, bf16 scales), loaded by `Model::load_hf` and run W8A16 against the f64 forward.
+#[test]
+fn qwen3_moe_fp8_checkpoint_matches_an_f64_reference() {
+    let mut rng = fp8nsa_test_support::rng("qwen3_moe_checkpoint");
+    let (e, k_top, mi) = (4usize, 2usize, 192usize);
+    let cfg = LlamaConfig {
+        vocab_size: 300,
+        hidden_size: 256,
+        intermediate_size: 320,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: Some(2),
+        head_dim: Some(64),
+        rms_norm_eps: 1e-6,
+        rope_theta: 1_000_000.0,
+        moe: fp8nsa::models::MoeConfig {
+            num_experts: e,
+            num_experts_per_tok: k_top,
+            moe_intermediate_size: mi,
+            norm_topk_prob: true,
+            decoder_sparse_step: Some(1),
+            mlp_only_layers: vec![1],
+        },
+        ..LlamaConfig::tiny()
+    };
+    let dense_cfg = LlamaConfig {
+        moe: Default::default(),
+        ..cfg.clone()
+    };
+    let w = Weights::random(&dense_cfg, 21).unwrap();
+    let mut map: std::collections::HashMap<String, Tensor> = w
+        .names()
+        .filter(|n| !n.starts_with("model.layers.0.mlp."))
+        .map(|n| (n.clone(), w.get(n).unwrap().to_dtype(DType::BF16).unwrap()))
+        .collect();
+    let mut put = |name: String, dims: &[usize], std: f32| {
+        let v: Vec<f32> = fp8nsa_test_support::gaussian(&mut rng, dims.iter().product())
+            .iter()
+            .map(|x| x * std)
+            .collect();
+        let t = Tensor::from_vec(v, dims, &candle_core::Device::Cpu).unwrap();
+        map.insert(name, t.to_dtype(DType::BF16).unwrap());
+    };
+    // a router with well separated logits, so f32 and f64 route alike
+    put("model.layers.0.mlp.gate.weight".into(), &[e, 256], 0.5);
+    for ex in 0..e {
+        let p = format!("model.layers.0.mlp.experts.{ex}");
+        put(format!("{p}.gate_proj.weight"), &[mi, 256], 0.05);
+        put(format!("{p}.up_proj.weight"), &[mi, 256], 0.05);
+        put(format!("{p}.down_proj.weight"), &[256, mi], 0.05);
+    }
+    // Qwen3's per-head q/k norms, at their initial value
+    for l in 0..2 {
+        for n in ["q_norm", "k_norm"] {
+            let t = Tensor::ones(64, DType::BF16, &candle_core::Device::Cpu).unwrap();
+            map.insert(format!("model.layers.{l}.self_attn.{n}.weight"), t);
+        }
+    }
+    let src = tempfile::tempdir().unwrap();
+    candle_core::safetensors::save(&map, src.path().join("model.safetensors")).unwrap();
+    let json = serde_json::json!({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "vocab_size": 300, "hidden_size": 256, "intermediate_size": 320,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+        "max_position_embeddings": 4096, "tie_word_embeddings": true,
+        "num_experts": e, "num_experts_per_tok": k_top, "moe_intermediate_size": mi,
+        "norm_topk_prob": true, "decoder_sparse_step": 1, "mlp_only_layers": [1],
+        "torch_dtype": "bfloat16"
+    });
+    std::fs::write(src.path().join("config.json"), json.to_string()).unwrap();
+    let dst = tempfile::tempdir().unwrap();
+    let opts = QuantizeOptions {
+        scale_dtype: ScaleDType::Bf16,
+        ..QuantizeOptions::default()
+    };
+    let report = quantize_checkpoint(src.path(), dst.path(), &opts, &mut |_, _| {}).unwrap();
+    assert!(report
+        .not_converted
+        .contains(&"model.layers.0.mlp.gate".to_string()));
+    assert!(report
+        .converted
+        .contains(&"model.layers.0.mlp.experts.3.down_proj.weight".to_string()));
+
+    let w8a16 = ModelOptions {
+        linear: LinearKind::Fp8 {
+            block: [128, 128],
+            act: ActQuant::None,
+        },
+        ..Default::default()
+    };
+    let model = Model::load_hf(dst.path(), &w8a16).unwrap();
+    assert_eq!(model.model_type(), "qwen3_moe");
+    // attention 4 x 2 layers, 3 x 4 experts, one dense MLP
+    assert_eq!(model.llama().fp8_layer_count(), 8 + 12 + 3);
+
+    let (qcfg, qw) = Weights::load_hf_dir(dst.path()).unwrap();
+    assert_eq!(qcfg.moe, cfg.moe);
+    let get = |name: &str| -> Vec<f64> {
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        let t = match qw.fp8(module).unwrap() {
+            Some((data, scales, block)) => Fp8BlockWeight::from_parts(data, scales, block)
+                .unwrap()
+                .dequantize(DType::F32)
+                .unwrap(),
+            None => qw.get(name).unwrap(),
+        };
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let tokens: Vec<u32> = (0..7).map(|i| (i * 41 + 3) % 300).collect();
+    let want = qwen3_reference(&qcfg, &get, &tokens);
+    let rel_to_want = |got: &[f32], want: &[f64]| {
+        let num: f64 = got
+            .iter()
+            .zip(want)
+            .map(|(g, w)| (*g as f64 - w).powi(2))
+            .sum();
+        let den: f64 = want.iter().map(|w| w * w).sum();
+        (num / den).sqrt()
+    };
+    let logits: Vec<f32> = model
+        .forward(&tokens, &mut model.new_cache())
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let r = rel_to_want(&logits, &want);
+    assert!(r < 1e-4, "prefill vs f64 reference: {r}");
+    let mut cache = model.new_cache();
+    model.forward(&tokens[..4], &mut cache).unwrap();
+    for (i, &t) in tokens.iter().enumerate().skip(4) {
+        let row: Vec<f32> = model
+            .forward(&[t], &mut cache)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let r = rel_to_want(&row, &want[i * 300..(i + 1) * 300]);
+        assert!(r < 1e-4, "decode at {i} vs f64 reference: {r}");
+    }
+    // dense experts need LinearKind::Fp8 (no dense MoE path)
+    let e = Model::load_hf(src.path(), &ModelOptions::default()).unwrap_err();
+    assert!(
+        matches!(&e, fp8nsa::models::Error::Invalid { arg: "linear", .. }),
+        "{e}"
+    );
 }
