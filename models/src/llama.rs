@@ -240,8 +240,14 @@ impl Llama {
         // The step runs on a thread of the rayon pool its kernels use, so each parallel kernel
         // starts on a running worker with the caller's thread taking part. Called from outside
         // the pool, every kernel would instead queue its work, wake the workers and put the
-        // caller to sleep until they finish: hundreds of hand-offs per decode step.
-        rayon::scope(|_| self.forward_in_pool(tokens, cache))
+        // caller to sleep until they finish: hundreds of hand-offs per decode step. (Only for
+        // CPU weights: a CUDA backend keeps per-thread library handles, which steps wandering
+        // across workers would multiply.)
+        if self.embed.embeddings().device().is_cpu() {
+            rayon::scope(|_| self.forward_in_pool(tokens, cache))
+        } else {
+            self.forward_in_pool(tokens, cache)
+        }
     }
 
     fn forward_in_pool(&self, tokens: &[u32], cache: &mut Cache) -> Result<Tensor> {

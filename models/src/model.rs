@@ -62,15 +62,16 @@ impl Model {
             ));
         }
         let (cfg, weights) = Weights::load_hf_dir(dir)?;
-        if model_type.starts_with("qwen3")
-            && weights
-                .get_opt("model.layers.0.self_attn.q_norm.weight")
-                .is_none()
-        {
-            return Err(invalid(
-                "weights",
-                "a qwen3 / qwen3_moe checkpoint needs model.layers.N.self_attn.{q,k}_norm.weight",
-            ));
+        if model_type.starts_with("qwen3") {
+            for l in 0..cfg.num_hidden_layers {
+                let name = format!("model.layers.{l}.self_attn.q_norm.weight");
+                if weights.get_opt(&name).is_none() {
+                    return Err(invalid(
+                        "weights",
+                        format!("a {model_type} checkpoint needs {name} (Qwen3's q/k norms)"),
+                    ));
+                }
+            }
         }
         Ok(Self {
             model_type,

@@ -36,7 +36,8 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_max_position_embeddings: f64,
     },
-    /// YaRN: per-dimension blend of the original (extrapolated) and `factor`-interpolated
+    /// YaRN (`factor` as written in the config; some transformers releases derived it from
+    /// `max_position_embeddings / original_max_position_embeddings` instead): per-dimension blend of the original (extrapolated) and `factor`-interpolated
     /// frequencies over a linear ramp between the dimensions that rotate `beta_fast` and
     /// `beta_slow` times in the original context; cos and sin are multiplied by
     /// `attention_factor`.
@@ -67,6 +68,18 @@ fn positive(obj: &serde_json::Map<String, Value>, key: &str) -> Result<Option<f6
             "rope_scaling",
             format!("`{key}` must be positive, got {x}"),
         )),
+        x => Ok(x),
+    }
+}
+
+/// A number where 0 (or absence) means "unset", as the reference implementation reads it.
+fn optional(obj: &serde_json::Map<String, Value>, key: &str) -> Result<Option<f64>> {
+    match num(obj, key)? {
+        Some(x) if x < 0.0 => Err(invalid(
+            "rope_scaling",
+            format!("`{key}` must not be negative, got {x}"),
+        )),
+        Some(0.0) => Ok(None),
         x => Ok(x),
     }
 }
@@ -141,7 +154,7 @@ impl RopeScaling {
                 let factor = required(obj, "factor", kind)?;
                 let attention_factor = match positive(obj, "attention_factor")? {
                     Some(a) => a,
-                    None => match (positive(obj, "mscale")?, positive(obj, "mscale_all_dim")?) {
+                    None => match (optional(obj, "mscale")?, optional(obj, "mscale_all_dim")?) {
                         (Some(m), Some(all)) => yarn_mscale(factor, m) / yarn_mscale(factor, all),
                         _ => yarn_mscale(factor, 1.0),
                     },
@@ -153,10 +166,18 @@ impl RopeScaling {
                         "original_max_position_embeddings",
                     )?
                     .unwrap_or(max_position_embeddings as f64),
-                    beta_fast: positive(obj, "beta_fast")?.unwrap_or(32.0),
-                    beta_slow: positive(obj, "beta_slow")?.unwrap_or(1.0),
+                    beta_fast: optional(obj, "beta_fast")?.unwrap_or(32.0),
+                    beta_slow: optional(obj, "beta_slow")?.unwrap_or(1.0),
                     attention_factor,
-                    truncate: obj.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+                    truncate: match obj.get("truncate") {
+                        None | Some(Value::Null) => true,
+                        Some(v) => v.as_bool().ok_or_else(|| {
+                            invalid(
+                                "rope_scaling",
+                                format!("`truncate` must be a bool, got {v}"),
+                            )
+                        })?,
+                    },
                 }
             }
             other => {
@@ -355,6 +376,14 @@ mod tests {
         assert_eq!(s.frequencies(10_000.0, 64).1, 1.0);
         let s = parse(json!({"type": "yarn", "factor": 2.0, "attention_factor": 0.5})).unwrap();
         assert_eq!(s.frequencies(10_000.0, 64).1, 0.5);
+        // 0 means unset, as in the reference implementation: the default attention factor
+        let z = parse(
+            json!({"type": "yarn", "factor": 4.0, "mscale": 0, "mscale_all_dim": 0,
+            "beta_fast": 0}),
+        )
+        .unwrap();
+        assert!((z.frequencies(10_000.0, 64).1 - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-15);
+        assert!(matches!(z, RopeScaling::Yarn { beta_fast, .. } if beta_fast == 32.0));
         // no original context given: max_position_embeddings
         assert!(matches!(
             s,
@@ -373,6 +402,8 @@ mod tests {
             json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
                 "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}),
             json!({"rope_type": "llama3", "factor": 8.0}),
+            json!({"rope_type": "yarn", "factor": 2.0, "truncate": "yes"}),
+            json!({"rope_type": "yarn", "factor": 2.0, "beta_fast": -1.0}),
             json!("llama3"),
         ] {
             let e = parse(v.clone()).unwrap_err();

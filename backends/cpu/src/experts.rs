@@ -96,7 +96,10 @@ pub fn grouped(
         check_positive("bm", bm)?;
     }
     check_len("counts", counts.len(), s.e)?;
-    let t: usize = counts.iter().sum();
+    let t = counts
+        .iter()
+        .try_fold(0usize, |a, &c| a.checked_add(c))
+        .ok_or_else(|| invalid("counts", "the counts overflow"))?;
     if t == 0 {
         return Err(invalid("counts", "route at least one row"));
     }

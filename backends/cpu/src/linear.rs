@@ -611,7 +611,12 @@ mod tests {
             let p = plan(shape, ActQuant::Group).unwrap();
             let mut clean = vec![0f32; m * n];
             p.run(&x, &wq, &sw, None, &mut clean).unwrap();
-            // dirty this thread's scratch buffers, then run into a NaN-filled output
+            // dirty the scratch buffers every thread keeps: a call on other inputs leaves its
+            // own values in them (a kernel reading before writing would see those), and this
+            // thread's largest one is NaN
+            let other: Vec<f32> = x.iter().map(|v| v * -3.0 + 1.0).collect();
+            p.run(&other, &wq, &sw, None, &mut vec![0f32; m * n])
+                .unwrap();
             crate::scratch::with_f32(1 << 16, |b| b.fill(f32::NAN));
             let mut dirty = vec![f32::NAN; m * n];
             p.run(&x, &wq, &sw, None, &mut dirty).unwrap();

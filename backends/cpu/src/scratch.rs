@@ -10,9 +10,11 @@ use std::cell::RefCell;
 
 /// Buffers a thread keeps between calls.
 const KEEP: usize = 4;
-/// A buffer larger than this (in f32s; 64 MiB) is freed after use rather than kept, so one huge
-/// prefill does not pin its temporaries for the life of the thread.
-const KEEP_MAX_LEN: usize = 16 << 20;
+/// A buffer larger than this (in f32s; 16 MiB) is freed after use rather than kept, so a big
+/// prefill does not pin its temporaries on every worker for the life of the pool (at most
+/// `KEEP` x 16 MiB per thread stay). Calls that large are long enough that a fresh allocation
+/// costs little next to them.
+const KEEP_MAX_LEN: usize = 4 << 20;
 
 thread_local! {
     static POOL: RefCell<Vec<Vec<f32>>> = const { RefCell::new(Vec::new()) };

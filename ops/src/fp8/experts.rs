@@ -154,19 +154,20 @@ impl Fp8Experts {
     }
 
     /// `y [T, N]` for `x [T, K]` whose rows are grouped by expert: expert `e` takes the next
-    /// `counts[e]` rows (counts sum to `T`; zeros allowed).
+    /// `counts[e]` rows (counts sum to `T`; zeros allowed; `T = 0` gives an empty `y`).
     pub fn forward_contiguous(&self, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
         self.check_x(x, 2)?;
         self.check_counts(counts)?;
         let t = x.dims()[0];
-        if counts.iter().sum::<usize>() != t {
+        let sum = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+        if sum != Some(t) {
             return Err(invalid(
                 "counts",
-                format!(
-                    "must sum to the {t} rows of x, got {}",
-                    counts.iter().sum::<usize>()
-                ),
+                format!("must sum to the {t} rows of x, got {counts:?}"),
             ));
+        }
+        if t == 0 {
+            return Ok(Tensor::zeros((0, self.shape.n), x.dtype(), &Device::Cpu)?);
         }
         let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let mut out = vec![0f32; t * self.shape.n];

@@ -212,7 +212,6 @@ impl Fp8BlockWeight {
         Ok(Tensor::from_vec(out, (n, k), self.data.device())?.to_dtype(dtype)?)
     }
 
-    /// The e4m3fn bytes as a U8 `[N, K]` tensor.
     /// Whether `codes` (this weight's codes, on the host) hold no NaN code; scanned once.
     pub(crate) fn nan_free(&self, codes: &[u8]) -> bool {
         *self
@@ -220,6 +219,7 @@ impl Fp8BlockWeight {
             .get_or_init(|| !codes.iter().any(|&c| c & 0x7f == 0x7f))
     }
 
+    /// The e4m3fn bytes as a U8 `[N, K]` tensor.
     pub fn data(&self) -> &Tensor {
         &self.data
     }
