@@ -9,7 +9,9 @@
 use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, invalid, Result};
-use crate::linear::{gemv_task, gemv_task_rows, gemv_wants_scaled_act, plan, GEMV_MAX_M};
+use crate::linear::{
+    gemv_task, gemv_task_rows, gemv_wants_scaled_act, plan, untranspose, GEMV_MAX_M,
+};
 use crate::quant::{quantize_act_in, QuantizedAct};
 use crate::scratch::with_f32;
 use crate::simd::Tier;
@@ -181,14 +183,7 @@ pub fn grouped(
             let mut off = 0;
             for &(_, m, r0) in &small {
                 let yt = &ybuf[off..off + m * s.n];
-                for (r, row) in out[r0 * s.n..(r0 + m) * s.n]
-                    .chunks_exact_mut(s.n)
-                    .enumerate()
-                {
-                    for (j, y) in row.iter_mut().enumerate() {
-                        *y = yt[j * m + r];
-                    }
-                }
+                untranspose(yt, m, &mut out[r0 * s.n..(r0 + m) * s.n]);
                 off += m * s.n;
             }
             Ok(())

@@ -149,11 +149,7 @@ impl LinearPlan {
                     } else {
                         with_f32(s.n * m, |yt| -> Result<()> {
                             gemv(yt)?;
-                            for (r, row) in out.chunks_exact_mut(s.n).enumerate() {
-                                for (j, y) in row.iter_mut().enumerate() {
-                                    *y = yt[j * m + r];
-                                }
-                            }
+                            untranspose(yt, m, out);
                             Ok(())
                         })?;
                     }
@@ -173,6 +169,16 @@ impl LinearPlan {
             });
         }
         Ok(())
+    }
+}
+
+/// `out [m, n]` from the GEMV's transposed output `yt [n, m]`.
+pub(crate) fn untranspose(yt: &[f32], m: usize, out: &mut [f32]) {
+    let n = out.len() / m;
+    for (r, row) in out.chunks_exact_mut(n).enumerate() {
+        for (j, y) in row.iter_mut().enumerate() {
+            *y = yt[j * m + r];
+        }
     }
 }
 

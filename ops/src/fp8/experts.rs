@@ -42,7 +42,7 @@ pub struct Fp8Experts {
     scales: Arc<[f32]>,
     shape: ExpertsShape,
     act: ActQuant,
-    /// No code of any expert is NaN (scanned once here): the decode GEMV may skip its check.
+    /// No code of any expert is NaN: the decode GEMV may skip its check.
     nan_free: bool,
 }
 
@@ -63,6 +63,7 @@ impl Fp8Experts {
         };
         let mut codes = Vec::with_capacity(shape.e * n * k);
         let mut scales = Vec::with_capacity(shape.e * shape.scales_per_expert());
+        let mut nan_free = true;
         for (i, w) in experts.iter().enumerate() {
             if w.shape() != [n, k] || w.block() != [bn, bk] {
                 return Err(invalid(
@@ -74,7 +75,10 @@ impl Fp8Experts {
                     ),
                 ));
             }
-            codes.extend(host_bytes("experts", w.data())?);
+            let bytes = host_bytes("experts", w.data())?;
+            // each weight's own (cached) answer
+            nan_free &= w.nan_free(&bytes);
+            codes.extend(bytes);
             scales.extend(
                 w.scales()
                     .to_device(&Device::Cpu)?
@@ -82,7 +86,6 @@ impl Fp8Experts {
                     .to_vec1::<f32>()?,
             );
         }
-        let nan_free = !codes.iter().any(|&c| c & 0x7f == 0x7f);
         Ok(Self {
             nan_free,
             codes: codes.into(),

@@ -152,13 +152,7 @@ fn bf16_and_f16_scales_are_written_and_loaded_exactly() {
     let reference = dense.forward(&ids, &mut dense.new_cache()).unwrap();
     // W8A16, so the comparison sees the weights alone (a W8A8 model's activation codes flip
     // under any perturbation, which would hide the scales' effect)
-    let w8a16 = ModelOptions {
-        linear: LinearKind::Fp8 {
-            block: [128, 128],
-            act: ActQuant::None,
-        },
-        ..Default::default()
-    };
+    let w8a16 = w8a16();
     let (_, w32) = Weights::load_hf_dir(f32_dir.path()).unwrap();
     let m32 = Llama::new(&cfg, &w32, &w8a16).unwrap();
     let base = m32.forward(&ids, &mut m32.new_cache()).unwrap();
@@ -188,6 +182,64 @@ fn bf16_and_f16_scales_are_written_and_loaded_exactly() {
                 );
             }
         }
+    }
+}
+
+/// W8A16: stored fp8 weights, activations unquantized, so a model compares tightly with an f64
+/// forward on the dequantized weights.
+fn w8a16() -> ModelOptions {
+    ModelOptions {
+        linear: LinearKind::Fp8 {
+            block: [128, 128],
+            act: ActQuant::None,
+        },
+        ..Default::default()
+    }
+}
+
+/// Tensor `name` of a loaded checkpoint in f64, fp8 weights dequantized.
+fn dequantized(w: &Weights, name: &str) -> Vec<f64> {
+    let module = name.strip_suffix(".weight").unwrap_or(name);
+    let t = match w.fp8(module).unwrap() {
+        Some((data, scales, block)) => Fp8BlockWeight::from_parts(data, scales, block)
+            .unwrap()
+            .dequantize(DType::F32)
+            .unwrap(),
+        None => w.get(name).unwrap(),
+    };
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// `model`'s logits for `tokens` against the f64 forward's `want [T, vocab]` (relative
+/// Frobenius error under 1e-4): one prefill of all tokens, then the same positions through the
+/// cache, `prefill` tokens at once and one per step after.
+fn check_against_f64(model: &Model, want: &[f64], tokens: &[u32], prefill: usize) {
+    let rel_to_want = |got: &[f32], want: &[f64]| {
+        let num: f64 = got
+            .iter()
+            .zip(want)
+            .map(|(g, w)| (*g as f64 - w).powi(2))
+            .sum();
+        let den: f64 = want.iter().map(|w| w * w).sum();
+        (num / den).sqrt()
+    };
+    let logits = |t: &[u32], cache: &mut fp8nsa::models::Cache| -> Vec<f32> {
+        let l = model.forward(t, cache).unwrap();
+        l.flatten_all().unwrap().to_vec1().unwrap()
+    };
+    let r = rel_to_want(&logits(tokens, &mut model.new_cache()), want);
+    assert!(r < 1e-4, "prefill vs f64 reference: {r}");
+    let v = want.len() / tokens.len();
+    let mut cache = model.new_cache();
+    logits(&tokens[..prefill], &mut cache);
+    for (i, &t) in tokens.iter().enumerate().skip(prefill) {
+        let r = rel_to_want(&logits(&[t], &mut cache), &want[i * v..(i + 1) * v]);
+        assert!(r < 1e-4, "decode at {i} vs f64 reference: {r}");
     }
 }
 
@@ -383,69 +435,16 @@ fn qwen3_fp8_checkpoint_matches_an_f64_reference() {
     };
     quantize_checkpoint(src.path(), dst.path(), &opts, &mut |_, _| {}).unwrap();
 
-    let w8a16 = ModelOptions {
-        linear: LinearKind::Fp8 {
-            block: [128, 128],
-            act: ActQuant::None,
-        },
-        ..Default::default()
-    };
+    let w8a16 = w8a16();
     let model = Model::load_hf(dst.path(), &w8a16).unwrap();
     assert_eq!(model.model_type(), "qwen3");
     assert_eq!(model.llama().fp8_layer_count(), 2 * 7);
 
     let (_, qw) = Weights::load_hf_dir(dst.path()).unwrap();
-    let get = |name: &str| -> Vec<f64> {
-        let module = name.strip_suffix(".weight").unwrap_or(name);
-        let t = match qw.fp8(module).unwrap() {
-            Some((data, scales, block)) => Fp8BlockWeight::from_parts(data, scales, block)
-                .unwrap()
-                .dequantize(DType::F32)
-                .unwrap(),
-            None => qw.get(name).unwrap(),
-        };
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    };
+    let get = |name: &str| dequantized(&qw, name);
     let tokens: Vec<u32> = (0..9).map(|i| (i * 37 + 5) % 300).collect();
     let want = qwen3_reference(&cfg, &get, &tokens);
-    let rel_to_want = |got: &[f32], want: &[f64]| {
-        let num: f64 = got
-            .iter()
-            .zip(want)
-            .map(|(g, w)| (*g as f64 - w).powi(2))
-            .sum();
-        let den: f64 = want.iter().map(|w| w * w).sum();
-        (num / den).sqrt()
-    };
-    let logits: Vec<f32> = model
-        .forward(&tokens, &mut model.new_cache())
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    let r = rel_to_want(&logits, &want);
-    assert!(r < 1e-4, "prefill vs f64 reference: {r}");
-    // the same positions through the cache: a 5-token prefill, then one token per step
-    let mut cache = model.new_cache();
-    model.forward(&tokens[..5], &mut cache).unwrap();
-    for (i, &t) in tokens.iter().enumerate().skip(5) {
-        let row: Vec<f32> = model
-            .forward(&[t], &mut cache)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let v = cfg.vocab_size;
-        let r = rel_to_want(&row, &want[i * v..(i + 1) * v]);
-        assert!(r < 1e-4, "decode at {i} vs f64 reference: {r}");
-    }
+    check_against_f64(&model, &want, &tokens, 5);
 }
 
 #[test]
@@ -576,13 +575,7 @@ fn qwen3_moe_fp8_checkpoint_matches_an_f64_reference() {
         .converted
         .contains(&"model.layers.0.mlp.experts.3.down_proj.weight".to_string()));
 
-    let w8a16 = ModelOptions {
-        linear: LinearKind::Fp8 {
-            block: [128, 128],
-            act: ActQuant::None,
-        },
-        ..Default::default()
-    };
+    let w8a16 = w8a16();
     let model = Model::load_hf(dst.path(), &w8a16).unwrap();
     assert_eq!(model.model_type(), "qwen3_moe");
     // attention 4 x 2 layers, 3 x 4 experts, one dense MLP
@@ -590,55 +583,10 @@ fn qwen3_moe_fp8_checkpoint_matches_an_f64_reference() {
 
     let (qcfg, qw) = Weights::load_hf_dir(dst.path()).unwrap();
     assert_eq!(qcfg.moe, cfg.moe);
-    let get = |name: &str| -> Vec<f64> {
-        let module = name.strip_suffix(".weight").unwrap_or(name);
-        let t = match qw.fp8(module).unwrap() {
-            Some((data, scales, block)) => Fp8BlockWeight::from_parts(data, scales, block)
-                .unwrap()
-                .dequantize(DType::F32)
-                .unwrap(),
-            None => qw.get(name).unwrap(),
-        };
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    };
+    let get = |name: &str| dequantized(&qw, name);
     let tokens: Vec<u32> = (0..7).map(|i| (i * 41 + 3) % 300).collect();
     let want = qwen3_reference(&qcfg, &get, &tokens);
-    let rel_to_want = |got: &[f32], want: &[f64]| {
-        let num: f64 = got
-            .iter()
-            .zip(want)
-            .map(|(g, w)| (*g as f64 - w).powi(2))
-            .sum();
-        let den: f64 = want.iter().map(|w| w * w).sum();
-        (num / den).sqrt()
-    };
-    let logits: Vec<f32> = model
-        .forward(&tokens, &mut model.new_cache())
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    let r = rel_to_want(&logits, &want);
-    assert!(r < 1e-4, "prefill vs f64 reference: {r}");
-    let mut cache = model.new_cache();
-    model.forward(&tokens[..4], &mut cache).unwrap();
-    for (i, &t) in tokens.iter().enumerate().skip(4) {
-        let row: Vec<f32> = model
-            .forward(&[t], &mut cache)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
-        let r = rel_to_want(&row, &want[i * 300..(i + 1) * 300]);
-        assert!(r < 1e-4, "decode at {i} vs f64 reference: {r}");
-    }
+    check_against_f64(&model, &want, &tokens, 4);
     // dense experts need LinearKind::Fp8 (no dense MoE path)
     let e = Model::load_hf(src.path(), &ModelOptions::default()).unwrap_err();
     assert!(
