@@ -445,3 +445,137 @@ fn bad_input_is_an_error_not_a_crash() {
     );
     assert!(e.is_err());
 }
+
+/// The grouped expert GEMM on the GPU (one launch for all experts) against the f64 reference:
+/// decode routing (one row to each of 8 of 16 experts), prefill routing (empty groups, groups
+/// past one tile), forced kernels, the masked call shape, and the MoE block against its CPU run.
+#[test]
+fn experts_grouped_against_reference() {
+    use fp8nsa::{Fp8Experts, Fp8Moe};
+    let Some(dev) = gpu("experts_grouped_against_reference") else {
+        return;
+    };
+    let mut rng = rng("cuda_experts");
+    let stack = |rng: &mut StdRng, e: usize, n: usize, k: usize| -> Vec<Fp8BlockWeight> {
+        (0..e)
+            .map(|_| {
+                Fp8BlockWeight::quantize(&tensor(hetero(rng, n, k, 128, 128), &[n, k]), [128, 128])
+                    .unwrap()
+            })
+            .collect()
+    };
+    let mut decode = vec![0usize; 16];
+    for e in [0, 3, 4, 7, 9, 12, 14, 15] {
+        decode[e] = 1;
+    }
+    for (n, k, counts, act, dtype) in [
+        (576, 3884, decode.clone(), ActQuant::Group, DType::BF16),
+        (768, 2048, vec![0, 130, 7, 33], ActQuant::Group, DType::F32),
+        (
+            576,
+            3884,
+            vec![5, 0, 19, 2],
+            ActQuant::Block2d { bm: 3 },
+            DType::BF16,
+        ),
+        (256, 1000, vec![3, 0, 17], ActQuant::None, DType::F16),
+    ] {
+        let e = counts.len();
+        let ws = stack(&mut rng, e, n, k);
+        let t: usize = counts.iter().sum();
+        let (_, x_decades) = magnitudes(dtype);
+        let x = tensor(hetero_in(&mut rng, t, k, 1, 128, x_decades), &[t, k])
+            .to_dtype(dtype)
+            .unwrap();
+        let want = reference::fp8_experts(&x, &ws, &counts, act).unwrap();
+        let xg = x.to_device(&dev).unwrap();
+        for kernel in [
+            CudaFp8Kernel::Auto,
+            CudaFp8Kernel::SmallM,
+            CudaFp8Kernel::Mma,
+        ] {
+            let what = format!("n={n} k={k} {counts:?} {act:?} {dtype:?} {kernel:?}");
+            let layer = Fp8Experts::new(&ws, act).unwrap().with_cuda_kernel(kernel);
+            let got = layer.forward_contiguous(&xg, &counts);
+            if kernel == CudaFp8Kernel::Mma && act == ActQuant::None {
+                let err = got.expect_err(&what);
+                assert!(
+                    matches!(
+                        &err,
+                        fp8nsa::Error::Cuda(fp8nsa::cuda::Error::Unsupported { .. })
+                    ),
+                    "{what}: {err}"
+                );
+                continue;
+            }
+            let y = got.unwrap_or_else(|err| panic!("{what}: {err}"));
+            assert!(y.device().is_cuda(), "{what}");
+            assert_eq!((y.dims(), y.dtype()), (&[t, n][..], dtype), "{what}");
+            let err = rel_frobenius(&y.to_device(&Device::Cpu).unwrap(), &want);
+            assert!(err < tol(dtype), "{what}: rel err {err:e}");
+        }
+        // no grouped cuBLASLt: a typed refusal
+        let err = Fp8Experts::new(&ws, act)
+            .unwrap()
+            .with_cuda_kernel(CudaFp8Kernel::CublasLt)
+            .forward_contiguous(&xg, &counts)
+            .unwrap_err();
+        assert!(
+            matches!(&err, fp8nsa::Error::Cuda(fp8nsa::cuda::Error::Unsupported { reason, .. })
+                if reason.contains("no grouped form")),
+            "{err}"
+        );
+    }
+
+    // the masked shape: slots of 4 rows, counts per expert, other rows zero
+    let (e, n, k, m) = (5, 200, 384, 4);
+    let ws = stack(&mut rng, e, n, k);
+    let layer = Fp8Experts::new(&ws, ActQuant::Group).unwrap();
+    let x = tensor(gaussian(&mut rng, e * m * k), &[e, m, k]);
+    let counts = [2, 0, 4, 1, 3];
+    let cpu = layer.forward_masked(&x, &counts).unwrap();
+    let gpu_y = layer
+        .forward_masked(&x.to_device(&dev).unwrap(), &counts)
+        .unwrap()
+        .to_device(&Device::Cpu)
+        .unwrap();
+    let err = rel_frobenius(&gpu_y, &cpu);
+    assert!(err < 1e-4, "masked: rel err {err:e}");
+    let rows: Vec<Vec<Vec<f32>>> = gpu_y.to_vec3().unwrap();
+    for (i, &c) in counts.iter().enumerate() {
+        assert!(
+            rows[i][c..].iter().flatten().all(|&v| v == 0.0),
+            "expert {i}: slot rows past {c}"
+        );
+    }
+
+    // the MoE block: CUDA against its CPU run, bf16 in and out
+    let (e, h, i, top_k) = (8, 256, 384, 2);
+    let mk = |n: usize, k: usize, rng: &mut StdRng| {
+        Fp8Experts::new(&stack(rng, e, n, k), ActQuant::Group).unwrap()
+    };
+    let router = tensor(gaussian(&mut rng, e * h), &[e, h]);
+    let moe = Fp8Moe::new(
+        router,
+        mk(i, h, &mut rng),
+        mk(i, h, &mut rng),
+        mk(h, i, &mut rng),
+        top_k,
+        true,
+    )
+    .unwrap();
+    let x = tensor(gaussian(&mut rng, 5 * h), &[5, h])
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let cpu = moe.forward(&x).unwrap().to_dtype(DType::F32).unwrap();
+    let y = moe.forward(&x.to_device(&dev).unwrap()).unwrap();
+    assert!(y.device().is_cuda());
+    let err = rel_frobenius(
+        &y.to_device(&Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap(),
+        &cpu,
+    );
+    assert!(err < 8e-3, "moe: rel err {err:e}");
+}

@@ -36,8 +36,10 @@ template <typename T> __device__ __forceinline__ void store2(T* p, float a, floa
     if (pair) p[1] = from_f32<T>(b);
 }
 
+// `mtile`: the CTA's tile of M (blockIdx.y for one weight; the tile within its expert's group
+// for the grouped form).
 template <int BM, int BN, int WM, int WN, int STAGES, typename OutT>
-__device__ void fp8_gemm(const GemmParams& p) {
+__device__ void fp8_gemm(const GemmParams& p, int mtile) {
     constexpr int THREADS = WM * WN * 32;
     constexpr int TM = BM / WM, TN = BN / WN;  // warp tile
     constexpr int MI = TM / 16, NI = TN / 8;   // MMA tiles per warp
@@ -50,7 +52,7 @@ __device__ void fp8_gemm(const GemmParams& p) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / WN, wn = warp % WN;
     const int g = lane >> 2, t4 = lane & 3;
-    const int m_block = blockIdx.y * BM, n_block = blockIdx.x * BN;
+    const int m_block = mtile * BM, n_block = blockIdx.x * BN;
 
     const int KB = (p.K + p.bk - 1) / p.bk;
     const int kb0 = blockIdx.z * p.kb_per_split;
@@ -198,7 +200,48 @@ __device__ void fp8_gemm(const GemmParams& p) {
 
 #define GEMM(NAME, BM, BN, WM, WN, ST, T)                                                       \
     extern "C" __global__ void __launch_bounds__(WM * WN * 32) NAME(const GemmParams p) {       \
-        fp8_gemm<BM, BN, WM, WN, ST, T>(p);                                                     \
+        fp8_gemm<BM, BN, WM, WN, ST, T>(p, blockIdx.y);                                         \
+    }                                                                                           \
+    FP8NSA_REGISTER(NAME)
+
+// Grouped (mixture-of-experts) form: E experts' weights stacked, token rows grouped by expert
+// (expert e owns rows offsets[e] .. offsets[e + 1] of xq and out). One launch for all experts:
+// grid.y counts the row tiles of every group, expert by expert (the host sizes it from the
+// same counts), and each CTA finds its expert by walking the offsets. Activation scale rows
+// restart at every expert (Block2d row blocks never straddle two groups): expert e's start
+// after sum_{i<e} ceil(count_i / bm_act) rows. No K split.
+struct GroupedGemmParams {
+    GemmParams base;  // xq / sx / out over all rows, w / sw of expert 0, bias null; M unused
+    const int* offsets;  // [E + 1]
+    int64_t w_stride, sw_stride;  // codes / scales between consecutive experts
+    int experts;
+};
+
+template <int BM, int BN, int WM, int WN, int STAGES, typename OutT>
+__device__ void fp8_gemm_grouped(const GroupedGemmParams& gp) {
+    int tile = blockIdx.y, e = 0, srow = 0, rows = 0;
+    for (;; ++e) {
+        if (e == gp.experts) return;  // past the last group's tiles
+        rows = gp.offsets[e + 1] - gp.offsets[e];
+        const int tiles = (rows + BM - 1) / BM;
+        if (tile < tiles) break;
+        tile -= tiles;
+        srow += (rows + gp.base.bm_act - 1) / gp.base.bm_act;
+    }
+    const int r0 = gp.offsets[e];
+    GemmParams p = gp.base;
+    p.xq += (int64_t)r0 * p.ldq;
+    p.sx += (int64_t)srow * p.sx_rs;
+    p.w += e * gp.w_stride;
+    p.sw += e * gp.sw_stride;
+    p.out = reinterpret_cast<OutT*>(gp.base.out) + (int64_t)r0 * p.N;
+    p.M = rows;
+    fp8_gemm<BM, BN, WM, WN, STAGES, OutT>(p, tile);
+}
+
+#define GROUPED_GEMM(NAME, BM, BN, WM, WN, ST, T)                                               \
+    extern "C" __global__ void __launch_bounds__(WM * WN * 32) NAME(const GroupedGemmParams p) { \
+        fp8_gemm_grouped<BM, BN, WM, WN, ST, T>(p);                                             \
     }                                                                                           \
     FP8NSA_REGISTER(NAME)
 
@@ -211,5 +254,12 @@ __device__ void fp8_gemm(const GemmParams& p) {
 GEMM_TYPES(f32, float)
 GEMM_TYPES(bf16, __nv_bfloat16)
 GEMM_TYPES(f16, __half)
+#define GROUPED_GEMM_TYPES(SUFFIX, T)                                                           \
+    GROUPED_GEMM(fp8nsa_fp8_grouped_gemm_128x128_##SUFFIX, 128, 128, 2, 4, 3, T)                \
+    GROUPED_GEMM(fp8nsa_fp8_grouped_gemm_64x128_##SUFFIX, 64, 128, 2, 2, 4, T)                  \
+    GROUPED_GEMM(fp8nsa_fp8_grouped_gemm_16x128_##SUFFIX, 16, 128, 1, 4, 4, T)
+GROUPED_GEMM_TYPES(f32, float)
+GROUPED_GEMM_TYPES(bf16, __nv_bfloat16)
+GROUPED_GEMM_TYPES(f16, __half)
 
 #endif  // FP8NSA_HAS_FP8_MMA

@@ -87,6 +87,32 @@ template <int MT, int ROWS, typename OutT> __device__ void fp8_gemv(const GemvPa
     }
 }
 
+// Grouped (mixture-of-experts) form: E experts' weights stacked, token rows grouped by expert
+// (expert e owns rows offsets[e] .. offsets[e + 1] of xd and out). One launch for all experts:
+// grid.y is the expert, and a CTA of an expert with no rows returns at once, so a decode step
+// reads only the routed experts' weights. Groups longer than MT run in chunks of MT tokens,
+// each a pass over the CTA's rows (the chunks after the first find them in L2).
+struct GroupedGemvParams {
+    GemvParams base;  // xd / out over all rows, w / sw of expert 0, bias null; M unused
+    const int* offsets;  // [E + 1]
+    int64_t w_stride, sw_stride;  // codes / scales between consecutive experts
+};
+
+template <int MT, int ROWS, typename OutT> __device__ void fp8_gemv_grouped(const GroupedGemvParams& gp) {
+    const int e = blockIdx.y;
+    const int r0 = gp.offsets[e], r1 = gp.offsets[e + 1];
+    GemvParams p = gp.base;
+    p.w += e * gp.w_stride;
+    p.sw += e * gp.sw_stride;
+    for (int t0 = r0; t0 < r1; t0 += MT) {
+        p.xd = gp.base.xd + (int64_t)t0 * p.ldx;
+        p.out = reinterpret_cast<OutT*>(gp.base.out) + (int64_t)t0 * p.N;
+        p.M = min(MT, r1 - t0);
+        fp8_gemv<MT, ROWS, OutT>(p);
+        __syncthreads();  // the next chunk reuses the reduction's shared memory
+    }
+}
+
 #define GEMV(NAME, MT, ROWS, T)                                                                  \
     extern "C" __global__ void __launch_bounds__(256) NAME(const GemvParams p) {                 \
         fp8_gemv<MT, ROWS, T>(p);                                                                \
@@ -99,6 +125,20 @@ template <int MT, int ROWS, typename OutT> __device__ void fp8_gemv(const GemvPa
     GEMV(fp8nsa_fp8_gemv_m4_##SUFFIX, 4, 8, T)                                                   \
     GEMV(fp8nsa_fp8_gemv_m8_##SUFFIX, 8, 4, T)                                                   \
     GEMV(fp8nsa_fp8_gemv_m16_##SUFFIX, 16, 2, T)
+#define GROUPED_GEMV(NAME, MT, ROWS, T)                                                          \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const GroupedGemvParams p) {          \
+        fp8_gemv_grouped<MT, ROWS, T>(p);                                                        \
+    }                                                                                           \
+    FP8NSA_REGISTER(NAME)
+#define GROUPED_GEMV_TYPES(SUFFIX, T)                                                            \
+    GROUPED_GEMV(fp8nsa_fp8_grouped_gemv_m1_##SUFFIX, 1, 8, T)                                   \
+    GROUPED_GEMV(fp8nsa_fp8_grouped_gemv_m2_##SUFFIX, 2, 8, T)                                   \
+    GROUPED_GEMV(fp8nsa_fp8_grouped_gemv_m4_##SUFFIX, 4, 8, T)                                   \
+    GROUPED_GEMV(fp8nsa_fp8_grouped_gemv_m8_##SUFFIX, 8, 4, T)                                   \
+    GROUPED_GEMV(fp8nsa_fp8_grouped_gemv_m16_##SUFFIX, 16, 2, T)
 GEMV_TYPES(f32, float)
 GEMV_TYPES(bf16, __nv_bfloat16)
 GEMV_TYPES(f16, __half)
+GROUPED_GEMV_TYPES(f32, float)
+GROUPED_GEMV_TYPES(bf16, __nv_bfloat16)
+GROUPED_GEMV_TYPES(f16, __half)

@@ -19,7 +19,9 @@ fn wanted(family: Family) -> Vec<(&'static str, Vec<String>)> {
         quant.push(f::act(s, true));
         quant.extend(f::ELEMENTWISE.iter().map(|w| f::elementwise(w, s)));
         gemv.extend(f::GEMV_TOKENS.iter().map(|&t| f::gemv(t, s)));
+        gemv.extend(f::GEMV_TOKENS.iter().map(|&t| f::grouped_gemv(t, s)));
         gemm.extend(f::TILES.iter().map(|&t| f::gemm(t, s)));
+        gemm.extend(f::TILES.iter().map(|&t| f::grouped_gemm(t, s)));
     }
     let mut nsa = Vec::new();
     for s in n::SUFFIXES {

@@ -314,3 +314,128 @@ fn activation_tiles_beyond_the_grid() {
         assert!(err < 1e-3, "{act:?} {path}: rel err {err:e}");
     }
 }
+
+/// Stacked expert weights in the kernels' layout, each expert padded by the backend's own plan.
+fn kernel_experts(ws: &[Fp8BlockWeight]) -> (WeightLayout, HostBuf, HostBuf) {
+    let mut codes = Vec::new();
+    let mut scales = Vec::new();
+    let mut layout = None;
+    for w in ws {
+        let (l, wd, sd) = kernel_weight(w);
+        layout = Some(l);
+        codes.extend(wd.to_vec::<u8>());
+        scales.extend(sd.to_vec::<f32>());
+    }
+    (
+        layout.expect("at least one expert"),
+        HostBuf::from_slice(&codes),
+        HostBuf::from_slice(&scales),
+    )
+}
+
+/// The grouped expert GEMM (both kernels' grouped forms) against the f64 reference: empty
+/// groups, a group of one, groups past one 16-row chunk and one 64-row tile, non-aligned N
+/// and K, every activation scheme, outputs poisoned first.
+#[test]
+fn grouped_experts_every_path() {
+    use fp8nsa_cuda::fp8::{plan_fp8_grouped, row_offsets};
+    let mut rng = rng("emu_grouped");
+    for (e, n, k, block, act, dtype, counts) in [
+        // decode: one row to each of a few experts
+        (
+            6,
+            576,
+            3884,
+            [128, 128],
+            ActQuant::Group,
+            Dtype::Bf16,
+            vec![1, 0, 0, 1, 1, 0],
+        ),
+        (
+            4,
+            72,
+            300,
+            [64, 128],
+            ActQuant::Block2d { bm: 3 },
+            Dtype::F32,
+            vec![5, 0, 19, 2],
+        ),
+        (
+            3,
+            130,
+            520,
+            [128, 256],
+            ActQuant::Group,
+            Dtype::F16,
+            vec![0, 70, 9],
+        ),
+        (
+            5,
+            40,
+            200,
+            [16, 16],
+            ActQuant::None,
+            Dtype::F32,
+            vec![3, 1, 0, 18, 2],
+        ),
+    ] {
+        let experts: Vec<Fp8BlockWeight> = (0..e)
+            .map(|_| {
+                let w = Tensor::from_vec(
+                    hetero(&mut rng, n, k, block[0], block[1]),
+                    (n, k),
+                    &Device::Cpu,
+                )
+                .unwrap();
+                Fp8BlockWeight::quantize(&w, block).unwrap()
+            })
+            .collect();
+        let t: usize = counts.iter().sum();
+        let x_mag = if dtype == Dtype::F16 { 1e-4 } else { 1.0 };
+        let x = (Tensor::from_vec(hetero(&mut rng, t, k, 1, block[1]), (t, k), &Device::Cpu)
+            .unwrap()
+            * x_mag)
+            .unwrap()
+            .to_dtype(dtype_of(dtype))
+            .unwrap();
+        let want: Vec<f64> = reference::fp8_experts(&x, &experts, &counts, act)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let (layout, mut wd, mut ws) = kernel_experts(&experts);
+        let mut xb = bytes_of(&x);
+        let mut offsets = HostBuf::from_slice(&row_offsets(&counts));
+        let most = *counts.iter().max().unwrap();
+        let mut paths = vec![CudaFp8Path::SmallM {
+            tokens: most.min(16).next_power_of_two(),
+        }];
+        if act != ActQuant::None && block[1] % 128 == 0 {
+            paths.extend(
+                [MmaTile::M16, MmaTile::M64, MmaTile::M128]
+                    .map(|tile| CudaFp8Path::Mma { tile, splits: 1 }),
+            );
+        }
+        let tol = if dtype == Dtype::F32 { 1e-3 } else { 8e-3 };
+        for path in paths {
+            let what = format!("e={e} n={n} k={k} {block:?} {act:?} {dtype:?} {counts:?} {path}");
+            let plan = plan_fp8_grouped(&layout, &counts, scheme(act), path, dtype).unwrap();
+            let mut out = HostBuf::new(t * n * dtype.size());
+            execute(
+                &plan,
+                &mut [&mut xb, &mut wd, &mut ws, &mut offsets, &mut out],
+            )
+            .unwrap_or_else(|err| panic!("{what}: {err}"));
+            let y = to_f64(&out, dtype);
+            assert!(
+                y.iter().all(|v| v.is_finite()),
+                "{what}: unwritten or non-finite output"
+            );
+            let err = rel_frobenius(&y, &want);
+            assert!(err < tol, "{what}: rel err {err:e}");
+        }
+    }
+}

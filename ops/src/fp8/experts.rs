@@ -1,10 +1,13 @@
 //! `Fp8Experts`: the weights of one projection of every expert of a mixture-of-experts layer,
 //! called once per layer with the tokens routed to them (grouped fp8 GEMM).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 use fp8nsa_cpu::experts::{grouped, ExpertWeights, ExpertsShape};
+use fp8nsa_types::{CudaFp8Kernel, Settings};
+
+use super::experts_cuda::{self as cuda, CudaExperts};
 
 use super::weight::host_bytes;
 use super::{ActQuant, Fp8BlockWeight};
@@ -16,8 +19,10 @@ use crate::error::{invalid, shape_err, Error, Result};
 /// Two call shapes, as DeepGEMM has them: [`Fp8Experts::forward_contiguous`] (token rows
 /// grouped by expert, prefill) and [`Fp8Experts::forward_masked`] (a fixed-size slot of rows per
 /// expert with a count of valid ones, decode). Both run as one grouped call: at decode every
-/// routed expert's GEMV is a task of one parallel region, one pass over its weight rows.
-/// CPU only so far; CUDA and PJRT tensors get `Error::Unsupported`.
+/// routed expert's GEMV is a task of one parallel region, one pass over its weight rows. On
+/// CUDA (`cuda` feature) each call is one launch of fp8nsa-cuda's grouped kernel for all
+/// experts (the experts are uploaded once per device, on first use). PJRT tensors get
+/// `Error::Unsupported`.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};
@@ -44,6 +49,9 @@ pub struct Fp8Experts {
     act: ActQuant,
     /// No code of any expert is NaN: the decode GEMV may skip its check.
     nan_free: bool,
+    cuda_kernel: Option<CudaFp8Kernel>,
+    /// The experts laid out for one CUDA device, made on the first call there.
+    cuda: Arc<Mutex<Option<Arc<CudaExperts>>>>,
 }
 
 impl Fp8Experts {
@@ -92,7 +100,16 @@ impl Fp8Experts {
             scales: scales.into(),
             shape,
             act,
+            cuda_kernel: None,
+            cuda: Arc::default(),
         })
+    }
+
+    /// The CUDA kernel of the grouped call (default: `FP8NSA_CUDA_FP8_KERNEL`, else `Auto`):
+    /// `SmallM` or `Mma` force one; cuBLASLt and dequantize have no grouped form.
+    pub fn with_cuda_kernel(mut self, kernel: CudaFp8Kernel) -> Self {
+        self.cuda_kernel = Some(kernel);
+        self
     }
 
     fn weights(&self) -> ExpertWeights<'_> {
@@ -117,11 +134,11 @@ impl Fp8Experts {
     }
 
     fn check_x(&self, x: &Tensor, rank: usize) -> Result<()> {
-        if !matches!(x.device(), Device::Cpu) {
+        if !matches!(x.device(), Device::Cpu | Device::Cuda(_)) {
             return Err(Error::Unsupported {
                 op: "fp8-experts",
                 device: format!("{:?}", x.device()),
-                hint: "the grouped expert GEMM runs on the CPU only so far",
+                hint: "the grouped expert GEMM runs on the CPU and CUDA",
             });
         }
         if !matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
@@ -170,7 +187,10 @@ impl Fp8Experts {
             ));
         }
         if t == 0 {
-            return Ok(Tensor::zeros((0, self.shape.n), x.dtype(), &Device::Cpu)?);
+            return Ok(Tensor::zeros((0, self.shape.n), x.dtype(), x.device())?);
+        }
+        if x.device().is_cuda() {
+            return self.cuda_contiguous(x, counts);
         }
         let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let mut out = vec![0f32; t * self.shape.n];
@@ -192,6 +212,22 @@ impl Fp8Experts {
                 "counts",
                 format!("expert {i} has {c} rows, more than the slot of {m}"),
             ));
+        }
+        if x.device().is_cuda() {
+            // the valid rows packed by expert, through the contiguous call, back to their slots
+            let rows: Vec<u32> = counts
+                .iter()
+                .enumerate()
+                .flat_map(|(i, &c)| (0..c).map(move |r| (i * m + r) as u32))
+                .collect();
+            let flat = x.reshape((e * m, k))?;
+            let zeros = Tensor::zeros((e * m, n), x.dtype(), x.device())?;
+            if rows.is_empty() {
+                return Ok(zeros.reshape((e, m, n))?);
+            }
+            let idx = Tensor::new(rows.as_slice(), x.device())?;
+            let y = self.cuda_contiguous(&flat.index_select(&idx, 0)?, counts)?;
+            return Ok(zeros.index_add(&idx, &y, 0)?.reshape((e, m, n))?);
         }
         let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         let t: usize = counts.iter().sum();
@@ -219,5 +255,20 @@ impl Fp8Experts {
             }
         }
         Ok(Tensor::from_vec(out, (e, m, n), &Device::Cpu)?.to_dtype(x.dtype())?)
+    }
+
+    fn cuda_contiguous(&self, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        let kernel = match self.cuda_kernel {
+            Some(k) => k,
+            None => Settings::global().cuda_fp8_kernel.clone()?,
+        };
+        let w = cuda::prepared(
+            &self.cuda,
+            &self.codes,
+            &self.scales,
+            self.shape,
+            x.device(),
+        )?;
+        Ok(cuda::forward(&w, x, counts, self.act, kernel)?.0)
     }
 }

@@ -2,6 +2,7 @@
 
 mod cuda;
 mod experts;
+mod experts_cuda;
 mod linear;
 mod moe;
 mod op;

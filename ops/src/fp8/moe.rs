@@ -94,7 +94,11 @@ impl Fp8Moe {
         if x.rank() != 2 || x.dims()[1] != h {
             return Err(shape_err("x", format!("[T, {h}]"), x.dims()));
         }
-        let logits = x.to_dtype(DType::F32)?.matmul(&self.router.t()?)?;
+        // routing is decided on the host (the grouped call takes host counts)
+        let logits = x
+            .to_device(&Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .matmul(&self.router.t()?)?;
         let probs = candle_nn::ops::softmax_last_dim(&logits)?;
         let probs: Vec<Vec<f32>> = probs.to_vec2()?;
         let (mut experts, mut weights) = (Vec::new(), Vec::new());
@@ -137,18 +141,17 @@ impl Fp8Moe {
         let mut order: Vec<usize> = (0..experts.len()).collect();
         order.sort_by_key(|&j| experts[j]);
         let rows: Vec<u32> = order.iter().map(|&j| (j / self.top_k) as u32).collect();
-        let xp = x2.index_select(&Tensor::new(rows.as_slice(), &Device::Cpu)?, 0)?;
+        let dev = x.device();
+        let rows = Tensor::new(rows.as_slice(), dev)?;
+        let xp = x2.index_select(&rows, 0)?;
         let g = self.gate.forward_contiguous(&xp, &counts)?;
         let u = self.up.forward_contiguous(&xp, &counts)?;
         let a = (g.silu()? * u)?;
-        let d: Vec<Vec<f32>> = self.down.forward_contiguous(&a, &counts)?.to_vec2()?;
-        let mut out = vec![0f32; t * h];
-        for (r, &j) in order.iter().enumerate() {
-            let tok = j / self.top_k;
-            for (o, v) in out[tok * h..(tok + 1) * h].iter_mut().zip(&d[r]) {
-                *o += weights[j] * v;
-            }
-        }
-        Ok(Tensor::from_vec(out, x.dims(), &Device::Cpu)?.to_dtype(x.dtype())?)
+        let d = self.down.forward_contiguous(&a, &counts)?;
+        // each (token, slot) row weighted, then summed into its token in expert order
+        let wsorted: Vec<f32> = order.iter().map(|&j| weights[j]).collect();
+        let d = d.broadcast_mul(&Tensor::from_vec(wsorted, (order.len(), 1), dev)?)?;
+        let out = Tensor::zeros((t, h), DType::F32, dev)?.index_add(&rows, &d, 0)?;
+        Ok(out.reshape(x.dims())?.to_dtype(x.dtype())?)
     }
 }

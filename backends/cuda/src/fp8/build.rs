@@ -13,24 +13,40 @@ use super::names;
 use super::plan::{tile_smem_bytes, tile_warps};
 use super::weight::WeightLayout;
 
+/// Output rows per CTA of the small-M kernel for `tokens` (as its template instances have them).
+pub(super) fn gemv_rows(tokens: usize) -> usize {
+    match tokens {
+        1..=4 => 8,
+        8 => 4,
+        _ => 2,
+    }
+}
+
+/// Threads per CTA of the small-M kernel: one per 16-byte chunk of K, 32 to 256.
+pub(super) fn gemv_threads(k: usize) -> u32 {
+    k.div_ceil(16).next_multiple_of(32).clamp(32, 256) as u32
+}
+
 /// Where the activation kernel writes.
-enum ActOut {
+pub(super) enum ActOut {
     /// e4m3 codes `[rows, ld]` and scales with (row-block, k-block) strides.
     Codes {
-        xq: Buf,
-        sx: Buf,
+        xq: Val,
+        sx: Val,
         rs: usize,
         cs: usize,
     },
     /// Quantize-dequantized (or plain, for `None`) values `[m, ld]` in f32.
-    F32(Buf),
+    F32(Val),
     /// The same in the input type.
-    Same(Buf),
+    Same(Val),
 }
 
-/// The activation kernel on `x [m, k]` (argument 0): one warp per scale tile, 8 per block.
-fn act_step(
+/// The activation kernel on `x [m, k]` at `src`: one warp per scale tile, 8 per block.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn act_step(
     x: Dtype,
+    src: Val,
     m: usize,
     k: usize,
     ld: usize,
@@ -47,16 +63,16 @@ fn act_step(
     let (name, xq, xd, sx, rs, cs) = match out {
         ActOut::Codes { xq, sx, rs, cs } => (
             names::act(x.suffix(), false),
-            val(xq),
+            KArg::Val(xq),
             null.clone(),
-            val(sx),
+            KArg::Val(sx),
             rs,
             cs,
         ),
         ActOut::F32(b) => (
             names::act(x.suffix(), false),
             null.clone(),
-            val(b),
+            KArg::Val(b),
             null,
             0,
             0,
@@ -64,7 +80,7 @@ fn act_step(
         ActOut::Same(b) => (
             names::act(x.suffix(), true),
             null.clone(),
-            val(b),
+            KArg::Val(b),
             null,
             0,
             0,
@@ -77,7 +93,7 @@ fn act_step(
         block: 256,
         smem: 0,
         args: vec![
-            val(Buf::Arg(0)),
+            KArg::Val(src),
             xq,
             xd,
             sx,
@@ -92,6 +108,9 @@ fn act_step(
         ],
     }
 }
+
+/// The call's input, argument 0.
+pub(super) const X: Val = Val::Ptr(Buf::Arg(0), 0);
 
 /// `y[m, n] += bias[n]` on argument 4 (after cuBLAS / cuBLASLt).
 fn bias_step(x: Dtype, m: usize, n: usize) -> Kernel {
@@ -144,14 +163,15 @@ pub fn plan_fp8_linear(
             let sx = plan.tmp(4 * l * mp, mp != m);
             plan.kernel(act_step(
                 x,
+                X,
                 m,
                 k,
                 ld,
                 128,
                 ActQuant::Group,
                 ActOut::Codes {
-                    xq,
-                    sx,
+                    xq: Val::Ptr(xq, 0),
+                    sx: Val::Ptr(sx, 0),
                     rs: 1,
                     cs: mp,
                 },
@@ -195,14 +215,15 @@ pub fn plan_fp8_linear(
             let sx = plan.tmp(4 * m.div_ceil(bm_act) * kb, false);
             plan.kernel(act_step(
                 x,
+                X,
                 m,
                 k,
                 ld,
                 bk,
                 act,
                 ActOut::Codes {
-                    xq,
-                    sx,
+                    xq: Val::Ptr(xq, 0),
+                    sx: Val::Ptr(sx, 0),
                     rs: kb,
                     cs: 1,
                 },
@@ -262,13 +283,17 @@ pub fn plan_fp8_linear(
         }
         CudaFp8Path::SmallM { tokens } => {
             let xd = plan.tmp(4 * m * ld, false);
-            plan.kernel(act_step(x, m, k, ld, bk, act, ActOut::F32(xd)));
-            let rows = match tokens {
-                1..=4 => 8,
-                8 => 4,
-                _ => 2,
-            };
-            let threads = k.div_ceil(16).next_multiple_of(32).clamp(32, 256) as u32;
+            plan.kernel(act_step(
+                x,
+                X,
+                m,
+                k,
+                ld,
+                bk,
+                act,
+                ActOut::F32(Val::Ptr(xd, 0)),
+            ));
+            let (rows, threads) = (gemv_rows(tokens), gemv_threads(k));
             let params = vec![
                 Val::Ptr(xd, 0),
                 Val::Ptr(Buf::Arg(1), 0),
@@ -313,7 +338,16 @@ pub fn plan_fp8_linear(
             ));
             // the activations as the contract sees them: quantize-dequantized, or x itself
             let xs = plan.tmp(m * ld * x.size(), false);
-            plan.kernel(act_step(x, m, k, ld, bk, act, ActOut::Same(xs)));
+            plan.kernel(act_step(
+                x,
+                X,
+                m,
+                k,
+                ld,
+                bk,
+                act,
+                ActOut::Same(Val::Ptr(xs, 0)),
+            ));
             // column-major: y^T [n, m] = W [k, n]^T . x^T [k, m]
             plan.steps.push(Step::Gemm(step::Gemm {
                 dtype: x,

@@ -22,6 +22,7 @@
 
 mod args;
 mod build;
+mod grouped;
 pub(crate) mod names;
 mod plan;
 mod weight;
@@ -42,6 +43,7 @@ use crate::launch;
 use crate::step::{DevBuf, Dtype};
 
 pub use build::plan_fp8_linear;
+pub use grouped::{check_grouped, fp8_grouped, plan_fp8_grouped, plan_grouped, row_offsets};
 pub use weight::{pad_rows, plan_pad_rows, PadElement, PreparedWeight, WeightLayout, WeightRef};
 
 /// One fp8 linear call, checked and planned once; [`execute`] runs it as it is. Made by

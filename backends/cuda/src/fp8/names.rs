@@ -23,6 +23,14 @@ pub(crate) fn gemv(tokens: usize, suffix: &str) -> String {
     format!("fp8nsa_fp8_gemv_m{tokens}_{suffix}")
 }
 
+pub(crate) fn grouped_gemm(tile: MmaTile, suffix: &str) -> String {
+    format!("fp8nsa_fp8_grouped_gemm_{}_{suffix}", tile.name())
+}
+
+pub(crate) fn grouped_gemv(tokens: usize, suffix: &str) -> String {
+    format!("fp8nsa_fp8_grouped_gemv_m{tokens}_{suffix}")
+}
+
 pub(crate) fn elementwise(what: &str, suffix: &str) -> String {
     format!("fp8nsa_{what}_{suffix}")
 }

@@ -99,7 +99,7 @@ pub(crate) fn mma_splits(info: &DeviceInfo, s: &LinearShape, tile: MmaTile) -> (
     (kb.div_ceil(per), per)
 }
 
-fn mma_tile(m: usize) -> MmaTile {
+pub(crate) fn mma_tile(m: usize) -> MmaTile {
     if m <= 16 {
         MmaTile::M16
     } else if m <= 64 {
