@@ -3,10 +3,10 @@ use candle_nn::{Embedding, RmsNorm};
 
 use crate::attention::{Attention, AttnCache, Rope};
 use crate::config::{LlamaConfig, ModelOptions};
-use crate::error::{invalid, Result};
+use crate::error::Result;
 use crate::linear::{Linear, LinearKind};
 use crate::weights::Weights;
-use fp8nsa_ops::{Fp8BlockWeight, Fp8Experts, Fp8Moe};
+use fp8nsa_ops::{Fp8BlockWeight, Fp8Experts, Fp8Moe, MoeRouter};
 
 #[derive(Clone, Debug)]
 struct Block {
@@ -24,8 +24,15 @@ enum Mlp {
         up: Linear,
         down: Linear,
     },
-    /// Qwen3-MoE: a dense router over fp8 experts.
+    /// Qwen3-MoE: a dense router over fp8 experts (one grouped call per projection).
     Moe(Fp8Moe),
+    /// Qwen3-MoE with dense (or mixed) experts: the same routing, then a loop of per-expert
+    /// SwiGLU MLPs, as a plain candle model runs it (the dense baseline).
+    MoeLoop {
+        router: MoeRouter,
+        /// `[gate, up, down]` per expert.
+        experts: Vec<[Linear; 3]>,
+    },
 }
 
 impl Mlp {
@@ -35,6 +42,23 @@ impl Mlp {
                 down.forward(&(candle_nn::ops::silu(&gate.forward(y)?)? * up.forward(y)?)?)?
             }
             Mlp::Moe(moe) => moe.forward(y)?,
+            Mlp::MoeLoop { router, experts } => {
+                let (x2, r) = router.group(y)?;
+                let xp = x2.index_select(&r.rows, 0)?;
+                let mut parts = Vec::new();
+                let mut r0 = 0;
+                for ([gate, up, down], &c) in experts.iter().zip(&r.counts) {
+                    if c > 0 {
+                        let xs = xp.narrow(0, r0, c)?;
+                        let a = (candle_nn::ops::silu(&gate.forward(&xs)?)? * up.forward(&xs)?)?;
+                        parts.push(down.forward(&a)?);
+                        r0 += c;
+                    }
+                }
+                r.combine(&Tensor::cat(&parts, 0)?)?
+                    .reshape(y.dims())?
+                    .to_dtype(y.dtype())?
+            }
         })
     }
 
@@ -45,13 +69,18 @@ impl Mlp {
                 .filter(|l| matches!(l, Linear::Fp8(_)))
                 .count(),
             Mlp::Moe(moe) => 3 * moe.num_experts(),
+            Mlp::MoeLoop { experts, .. } => experts
+                .iter()
+                .flatten()
+                .filter(|l| matches!(l, Linear::Fp8(_)))
+                .count(),
         }
     }
 }
 
 /// The MoE block of layer prefix `p`: router `{p}.mlp.gate.weight` (dense), experts
-/// `{p}.mlp.experts.{e}.{gate,up,down}_proj`, each fp8 (stored so, or quantized on load by
-/// `LinearKind::Fp8`).
+/// `{p}.mlp.experts.{e}.{gate,up,down}_proj`, each built as `opts.linear` says (stored fp8 stays
+/// fp8). All fp8: the grouped `Fp8Moe`; otherwise the per-expert loop.
 fn moe_block(
     cfg: &LlamaConfig,
     w: &Weights,
@@ -67,43 +96,44 @@ fn moe_block(
         }
         None => w.get(&format!("{p}.mlp.gate.weight"))?,
     };
-    let mut stacks = Vec::with_capacity(3);
-    for proj in ["gate_proj", "up_proj", "down_proj"] {
-        let mut ws = Vec::with_capacity(m.num_experts);
+    let experts = (0..m.num_experts)
+        .map(|e| {
+            let build = |proj: &str| {
+                let name = format!("{p}.mlp.experts.{e}.{proj}");
+                Linear::build(w, &name, opts.linear, keep_dense(&name))
+            };
+            Ok([build("gate_proj")?, build("up_proj")?, build("down_proj")?])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let fp8 = |i: usize| -> Option<(Vec<Fp8BlockWeight>, fp8nsa_ops::ActQuant)> {
         let mut act = None;
-        for e in 0..m.num_experts {
-            let name = format!("{p}.mlp.experts.{e}.{proj}");
-            match Linear::build(w, &name, opts.linear, keep_dense(&name))? {
+        let ws = experts
+            .iter()
+            .map(|ex| match &ex[i] {
                 Linear::Fp8(l) => {
                     act = Some(l.act());
-                    ws.push(l.weight().clone());
+                    Some(l.weight().clone())
                 }
-                Linear::Dense(_) => {
-                    return Err(invalid(
-                        "linear",
-                        format!(
-                            "{name} is dense: MoE experts run as fp8 only (store them in fp8 or \
-                             build with LinearKind::Fp8)"
-                        ),
-                    ))
-                }
-            }
-        }
-        let act = act.ok_or_else(|| invalid("num_experts", "must be at least 1"))?;
-        stacks.push(Fp8Experts::new(&ws, act)?);
+                Linear::Dense(_) => None,
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some((ws, act?))
+    };
+    if let (Some(g), Some(u), Some(d)) = (fp8(0), fp8(1), fp8(2)) {
+        let stack = |(ws, act): (Vec<Fp8BlockWeight>, _)| Fp8Experts::new(&ws, act);
+        return Ok(Mlp::Moe(Fp8Moe::new(
+            router,
+            stack(g)?,
+            stack(u)?,
+            stack(d)?,
+            m.num_experts_per_tok,
+            m.norm_topk_prob,
+        )?));
     }
-    let down = stacks.pop().expect("three stacks");
-    let up = stacks.pop().expect("three stacks");
-    let gate = stacks.pop().expect("three stacks");
-    let moe = Fp8Moe::new(
-        router,
-        gate,
-        up,
-        down,
-        m.num_experts_per_tok,
-        m.norm_topk_prob,
-    )?;
-    Ok(Mlp::Moe(moe))
+    Ok(Mlp::MoeLoop {
+        router: MoeRouter::new(router, m.num_experts_per_tok, m.norm_topk_prob)?,
+        experts,
+    })
 }
 
 /// A Llama-family decoder (RMSNorm, RoPE, GQA attention, SwiGLU MLP, tied or untied head) on

@@ -60,7 +60,8 @@ impl Weights {
         Ok(Some((data, scales.to_dtype(DType::F32)?, block)))
     }
 
-    /// Seeded N(0, 0.02) weights (norms at 1) for `cfg`: a model to run without a download.
+    /// Seeded N(0, 0.02) weights (norms at 1) for `cfg`, in the Qwen3-MoE expert layout for
+    /// its MoE layers: a model to run without a download.
     pub fn random(cfg: &LlamaConfig, seed: u64) -> Result<Self> {
         cfg.validate()?;
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -85,15 +86,27 @@ impl Weights {
         }
         for l in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{l}");
-            for (n, dims) in [
-                ("self_attn.q_proj", [q, h]),
-                ("self_attn.k_proj", [kv, h]),
-                ("self_attn.v_proj", [kv, h]),
-                ("self_attn.o_proj", [h, q]),
-                ("mlp.gate_proj", [i, h]),
-                ("mlp.up_proj", [i, h]),
-                ("mlp.down_proj", [h, i]),
-            ] {
+            let mut mats = vec![
+                ("self_attn.q_proj".to_string(), [q, h]),
+                ("self_attn.k_proj".into(), [kv, h]),
+                ("self_attn.v_proj".into(), [kv, h]),
+                ("self_attn.o_proj".into(), [h, q]),
+            ];
+            if cfg.moe.is_moe_layer(l) {
+                // Qwen3-MoE's layout: router `mlp.gate`, experts `mlp.experts.{e}.*`
+                let mi = cfg.moe.moe_intermediate_size;
+                mats.push(("mlp.gate".into(), [cfg.moe.num_experts, h]));
+                for e in 0..cfg.moe.num_experts {
+                    mats.push((format!("mlp.experts.{e}.gate_proj"), [mi, h]));
+                    mats.push((format!("mlp.experts.{e}.up_proj"), [mi, h]));
+                    mats.push((format!("mlp.experts.{e}.down_proj"), [h, mi]));
+                }
+            } else {
+                mats.push(("mlp.gate_proj".into(), [i, h]));
+                mats.push(("mlp.up_proj".into(), [i, h]));
+                mats.push(("mlp.down_proj".into(), [h, i]));
+            }
+            for (n, dims) in mats {
                 put(format!("{p}.{n}.weight"), &dims, &mut rng)?;
             }
             for n in ["input_layernorm", "post_attention_layernorm"] {

@@ -24,5 +24,8 @@ mod storage;
 
 pub use backend::{Backend, PjrtRuntime};
 pub use error::{Error, Result};
-pub use fp8::{ActQuant, Fp8BlockWeight, Fp8Experts, Fp8Linear, Fp8Moe, Fp8Path, ScaleDType};
+pub use fp8::{
+    ActQuant, Fp8BlockWeight, Fp8Experts, Fp8Linear, Fp8Moe, Fp8Path, MoeRouter, Routing,
+    ScaleDType,
+};
 pub use fp8nsa_types::{CudaFp8Kernel, CudaFp8Path, MmaTile, Settings, TpuKernel};

@@ -13,6 +13,6 @@ pub use experts::Fp8Experts;
 pub use fp8nsa_cpu::linear::{CpuKernel, GEMV_MAX_M};
 pub use fp8nsa_types::{ActQuant, ScaleDType};
 pub use linear::Fp8Linear;
-pub use moe::Fp8Moe;
+pub use moe::{Fp8Moe, MoeRouter, Routing};
 pub use op::Fp8Path;
 pub use weight::Fp8BlockWeight;

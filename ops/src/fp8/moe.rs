@@ -33,12 +33,10 @@ use crate::error::{invalid, shape_err, Result};
 /// ```
 #[derive(Clone, Debug)]
 pub struct Fp8Moe {
-    router: Tensor,
+    router: MoeRouter,
     gate: Fp8Experts,
     up: Fp8Experts,
     down: Fp8Experts,
-    top_k: usize,
-    norm_topk_prob: bool,
 }
 
 impl Fp8Moe {
@@ -62,43 +60,135 @@ impl Fp8Moe {
         if down.shape() != [e, h, i] {
             return Err(shape_err("down", format!("[{e}, {h}, {i}]"), &down.shape()));
         }
-        if top_k == 0 || top_k > e {
-            return Err(invalid(
-                "top_k",
-                format!("must be in 1..={e} (the number of experts), got {top_k}"),
-            ));
-        }
-        let router = router.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
         Ok(Self {
-            router,
+            router: MoeRouter::new(router, top_k, norm_topk_prob)?,
             gate,
             up,
             down,
-            top_k,
-            norm_topk_prob,
         })
     }
 
     pub fn top_k(&self) -> usize {
-        self.top_k
+        self.router.top_k
     }
 
     pub fn num_experts(&self) -> usize {
         self.gate.num_experts()
     }
 
+    pub fn router(&self) -> &MoeRouter {
+        &self.router
+    }
+
     /// For `x [T, H]`: each token's `top_k` experts (highest probability first; ties to the
     /// lower index) and their weights, flattened `[T * top_k]`.
     pub fn route(&self, x: &Tensor) -> Result<(Vec<usize>, Vec<f32>)> {
-        let h = self.router.dims()[1];
+        self.router.route(x)
+    }
+
+    /// `y [.., H]` for `x [.., H]` (f32, bf16 or f16; computed in f32, returned in x's dtype).
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (x2, r) = self.router.group(x)?;
+        let xp = x2.index_select(&r.rows, 0)?;
+        let g = self.gate.forward_contiguous(&xp, &r.counts)?;
+        let u = self.up.forward_contiguous(&xp, &r.counts)?;
+        let a = (g.silu()? * u)?;
+        let d = self.down.forward_contiguous(&a, &r.counts)?;
+        Ok(r.combine(&d)?.reshape(x.dims())?.to_dtype(x.dtype())?)
+    }
+}
+
+/// Token-choice top-k routing (Qwen3-MoE / DeepSeek style): softmax over `router [E, H] . x`,
+/// each token's `top_k` most probable experts, their probabilities as weights (renormalized
+/// over the chosen `top_k` when `norm_topk_prob`). Shared by [`Fp8Moe`] and any other expert
+/// implementation (a dense baseline), so both route identically.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use fp8nsa_ops::MoeRouter;
+///
+/// // expert 1 scores highest for the token, then expert 2
+/// let router = Tensor::new(&[[0f32, 0.0], [2.0, 0.0], [1.0, 0.0]], &Device::Cpu)?;
+/// let r = MoeRouter::new(router, 2, true)?;
+/// let (experts, weights) = r.route(&Tensor::new(&[[1f32, 5.0]], &Device::Cpu)?)?;
+/// assert_eq!(experts, [1, 2]);
+/// assert!((weights[0] + weights[1] - 1.0).abs() < 1e-6 && weights[0] > weights[1]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct MoeRouter {
+    /// `[E, H]` f32 on the host: routing is decided there.
+    weight: Tensor,
+    top_k: usize,
+    norm_topk_prob: bool,
+}
+
+/// A batch's rows grouped by expert: what one grouped call per projection takes.
+#[derive(Clone, Debug)]
+pub struct Routing {
+    /// Rows per expert, `[E]`.
+    pub counts: Vec<usize>,
+    /// The token of each grouped row, `[T * top_k]` u32 on the input's device.
+    pub rows: Tensor,
+    /// The routing weight of each grouped row.
+    pub weights: Vec<f32>,
+    /// Tokens in the batch.
+    pub tokens: usize,
+}
+
+impl Routing {
+    /// `[T, H]` f32: each grouped row of `y [T * top_k, H]` times its weight, summed into its
+    /// token (in expert order).
+    pub fn combine(&self, y: &Tensor) -> Result<Tensor> {
+        let dev = y.device();
+        let n = self.weights.len();
+        let w = Tensor::from_vec(self.weights.clone(), (n, 1), dev)?;
+        let y = y.to_dtype(DType::F32)?.broadcast_mul(&w)?;
+        let h = y.dims()[1];
+        Ok(Tensor::zeros((self.tokens, h), DType::F32, dev)?.index_add(&self.rows, &y, 0)?)
+    }
+}
+
+impl MoeRouter {
+    /// `weight [E, H]` (any float dtype, any device), `1 <= top_k <= E`.
+    pub fn new(weight: Tensor, top_k: usize, norm_topk_prob: bool) -> Result<Self> {
+        if weight.rank() != 2 {
+            return Err(shape_err("router", "[E, H]", weight.dims()));
+        }
+        let e = weight.dims()[0];
+        if top_k == 0 || top_k > e {
+            return Err(invalid(
+                "top_k",
+                format!("must be in 1..={e} (the number of experts), got {top_k}"),
+            ));
+        }
+        Ok(Self {
+            weight: weight.to_device(&Device::Cpu)?.to_dtype(DType::F32)?,
+            top_k,
+            norm_topk_prob,
+        })
+    }
+
+    pub fn num_experts(&self) -> usize {
+        self.weight.dims()[0]
+    }
+
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+
+    /// For `x [T, H]`: each token's `top_k` experts (highest probability first; ties to the
+    /// lower index) and their weights, flattened `[T * top_k]`.
+    pub fn route(&self, x: &Tensor) -> Result<(Vec<usize>, Vec<f32>)> {
+        let h = self.weight.dims()[1];
         if x.rank() != 2 || x.dims()[1] != h {
             return Err(shape_err("x", format!("[T, {h}]"), x.dims()));
         }
-        // routing is decided on the host (the grouped call takes host counts)
+        // routing is decided on the host (the grouped calls take host counts)
         let logits = x
             .to_device(&Device::Cpu)?
             .to_dtype(DType::F32)?
-            .matmul(&self.router.t()?)?;
+            .matmul(&self.weight.t()?)?;
         let probs = candle_nn::ops::softmax_last_dim(&logits)?;
         let probs: Vec<Vec<f32>> = probs.to_vec2()?;
         let (mut experts, mut weights) = (Vec::new(), Vec::new());
@@ -123,35 +213,29 @@ impl Fp8Moe {
         Ok((experts, weights))
     }
 
-    /// `y [.., H]` for `x [.., H]` (f32, bf16 or f16; computed in f32, returned in x's dtype).
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.router.dims()[1];
+    /// `x [.., H]` as `[T, H]` f32 on its device, and its rows grouped by expert (in token
+    /// order within each expert).
+    pub fn group(&self, x: &Tensor) -> Result<(Tensor, Routing)> {
+        let h = self.weight.dims()[1];
         if x.dims().last() != Some(&h) || x.elem_count() == 0 {
             return Err(shape_err("x", format!("[.., {h}], not empty"), x.dims()));
         }
         let t = x.elem_count() / h;
         let x2 = x.reshape((t, h))?.to_dtype(DType::F32)?;
         let (experts, weights) = self.route(&x2)?;
-        let e = self.gate.num_experts();
-        // the (token, slot) pairs grouped by expert, in token order within each expert
-        let mut counts = vec![0usize; e];
+        let mut counts = vec![0usize; self.num_experts()];
         for &ex in &experts {
             counts[ex] += 1;
         }
         let mut order: Vec<usize> = (0..experts.len()).collect();
         order.sort_by_key(|&j| experts[j]);
         let rows: Vec<u32> = order.iter().map(|&j| (j / self.top_k) as u32).collect();
-        let dev = x.device();
-        let rows = Tensor::new(rows.as_slice(), dev)?;
-        let xp = x2.index_select(&rows, 0)?;
-        let g = self.gate.forward_contiguous(&xp, &counts)?;
-        let u = self.up.forward_contiguous(&xp, &counts)?;
-        let a = (g.silu()? * u)?;
-        let d = self.down.forward_contiguous(&a, &counts)?;
-        // each (token, slot) row weighted, then summed into its token in expert order
-        let wsorted: Vec<f32> = order.iter().map(|&j| weights[j]).collect();
-        let d = d.broadcast_mul(&Tensor::from_vec(wsorted, (order.len(), 1), dev)?)?;
-        let out = Tensor::zeros((t, h), DType::F32, dev)?.index_add(&rows, &d, 0)?;
-        Ok(out.reshape(x.dims())?.to_dtype(x.dtype())?)
+        let routing = Routing {
+            counts,
+            rows: Tensor::new(rows.as_slice(), x.device())?,
+            weights: order.iter().map(|&j| weights[j]).collect(),
+            tokens: t,
+        };
+        Ok((x2, routing))
     }
 }

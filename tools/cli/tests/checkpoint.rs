@@ -491,7 +491,8 @@ fn unknown_model_types_are_refused_with_the_supported_list() {
 /// A random Qwen3-MoE checkpoint in the published layout (router `mlp.gate.weight`, experts
 /// `mlp.experts.{e}.{gate,up,down}_proj`, a dense layer through `mlp_only_layers`, expert width
 /// not a multiple of the block), quantized by `fp8nsa quantize` (router, norms and embeddings
-/// kept, bf16 scales), loaded by `Model::load_hf` and run W8A16 against the f64 forward.
+/// kept, bf16 scales), loaded by `Model::load_hf` and run W8A16 against the f64 forward; the
+/// dense source runs its experts as a per-expert loop, against the f64 forward too.
 #[test]
 fn qwen3_moe_fp8_checkpoint_matches_an_f64_reference() {
     let mut rng = fp8nsa_test_support::rng("qwen3_moe_checkpoint");
@@ -587,10 +588,11 @@ fn qwen3_moe_fp8_checkpoint_matches_an_f64_reference() {
     let tokens: Vec<u32> = (0..7).map(|i| (i * 41 + 3) % 300).collect();
     let want = qwen3_reference(&qcfg, &get, &tokens);
     check_against_f64(&model, &want, &tokens, 4);
-    // dense experts need LinearKind::Fp8 (no dense MoE path)
-    let e = Model::load_hf(src.path(), &ModelOptions::default()).unwrap_err();
-    assert!(
-        matches!(&e, fp8nsa::models::Error::Invalid { arg: "linear", .. }),
-        "{e}"
-    );
+    // the bf16 source with dense experts: the per-expert loop, against the f64 forward on the
+    // source weights
+    let dense = Model::load_hf(src.path(), &ModelOptions::default()).unwrap();
+    assert_eq!(dense.llama().fp8_layer_count(), 0);
+    let (scfg, sw) = Weights::load_hf_dir(src.path()).unwrap();
+    let get = |name: &str| dequantized(&sw, name);
+    check_against_f64(&dense, &qwen3_reference(&scfg, &get, &tokens), &tokens, 4);
 }
