@@ -261,8 +261,55 @@ fn rms_norm(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
 /// softmax attention, o; RMSNorm, SiLU(gate) * up, down — or, in a Qwen3-MoE layer, the top-k
 /// experts' SwiGLU weighted by the router's softmax; final RMSNorm, tied head): logits
 /// `[T, vocab]` for `tokens` from position 0.
+/// RoPE's inverse frequencies for `cfg`: `theta^(-2i/d)`, or with `llama3` scaling Meta's
+/// published rule (wavelengths under `orig / high_freq_factor` kept, over `orig /
+/// low_freq_factor` divided by `factor`, smoothly interpolated between).
+fn inv_freqs(cfg: &LlamaConfig) -> Vec<f64> {
+    let hd = cfg.head_dim();
+    let plain = (0..hd / 2).map(|i| cfg.rope_theta.powf(-2.0 * i as f64 / hd as f64));
+    let Some(s) = cfg.rope_scaling.as_ref() else {
+        return plain.collect();
+    };
+    assert_eq!(
+        s["rope_type"], "llama3",
+        "the reference knows llama3 scaling only"
+    );
+    let f = |k: &str| s[k].as_f64().unwrap();
+    let (factor, low, high, orig) = (
+        f("factor"),
+        f("low_freq_factor"),
+        f("high_freq_factor"),
+        f("original_max_position_embeddings"),
+    );
+    plain
+        .map(|fr| {
+            let wavelen = 2.0 * std::f64::consts::PI / fr;
+            if wavelen < orig / high {
+                fr
+            } else if wavelen > orig / low {
+                fr / factor
+            } else {
+                let smooth = (orig / wavelen - low) / (high - low);
+                (1.0 - smooth) * fr / factor + smooth * fr
+            }
+        })
+        .collect()
+}
+
+/// The f64 forward of a Llama-family checkpoint (`qk_norm`: Qwen3's per-head q/k RMSNorm; MoE
+/// layers as `cfg.moe` says; RoPE per [`inv_freqs`]).
 fn qwen3_reference(cfg: &LlamaConfig, w: &dyn Fn(&str) -> Vec<f64>, tokens: &[u32]) -> Vec<f64> {
+    reference_forward(cfg, w, tokens, true)
+}
+
+fn reference_forward(
+    cfg: &LlamaConfig,
+    w: &dyn Fn(&str) -> Vec<f64>,
+    tokens: &[u32],
+    qk_norm: bool,
+) -> Vec<f64> {
     let (h, hd) = (cfg.hidden_size, cfg.head_dim());
+    let freqs = inv_freqs(cfg);
     let (hq, hkv) = (cfg.num_attention_heads, cfg.kv_heads());
     let eps = cfg.rms_norm_eps;
     let embed = w("model.embed_tokens.weight");
@@ -272,7 +319,7 @@ fn qwen3_reference(cfg: &LlamaConfig, w: &dyn Fn(&str) -> Vec<f64>, tokens: &[u3
         .collect();
     let rope = |v: &mut [f64], pos: usize| {
         for i in 0..hd / 2 {
-            let a = pos as f64 * cfg.rope_theta.powf(-2.0 * i as f64 / hd as f64);
+            let a = pos as f64 * freqs[i];
             let (x1, x2) = (v[i], v[i + hd / 2]);
             v[i] = x1 * a.cos() - x2 * a.sin();
             v[i + hd / 2] = x2 * a.cos() + x1 * a.sin();
@@ -286,18 +333,22 @@ fn qwen3_reference(cfg: &LlamaConfig, w: &dyn Fn(&str) -> Vec<f64>, tokens: &[u3
             p("self_attn.v_proj.weight"),
             p("self_attn.o_proj.weight"),
         );
-        let (qn, kn) = (p("self_attn.q_norm.weight"), p("self_attn.k_norm.weight"));
+        let (qn, kn) = if qk_norm {
+            (p("self_attn.q_norm.weight"), p("self_attn.k_norm.weight"))
+        } else {
+            (vec![1.0; hd], vec![1.0; hd])
+        };
         let mut qs = Vec::new();
         let mut ks = Vec::new();
         let mut vs = Vec::new();
         for (pos, x) in xs.iter().enumerate() {
             let y = rms_norm(x, &p("input_layernorm.weight"), eps);
             let (mut q, mut k) = (matvec(&wq, &y), matvec(&wk, &y));
-            for head in q.chunks_exact_mut(hd) {
+            for head in q.chunks_exact_mut(hd).filter(|_| qk_norm) {
                 let n = rms_norm(head, &qn, eps);
                 head.copy_from_slice(&n);
             }
-            for head in k.chunks_exact_mut(hd) {
+            for head in k.chunks_exact_mut(hd).filter(|_| qk_norm) {
                 let n = rms_norm(head, &kn, eps);
                 head.copy_from_slice(&n);
             }
@@ -595,4 +646,98 @@ fn qwen3_moe_fp8_checkpoint_matches_an_f64_reference() {
     let (scfg, sw) = Weights::load_hf_dir(src.path()).unwrap();
     let get = |name: &str| dequantized(&sw, name);
     check_against_f64(&dense, &qwen3_reference(&scfg, &get, &tokens), &tokens, 4);
+}
+
+/// A random Llama 3.1-style checkpoint (`rope_scaling` of type `llama3`, with
+/// `original_max_position_embeddings` small enough that the test's positions and head
+/// frequencies cover all three of the rule's regions), quantized with f32 scales, loaded by
+/// `Model::load_hf` and run W8A16 against the f64 forward with the published scaling rule.
+#[test]
+fn llama3_rope_scaled_fp8_checkpoint_matches_an_f64_reference() {
+    let scaling = serde_json::json!({"rope_type": "llama3", "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64});
+    let cfg = LlamaConfig {
+        vocab_size: 300,
+        hidden_size: 256,
+        intermediate_size: 320,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: Some(2),
+        head_dim: Some(64),
+        rms_norm_eps: 1e-5,
+        rope_theta: 500_000.0,
+        rope_scaling: Some(scaling.clone()),
+        ..LlamaConfig::tiny()
+    };
+    // the rule keeps, interpolates and divides some of this head's frequencies
+    let (plain, scaled) = (
+        inv_freqs(&LlamaConfig {
+            rope_scaling: None,
+            ..cfg.clone()
+        }),
+        inv_freqs(&cfg),
+    );
+    let kept = plain.iter().zip(&scaled).filter(|(a, b)| a == b).count();
+    let divided = plain
+        .iter()
+        .zip(&scaled)
+        .filter(|(a, b)| **a == *b * 8.0)
+        .count();
+    assert!(kept > 0 && divided > 0 && kept + divided < plain.len());
+
+    let src = tempfile::tempdir().unwrap();
+    let w = Weights::random(&cfg, 13).unwrap();
+    // q and k 8x larger than the rest: peaked attention, so positions (and RoPE) matter
+    let map: std::collections::HashMap<String, Tensor> = w
+        .names()
+        .map(|n| {
+            let t = w.get(n).unwrap();
+            let qk = n.ends_with("q_proj.weight") || n.ends_with("k_proj.weight");
+            let t = if qk { (t * 8.0).unwrap() } else { t };
+            (n.clone(), t.to_dtype(DType::BF16).unwrap())
+        })
+        .collect();
+    candle_core::safetensors::save(&map, src.path().join("model.safetensors")).unwrap();
+    let json = serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": 300, "hidden_size": 256, "intermediate_size": 320,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 500_000.0,
+        "max_position_embeddings": 4096, "tie_word_embeddings": true,
+        "rope_scaling": scaling, "torch_dtype": "bfloat16", "hidden_act": "silu"
+    });
+    std::fs::write(src.path().join("config.json"), json.to_string()).unwrap();
+    let dst = tempfile::tempdir().unwrap();
+    quantize_checkpoint(
+        src.path(),
+        dst.path(),
+        &QuantizeOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+
+    let model = Model::load_hf(dst.path(), &w8a16()).unwrap();
+    assert_eq!(model.model_type(), "llama");
+    assert_eq!(model.llama().fp8_layer_count(), 2 * 7);
+    let (qcfg, qw) = Weights::load_hf_dir(dst.path()).unwrap();
+    assert_eq!(qcfg.rope_scaling, cfg.rope_scaling);
+    let get = |name: &str| dequantized(&qw, name);
+    let tokens: Vec<u32> = (0..9).map(|i| (i * 53 + 7) % 300).collect();
+    let want = reference_forward(&qcfg, &get, &tokens, false);
+    check_against_f64(&model, &want, &tokens, 5);
+    // the same checkpoint without its scaling is measurably another model
+    let unscaled = reference_forward(
+        &LlamaConfig {
+            rope_scaling: None,
+            ..qcfg.clone()
+        },
+        &get,
+        &tokens,
+        false,
+    );
+    let diff: f64 = want.iter().zip(&unscaled).map(|(a, b)| (a - b).abs()).sum();
+    assert!(
+        diff > 1e-3 * want.iter().map(|a| a.abs()).sum::<f64>(),
+        "{diff}"
+    );
 }
