@@ -3,6 +3,7 @@
 use candle_core::{DType, Device, Tensor};
 use fp8nsa::nsa::{
     BlockSelection, NsaPath, SdpaReason, Selection, SelectionAttention, SelectionRanges,
+    TokenSelection,
 };
 use fp8nsa::{reference, Error};
 use fp8nsa_test_support::*;
@@ -235,6 +236,54 @@ fn block_aligned_ranges_equal_the_blocks() {
         assert_eq!(rms_ratio(&ob, &or), 0.0);
         check_lse(&lb.unwrap(), &lr.unwrap(), "blocks vs ranges");
     }
+}
+
+/// Token-level (DSA) selections: hundreds of single keys per row, in random order with pads,
+/// against the reference on the kernel (whose chunks then span many selected keys) and the
+/// fallback; identical to the same keys as one-token ranges.
+#[test]
+fn token_selections_match_the_reference_and_one_token_ranges() {
+    let mut rng = rng("token_selection");
+    let (b, hq, hkv, d) = (2, 8, 2, 64);
+    for (tq, tk, k, q_offset) in [(1, 3000, 300, None), (5, 700, 130, Some(600))] {
+        let x = qkv(&mut rng, b, tq, tk, hq, hkv, d, d, DType::F32);
+        let mut v = Vec::new();
+        for _ in 0..b * tq * hkv {
+            let mut ids: Vec<i32> = (0..tk as i32).collect();
+            ids.shuffle(&mut rng);
+            ids.truncate(k - 3);
+            ids.extend([-1, -1, -1]);
+            ids.shuffle(&mut rng);
+            v.extend(ids);
+        }
+        let sel = TokenSelection::new(tensor_i32(v.clone(), &[b, tq, hkv, k])).unwrap();
+        assert_eq!(sel.dims(), [b, tq, hkv, k]);
+        let what = format!("tokens tq={tq} tk={tk} k={k}");
+        check(&x, &sel, q_offset, &what);
+        let ranges: Vec<i32> = v
+            .iter()
+            .flat_map(|&i| if i < 0 { [0, 0] } else { [i, i + 1] })
+            .collect();
+        let ranges = SelectionRanges::new(tensor_i32(ranges, &[b, tq, hkv, k, 2])).unwrap();
+        let mut att = SelectionAttention::new().min_len(0).with_lse(true);
+        if let Some(o) = q_offset {
+            att = att.q_offset(o);
+        }
+        let (ot, lt) = att.forward(&x.q, &x.k, &x.v, &sel).unwrap();
+        let (or, lr) = att.forward(&x.q, &x.k, &x.v, &ranges).unwrap();
+        assert_eq!(rms_ratio(&ot, &or), 0.0, "{what}");
+        check_lse(&lt.unwrap(), &lr.unwrap(), &what);
+    }
+    // a duplicate key is an error naming the entry, as for blocks
+    let dup = TokenSelection::new(tensor_i32(vec![4, 9, 4], &[1, 1, 1, 3])).unwrap();
+    assert!(matches!(
+        dup.validate(10),
+        Err(Error::Selection { entry: 2, .. })
+    ));
+}
+
+fn tensor_i32(v: Vec<i32>, dims: &[usize]) -> Tensor {
+    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
 }
 
 #[test]

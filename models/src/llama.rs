@@ -96,6 +96,17 @@ fn moe_block(
         }
         None => w.get(&format!("{p}.mlp.gate.weight"))?,
     };
+    if router.dims() != [m.num_experts, cfg.hidden_size] {
+        return Err(crate::error::invalid(
+            "num_experts",
+            format!(
+                "{p}.mlp.gate.weight is {:?}, the config says [{}, {}]",
+                router.dims(),
+                m.num_experts,
+                cfg.hidden_size
+            ),
+        ));
+    }
     let experts = (0..m.num_experts)
         .map(|e| {
             let build = |proj: &str| {

@@ -187,16 +187,24 @@ impl SelectionPlan<'_> {
             return Ok(());
         }
         let AttnDims { hq, dv, .. } = dims;
-        // Split a token's heads across threads only when there are too few tokens to go around.
+        // Split a token's heads across threads only when there are too few tokens to go around,
+        // and then as little as fills every thread evenly: each unit gathers its rows' selected
+        // keys again (scattered rows, for a token-level selection mostly cache misses).
         let threads = rayon::current_num_threads();
-        let mut split = if tq >= 2 * threads {
+        let split = if tq >= 2 * threads {
             1
         } else {
-            (2 * threads).div_ceil(tq).min(hq)
+            (1..=hq)
+                .filter(|s| hq % s == 0)
+                .find(|&s| tq * s >= threads && (tq * s) % threads == 0)
+                .unwrap_or_else(|| {
+                    let mut s = (2 * threads).div_ceil(tq).min(hq);
+                    while hq % s != 0 {
+                        s -= 1;
+                    }
+                    s
+                })
         };
-        while hq % split != 0 {
-            split -= 1;
-        }
         let hu = hq / split;
         let mut seq_of = vec![0usize; tq];
         for (si, s) in seqs.iter().enumerate() {
@@ -301,22 +309,25 @@ fn attend_heads<T: Copy + Into<f32>>(
             acc: vec![0.0; gn * dv],
         };
         sc.scores.resize(gn * CHUNK, 0.0);
-        for &(s0, s1) in &sc.spans {
-            let mut c0 = s0;
-            while c0 < s1 {
-                let c1 = (c0 + CHUNK).min(s1);
+        // chunks fill across span boundaries: many short spans (token-level selections, small
+        // blocks) fold CHUNK keys at a time like one long span, instead of one softmax
+        // rescale per span
+        sc.kc.clear();
+        sc.vc.clear();
+        for j in sc.spans.iter().flat_map(|&(s0, s1)| s0..s1) {
+            let key = (a.k_start + j) * hkv + kvh;
+            sc.kc
+                .extend(a.k[key * d..(key + 1) * d].iter().map(|&x| x.into()));
+            sc.vc
+                .extend(a.v[key * dv..(key + 1) * dv].iter().map(|&x| x.into()));
+            if sc.kc.len() == CHUNK * d {
+                fold_chunk(&sc.q, &sc.kc, &sc.vc, d, dv, &mut st, &mut sc.scores);
                 sc.kc.clear();
                 sc.vc.clear();
-                for j in c0..c1 {
-                    let key = (a.k_start + j) * hkv + kvh;
-                    sc.kc
-                        .extend(a.k[key * d..(key + 1) * d].iter().map(|&x| x.into()));
-                    sc.vc
-                        .extend(a.v[key * dv..(key + 1) * dv].iter().map(|&x| x.into()));
-                }
-                fold_chunk(&sc.q, &sc.kc, &sc.vc, d, dv, &mut st, &mut sc.scores);
-                c0 = c1;
             }
+        }
+        if !sc.kc.is_empty() {
+            fold_chunk(&sc.q, &sc.kc, &sc.vc, d, dv, &mut st, &mut sc.scores);
         }
         let base = h - heads.start;
         for gi in 0..gn {

@@ -260,7 +260,12 @@ impl Fp8Experts {
     fn cuda_contiguous(&self, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
         let kernel = match self.cuda_kernel {
             Some(k) => k,
-            None => Settings::global().cuda_fp8_kernel.clone()?,
+            // the process-wide choice is made for Fp8Linear: one with no grouped form leaves
+            // the grouped call its own choice instead of failing every MoE layer
+            None => match Settings::global().cuda_fp8_kernel.clone()? {
+                CudaFp8Kernel::CublasLt | CudaFp8Kernel::Dequant => CudaFp8Kernel::Auto,
+                k => k,
+            },
         };
         let w = cuda::prepared(
             &self.cuda,

@@ -142,6 +142,9 @@ impl Routing {
     pub fn combine(&self, y: &Tensor) -> Result<Tensor> {
         let dev = y.device();
         let n = self.weights.len();
+        if y.rank() != 2 || y.dims()[0] != n {
+            return Err(shape_err("y", format!("[{n}, H]"), y.dims()));
+        }
         let w = Tensor::from_vec(self.weights.clone(), (n, 1), dev)?;
         let y = y.to_dtype(DType::F32)?.broadcast_mul(&w)?;
         let h = y.dims()[1];

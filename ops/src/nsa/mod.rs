@@ -36,4 +36,4 @@ pub use attention::{
 pub use compress::{Compressor, MlpCompressor};
 pub use config::{CompressorKind, NsaConfig};
 pub use layer::{AttnDims, Gates, NativeSparseAttention, NsaCache, NsaDims, NsaOutput};
-pub use selection::{BlockSelection, Selection, SelectionRanges};
+pub use selection::{BlockSelection, Selection, SelectionRanges, TokenSelection};

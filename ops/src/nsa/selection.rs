@@ -19,7 +19,63 @@ pub struct SelectionRanges {
     ranges: Tensor,
 }
 
-/// Either kind of selection, as taken by [`super::SelectionAttention`].
+/// Individual keys per (batch, query, kv head), as DeepSeek-V3.2's sparse attention (DSA)
+/// selects them: `indices [B, Tq, Hkv, K]` i32 key positions, `-1` padding, any order. The
+/// same rules as blocks of one key (causality, duplicates, out-of-range entries), and it runs
+/// as exactly that on every backend, the reference and the fallback.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use fp8nsa_ops::nsa::{SelectionAttention, TokenSelection};
+///
+/// let dev = Device::Cpu;
+/// let (q, k, v) = (
+///     Tensor::ones((1, 1, 2, 8), candle_core::DType::F32, &dev)?,
+///     Tensor::randn(0f32, 1.0, (1, 100, 1, 8), &dev)?,
+///     Tensor::randn(0f32, 1.0, (1, 100, 1, 8), &dev)?,
+/// );
+/// // the decode query sees keys 3, 97 and 50 only
+/// let sel = TokenSelection::new(Tensor::new(&[[[[3i32, 97, -1, 50]]]], &dev)?)?;
+/// let (o, _lse) = SelectionAttention::new().forward(&q, &k, &v, &sel)?;
+/// assert_eq!(o.dims(), &[1, 1, 2, 8]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct TokenSelection(BlockSelection);
+
+impl TokenSelection {
+    pub fn new(indices: Tensor) -> Result<Self> {
+        Ok(Self(BlockSelection::new(indices, 1)?))
+    }
+
+    pub fn indices(&self) -> &Tensor {
+        self.0.indices()
+    }
+
+    /// `[B, Tq, Hkv, K]`.
+    pub fn dims(&self) -> [usize; 4] {
+        self.0.dims()
+    }
+
+    /// Errors for an index below `-1`, one at or past `tk`, or a duplicate.
+    pub fn validate(&self, tk: usize) -> Result<()> {
+        self.0.validate(tk)
+    }
+
+    /// The same selection as blocks of one key.
+    pub fn as_blocks(&self) -> &BlockSelection {
+        &self.0
+    }
+}
+
+impl<'a> From<&'a TokenSelection> for Selection<'a> {
+    fn from(s: &'a TokenSelection) -> Self {
+        Selection::Blocks(&s.0)
+    }
+}
+
+/// Any kind of selection, as taken by [`super::SelectionAttention`] (a [`TokenSelection`] is
+/// blocks of one key).
 #[derive(Clone, Copy, Debug)]
 pub enum Selection<'a> {
     Blocks(&'a BlockSelection),

@@ -33,10 +33,14 @@ pub fn check_grouped(w: &WeightLayout, counts: &[usize], act: ActQuant) -> Resul
     if counts.is_empty() {
         return Err(invalid("counts", "needs one count per expert, got none"));
     }
-    if counts.len() > i32::MAX as usize / 2 {
+    // grid.y of the grouped small-M kernel is the expert
+    if counts.len() > 65535 {
         return Err(invalid(
             "counts",
-            format!("{} experts exceed the kernels' indexing", counts.len()),
+            format!(
+                "{} experts, more than one launch takes (65535)",
+                counts.len()
+            ),
         ));
     }
     let t = counts
@@ -222,7 +226,7 @@ pub fn plan_fp8_grouped(
                 args: vec![KArg::Struct(params)],
             });
         }
-        CudaFp8Path::Mma { tile, splits: 1 } if act != ActQuant::None => {
+        CudaFp8Path::Mma { tile, splits: 1 } if act != ActQuant::None && bk % 128 == 0 => {
             let xq = plan.tmp(t * ld, false);
             let sx = plan.tmp(4 * scale_rows * kb, false);
             act_launches(&mut plan, &|r0, sr0| ActOut::Codes {
@@ -433,6 +437,7 @@ mod tests {
             (vec![0, 0], "at least one row"),
             (vec![usize::MAX, 1], "overflow"),
             (vec![70_000 * 16, 0], "row tiles"),
+            (vec![1; 70_000], "65535"),
         ] {
             let e = plan_grouped(&h100(), &w, &counts, ActQuant::Group, CudaFp8Kernel::Auto)
                 .unwrap_err();

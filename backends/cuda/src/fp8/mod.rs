@@ -276,8 +276,13 @@ pub fn check_call(w: &WeightLayout, m: usize, act: ActQuant) -> Result<()> {
             format!("{m} rows exceed the kernels' indexing"),
         ));
     }
-    if let ActQuant::Block2d { bm: 0 } = act {
-        return Err(invalid("act", "Block2d row block must be at least 1"));
+    if let ActQuant::Block2d { bm } = act {
+        if bm == 0 || bm > i32::MAX as usize {
+            return Err(invalid(
+                "act",
+                format!("Block2d row block must be in 1..={}, got {bm}", i32::MAX),
+            ));
+        }
     }
     if m.div_ceil(MmaTile::M16.rows()) > 65535 {
         return Err(invalid(
