@@ -27,6 +27,65 @@ pub(super) fn gemv_threads(k: usize) -> u32 {
     k.div_ceil(16).next_multiple_of(32).clamp(32, 256) as u32
 }
 
+/// The fields of `GemvParams` (fp8_gemv.cu), in order: activations `xd` f32 `[m, ld]`, codes
+/// argument 1, scales argument 2, output argument 4.
+pub(super) fn gemv_params(w: &WeightLayout, xd: Buf, bias: Val, m: usize) -> Vec<Val> {
+    vec![
+        Val::Ptr(xd, 0),
+        Val::Ptr(Buf::Arg(1), 0),
+        Val::Ptr(Buf::Arg(2), 0),
+        bias,
+        Val::Ptr(Buf::Arg(4), 0),
+        Val::I64(w.ld as i64),
+        Val::I64(w.ld as i64),
+        Val::I64(w.scale_ld as i64),
+        Val::I32(m as i32),
+        Val::I32(w.n as i32),
+        Val::I32(w.k as i32),
+        Val::I32(w.bn as i32),
+        Val::I32(w.bk as i32),
+    ]
+}
+
+/// The fields of `GemmParams` (fp8_gemm.cu), in order: codes `xq [m, ld]` with scales `sx`
+/// (row-block stride = K-blocks, K-block stride 1), weight codes argument 1, scales argument 2,
+/// output argument 4; `ws` the split-K workspace.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemm_params(
+    w: &WeightLayout,
+    (xq, sx): (Buf, Buf),
+    bias: Val,
+    ws: Val,
+    m: usize,
+    bm_act: usize,
+    per: usize,
+    splits: usize,
+) -> Vec<Val> {
+    let kb = w.k.div_ceil(w.bk);
+    vec![
+        Val::Ptr(xq, 0),
+        Val::Ptr(sx, 0),
+        Val::Ptr(Buf::Arg(1), 0),
+        Val::Ptr(Buf::Arg(2), 0),
+        bias,
+        Val::Ptr(Buf::Arg(4), 0),
+        ws,
+        Val::I64(w.ld as i64),
+        Val::I64(w.ld as i64),
+        Val::I64(kb as i64),
+        Val::I64(1),
+        Val::I64(w.scale_ld as i64),
+        Val::I32(m as i32),
+        Val::I32(w.n as i32),
+        Val::I32(w.k as i32),
+        Val::I32(bm_act as i32),
+        Val::I32(w.bn as i32),
+        Val::I32(w.bk as i32),
+        Val::I32(per as i32),
+        Val::I32(splits as i32),
+    ]
+}
+
 /// Where the activation kernel writes.
 pub(super) enum ActOut {
     /// e4m3 codes `[rows, ld]` and scales with (row-block, k-block) strides.
@@ -231,28 +290,16 @@ pub fn plan_fp8_linear(
             let per = kb.div_ceil(splits.max(1));
             let splits = kb.div_ceil(per);
             let ws = (splits > 1).then(|| plan.tmp(4 * splits * m * n, false));
-            let params = vec![
-                Val::Ptr(xq, 0),
-                Val::Ptr(sx, 0),
-                Val::Ptr(Buf::Arg(1), 0),
-                Val::Ptr(Buf::Arg(2), 0),
+            let params = gemm_params(
+                w,
+                (xq, sx),
                 if splits == 1 { field(&bias) } else { Val::Null },
-                Val::Ptr(Buf::Arg(4), 0),
                 ws.map_or(Val::Null, |b| Val::Ptr(b, 0)),
-                Val::I64(ld as i64),
-                Val::I64(ld as i64),
-                Val::I64(kb as i64),
-                Val::I64(1),
-                Val::I64(scale_ld as i64),
-                Val::I32(m as i32),
-                Val::I32(n as i32),
-                Val::I32(k as i32),
-                Val::I32(bm_act as i32),
-                Val::I32(bn as i32),
-                Val::I32(bk as i32),
-                Val::I32(per as i32),
-                Val::I32(splits as i32),
-            ];
+                m,
+                bm_act,
+                per,
+                splits,
+            );
             plan.kernel(Kernel {
                 module: names::GEMM_MODULE,
                 name: names::gemm(tile, x.suffix()),
@@ -294,21 +341,7 @@ pub fn plan_fp8_linear(
                 ActOut::F32(Val::Ptr(xd, 0)),
             ));
             let (rows, threads) = (gemv_rows(tokens), gemv_threads(k));
-            let params = vec![
-                Val::Ptr(xd, 0),
-                Val::Ptr(Buf::Arg(1), 0),
-                Val::Ptr(Buf::Arg(2), 0),
-                field(&bias),
-                Val::Ptr(Buf::Arg(4), 0),
-                Val::I64(ld as i64),
-                Val::I64(ld as i64),
-                Val::I64(scale_ld as i64),
-                Val::I32(m as i32),
-                Val::I32(n as i32),
-                Val::I32(k as i32),
-                Val::I32(bn as i32),
-                Val::I32(bk as i32),
-            ];
+            let params = gemv_params(w, xd, field(&bias), m);
             plan.kernel(Kernel {
                 module: names::GEMV_MODULE,
                 name: names::gemv(tokens, x.suffix()),

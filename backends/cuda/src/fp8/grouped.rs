@@ -20,7 +20,7 @@ use crate::error::{invalid, unsupported, Result};
 use crate::launch;
 use crate::step::{Buf, DevBuf, Dtype, KArg, Kernel, Plan, Val};
 
-use super::build::{act_step, gemv_rows, gemv_threads, ActOut, X};
+use super::build::{act_step, gemm_params, gemv_params, gemv_rows, gemv_threads, ActOut, X};
 use super::names;
 use super::plan::{
     applicability, mma_tile, tile_smem_bytes, tile_warps, SMALL_M_MAX, SMALL_M_PREFERRED,
@@ -201,21 +201,8 @@ pub fn plan_fp8_grouped(
         CudaFp8Path::SmallM { tokens } if [1, 2, 4, 8, 16].contains(&tokens) => {
             let xd = plan.tmp(4 * t * ld, false);
             act_launches(&mut plan, &|r0, _| ActOut::F32(at(xd, 4 * r0 * ld)));
-            let mut params = vec![
-                Val::Ptr(xd, 0),
-                Val::Ptr(Buf::Arg(1), 0),
-                Val::Ptr(Buf::Arg(2), 0),
-                Val::Null,
-                Val::Ptr(Buf::Arg(4), 0),
-                Val::I64(ld as i64),
-                Val::I64(ld as i64),
-                Val::I64(scale_ld as i64),
-                Val::I32(0),
-                Val::I32(n as i32),
-                Val::I32(k as i32),
-                Val::I32(bn as i32),
-                Val::I32(bk as i32),
-            ];
+            // M is per chunk, set by the kernel
+            let mut params = gemv_params(w, xd, Val::Null, 0);
             params.extend(strides);
             plan.kernel(Kernel {
                 module: names::GEMV_MODULE,
@@ -236,28 +223,8 @@ pub fn plan_fp8_grouped(
                 cs: 1,
             });
             let tiles: usize = counts.iter().map(|c| c.div_ceil(tile.rows())).sum();
-            let mut params = vec![
-                Val::Ptr(xq, 0),
-                Val::Ptr(sx, 0),
-                Val::Ptr(Buf::Arg(1), 0),
-                Val::Ptr(Buf::Arg(2), 0),
-                Val::Null,
-                Val::Ptr(Buf::Arg(4), 0),
-                Val::Null,
-                Val::I64(ld as i64),
-                Val::I64(ld as i64),
-                Val::I64(kb as i64),
-                Val::I64(1),
-                Val::I64(scale_ld as i64),
-                Val::I32(0),
-                Val::I32(n as i32),
-                Val::I32(k as i32),
-                Val::I32(bm as i32),
-                Val::I32(bn as i32),
-                Val::I32(bk as i32),
-                Val::I32(kb as i32),
-                Val::I32(1),
-            ];
+            // M is per group, set by the kernel; no K split
+            let mut params = gemm_params(w, (xq, sx), Val::Null, Val::Null, 0, bm, kb, 1);
             params.extend(strides);
             params.push(Val::I32(e as i32));
             plan.kernel(Kernel {
