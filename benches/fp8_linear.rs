@@ -1,7 +1,8 @@
 //! CPU `Fp8Linear` vs Candle's f32 matmul (`candle_nn::Linear`) on the same, dequantized
 //! weight, and vs Candle's own 8-bit path (`QMatMul` with Q8_0 weights, the format a Candle user
 //! would pick instead), measured in the same run. Prints the ratios, the CPU model and the SIMD
-//! tier at the end.
+//! tier at the end. On an AVX-512 machine it also runs W8A8 capped to the AVX2 tier, so the
+//! AVX-512 kernels' gain is measured in the same run.
 //!
 //! `cargo bench --bench fp8_linear` (add `-- --quick` for a short run).
 
@@ -10,6 +11,7 @@ mod util;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use criterion::BenchmarkId;
+use fp8nsa::cpu::Tier;
 use fp8nsa::{ActQuant, Fp8BlockWeight, Fp8Linear};
 
 const N: usize = 4096;
@@ -21,6 +23,8 @@ const OURS: [(&str, ActQuant); 2] = [
     ("fp8_w8a8_group", ActQuant::Group),
     ("fp8_w8a16", ActQuant::None),
 ];
+/// W8A8 capped to the AVX2 tier, run only where the AVX-512 tier exists.
+const OURS_AVX2: &str = "fp8_w8a8_group_avx2_tier";
 
 fn main() {
     let mut c = util::criterion(20, 4);
@@ -49,11 +53,22 @@ fn main() {
                 b.iter(|| layer.forward(x).unwrap())
             });
         }
+        if Tier::detected() == Tier::Avx512 {
+            // the AVX2 kernels on the same machine, in the same run: what the AVX-512 ones gain
+            let layer = Fp8Linear::new(wq.clone(), None, ActQuant::Group).unwrap();
+            Tier::cap(Tier::Avx2);
+            g.bench_with_input(BenchmarkId::new(OURS_AVX2, m), &x, |b, x| {
+                b.iter(|| layer.forward(x).unwrap())
+            });
+            Tier::cap(Tier::Avx512);
+        }
         g.finish();
     }
     c.final_summary();
     let params: Vec<String> = MS.iter().map(|m| m.to_string()).collect();
-    util::print_ratios(&group, BASELINE, &OURS.map(|(n, _)| n), &params);
-    util::print_ratios(&group, PEER, &OURS.map(|(n, _)| n), &params);
+    let ours = [OURS[0].0, OURS[1].0, OURS_AVX2];
+    util::print_ratios(&group, BASELINE, &ours, &params);
+    util::print_ratios(&group, PEER, &ours, &params);
+    util::print_ratios(&group, OURS_AVX2, &ours[..1], &params);
     util::print_machine();
 }

@@ -106,7 +106,7 @@ crate::simd::simd_dispatch!(
 );
 
 /// `dst[i] = decode(src[i]) * scale` over the common length, vectorized: through F16C on the
-/// AVX2 tier and up, plain loops below; bit-identical on every tier (a NaN's sign and payload
+/// AVX2 tier (16 lanes on AVX-512), plain loops below; bit-identical on every tier (a NaN's sign and payload
 /// aside).
 ///
 /// ```
@@ -117,9 +117,17 @@ crate::simd::simd_dispatch!(
 /// ```
 pub fn decode_scaled(src: &[u8], scale: f32, dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::Tier::current() >= crate::simd::Tier::Avx2 {
-        // SAFETY: the AVX2 tier is only in force where AVX2, FMA and F16C were detected.
-        return unsafe { crate::x86::decode_scaled(src, scale, dst) };
+    {
+        let tier = crate::simd::Tier::current();
+        if tier >= crate::simd::Tier::Avx512 {
+            // SAFETY: the AVX-512 tier is only in force where AVX-512 F/BW/VL, AVX2, FMA and
+            // F16C were detected.
+            return unsafe { crate::avx512::decode_scaled(src, scale, dst) };
+        }
+        if tier >= crate::simd::Tier::Avx2 {
+            // SAFETY: the AVX2 tier is only in force where AVX2, FMA and F16C were detected.
+            return unsafe { crate::x86::decode_scaled(src, scale, dst) };
+        }
     }
     decode_scaled_loop(src, scale, dst)
 }

@@ -16,6 +16,8 @@
 //! assert_eq!(fp8::e4m3_to_f32(fp8::f32_to_e4m3(448.0)), 448.0);
 //! ```
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 mod error;
 pub mod experts;
 pub mod fp8;

@@ -1,7 +1,8 @@
 //! Runtime SIMD dispatch. Kernels are written once as plain loops that LLVM vectorizes, generic
 //! over [`Arith`]; [`simd_dispatch!`] compiles them a second time with AVX2+FMA enabled and picks
 //! that copy when the CPU has it. The default x86-64 target only guarantees SSE2. What LLVM does
-//! not turn into fast code on its own (the e4m3 decode) is written out in `x86`.
+//! not turn into fast code on its own (the e4m3 decode) is written out in `x86` (AVX2) and
+//! `avx512`.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
@@ -43,8 +44,8 @@ pub enum Tier {
     Portable,
     /// AVX2 + FMA + F16C: the plain loops compiled for it, and the explicit e4m3 kernels.
     Avx2,
-    /// AVX-512 F / BW / VL on top of the AVX2 tier: the plain loops compiled for it (the explicit
-    /// kernels are the AVX2 ones).
+    /// AVX-512 F / BW / VL on top of the AVX2 tier: the plain loops compiled for it, and the
+    /// explicit e4m3 kernels on 16-lane vectors.
     Avx512,
 }
 
