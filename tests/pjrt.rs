@@ -62,6 +62,31 @@ fn fp8_linear_through_pjrt_matches_cpu_and_reference() {
     }
 }
 
+/// Decode (M = 1) with `Group` activations on the shapes where XLA once gave 1e-3..2e-2 relative
+/// error (issue: reliability, item 1), with block magnitudes over 1e-3..1e3 in both operands.
+#[test]
+fn fp8_linear_decode_group_through_pjrt_matches_reference() {
+    let Some(rt) = runtime() else { return };
+    let mut rng = rng("pjrt_fp8_linear_decode");
+    for (n, k) in [(2048, 512), (2048, 576), (2048, 640), (256, 576)] {
+        let w = tensor(hetero(&mut rng, n, k, 128, 128), &[n, k]);
+        let wq = Fp8BlockWeight::quantize(&w, [128, 128]).unwrap();
+        let layer = Fp8Linear::new(wq.clone(), None, ActQuant::Group)
+            .unwrap()
+            .with_backend(Backend::Pjrt(rt.clone()));
+        for m in [1, 2, 4] {
+            for _ in 0..3 {
+                let x = tensor(hetero(&mut rng, m, k, 1, 128), &[m, k]);
+                let (y, path) = layer.forward_with_path(&x).unwrap();
+                assert!(matches!(path, Fp8Path::Pjrt(_)), "{path:?}");
+                let want = reference::fp8_linear(&x, &wq, None, ActQuant::Group).unwrap();
+                let err = rel_frobenius(&y, &want);
+                assert!(err < 1e-5, "n={n} k={k} m={m}: rel err {err:e}");
+            }
+        }
+    }
+}
+
 #[test]
 fn selection_attention_through_pjrt_matches_cpu() {
     let Some(rt) = runtime() else { return };
