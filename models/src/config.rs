@@ -147,6 +147,20 @@ impl LlamaConfig {
                 ),
             ));
         }
+        // a non-positive or NaN base gives NaN frequencies, a negative epsilon NaN norms: every
+        // logit NaN, with no error anywhere else
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(invalid(
+                "rope_theta",
+                format!("must be finite and > 0, got {}", self.rope_theta),
+            ));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return Err(invalid(
+                "rms_norm_eps",
+                format!("must be finite and >= 0, got {}", self.rms_norm_eps),
+            ));
+        }
         self.rope_scaling()?;
         let m = &self.moe;
         if m.num_experts > 0 {

@@ -16,6 +16,27 @@ pub enum Sampling {
     },
 }
 
+impl Sampling {
+    /// `p` must be in (0, 1] and `temperature` finite and >= 0 (0 is greedy); NaN is neither.
+    pub fn validate(&self) -> Result<()> {
+        if let Sampling::TopP { p, temperature, .. } = *self {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(invalid(
+                    "sampling",
+                    format!("top-p p must be in (0, 1], got {p}"),
+                ));
+            }
+            if !(temperature.is_finite() && temperature >= 0.0) {
+                return Err(invalid(
+                    "sampling",
+                    format!("temperature must be finite and >= 0, got {temperature}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Runs `prompt` through the model (appending to `cache`), then produces up to `max_new`
 /// tokens, stopping after `eos`. `on_token` sees each new token as it comes.
 pub fn generate(
@@ -30,6 +51,7 @@ pub fn generate(
     if prompt.is_empty() {
         return Err(invalid("prompt", "needs at least one token"));
     }
+    sampling.validate()?;
     let mut rng = match sampling {
         Sampling::TopP { seed, .. } => rand::rngs::StdRng::seed_from_u64(seed),
         Sampling::Greedy => rand::rngs::StdRng::seed_from_u64(0),
@@ -51,6 +73,17 @@ pub fn generate(
 
 fn pick(logits: &Tensor, sampling: Sampling, rng: &mut rand::rngs::StdRng) -> Result<u32> {
     let v: Vec<f32> = logits.to_dtype(DType::F32)?.to_vec1()?;
+    // a NaN logit means the model's output is broken; picking around it (argmax skips NaN, so
+    // all-NaN logits would give token 0) would hide that
+    if let Some(i) = v.iter().position(|x| x.is_nan()) {
+        return Err(invalid(
+            "logits",
+            format!(
+                "the model produced NaN (token {i} of {}); refusing to sample",
+                v.len()
+            ),
+        ));
+    }
     let argmax = |v: &[f32]| {
         v.iter()
             .enumerate()

@@ -241,6 +241,112 @@ fn bad_configs_and_weights_are_errors() {
     let _ = DType::F32;
 }
 
+/// Configs that load but would make every logit NaN, and sampling parameters that mean nothing,
+/// are errors naming the field (issue: reliability, item 12).
+#[test]
+fn nan_making_configs_and_sampling_are_errors() {
+    for (theta, eps, arg) in [
+        (0.0, 1e-5, "rope_theta"),
+        (-10_000.0, 1e-5, "rope_theta"),
+        (f64::NAN, 1e-5, "rope_theta"),
+        (f64::INFINITY, 1e-5, "rope_theta"),
+        (10_000.0, -1e-5, "rms_norm_eps"),
+        (10_000.0, f64::NAN, "rms_norm_eps"),
+    ] {
+        let cfg = LlamaConfig {
+            rope_theta: theta,
+            rms_norm_eps: eps,
+            ..LlamaConfig::tiny()
+        };
+        let e = Weights::random(&cfg, 1).map(|_| ()).unwrap_err();
+        assert!(
+            matches!(&e, Error::Invalid { arg: a, .. } if *a == arg),
+            "theta {theta} eps {eps}: {e}"
+        );
+    }
+    // eps = 0 is a legal config
+    let cfg = LlamaConfig {
+        rms_norm_eps: 0.0,
+        ..LlamaConfig::tiny()
+    };
+    assert!(Weights::random(&cfg, 1).is_ok());
+
+    let m = model(ModelOptions::default());
+    for (p, temperature) in [
+        (f64::NAN, 1.0),
+        (0.0, 1.0),
+        (1.5, 1.0),
+        (0.9, f64::NAN),
+        (0.9, -1.0),
+        (0.9, f64::INFINITY),
+    ] {
+        let s = Sampling::TopP {
+            p,
+            temperature,
+            seed: 1,
+        };
+        let e = generate(&m, &mut m.new_cache(), &prompt(4), 2, s, None, &mut |_| {}).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Invalid {
+                    arg: "sampling",
+                    ..
+                }
+            ),
+            "p {p} t {temperature}: {e}"
+        );
+    }
+    // the edges of the legal range sample
+    for (p, temperature) in [(1.0, 0.0), (1e-9, 0.7)] {
+        let s = Sampling::TopP {
+            p,
+            temperature,
+            seed: 1,
+        };
+        let out = generate(&m, &mut m.new_cache(), &prompt(4), 2, s, None, &mut |_| {});
+        assert_eq!(out.unwrap().len(), 2);
+    }
+}
+
+/// A model whose output is NaN does not yield token 0 as if it were a choice: generation stops
+/// with an error (issue: reliability, item 12).
+#[test]
+fn nan_logits_stop_generation() {
+    let cfg = LlamaConfig::tiny();
+    let random = Weights::random(&cfg, 3).unwrap();
+    // one NaN in the final norm's weight makes every logit NaN
+    let name = "model.norm.weight";
+    let mut map: std::collections::HashMap<String, Tensor> = random
+        .names()
+        .map(|n| (n.clone(), random.get(n).unwrap()))
+        .collect();
+    let t = map[name].clone();
+    let mut v: Vec<f32> = t.to_dtype(DType::F32).unwrap().to_vec1().unwrap();
+    v[0] = f32::NAN;
+    let v = Tensor::new(v, t.device())
+        .unwrap()
+        .to_dtype(t.dtype())
+        .unwrap();
+    map.insert(name.to_string(), v);
+    let w = Weights::from_tensors(map);
+    let m = Llama::new(&cfg, &w, &ModelOptions::default()).unwrap();
+    for s in [
+        Sampling::Greedy,
+        Sampling::TopP {
+            p: 0.9,
+            temperature: 1.0,
+            seed: 5,
+        },
+    ] {
+        let e = generate(&m, &mut m.new_cache(), &prompt(3), 4, s, None, &mut |_| {}).unwrap_err();
+        assert!(
+            matches!(e, Error::Invalid { arg: "logits", .. }),
+            "{s:?}: {e}"
+        );
+    }
+}
+
 #[test]
 fn rope_scaling_kinds_load_and_unknown_ones_are_refused() {
     let with = |scaling: &str| -> LlamaConfig {
