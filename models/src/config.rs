@@ -72,7 +72,7 @@ impl MoeConfig {
     /// Whether layer `l` is an MoE layer.
     pub fn is_moe_layer(&self, l: usize) -> bool {
         let step = self.decoder_sparse_step.unwrap_or(1).max(1);
-        self.num_experts > 0 && !self.mlp_only_layers.contains(&l) && (l + 1) % step == 0
+        self.num_experts > 0 && !self.mlp_only_layers.contains(&l) && (l + 1).is_multiple_of(step)
     }
 }
 
@@ -137,7 +137,7 @@ impl LlamaConfig {
                 return Err(invalid(arg, "must be at least 1"));
             }
         }
-        if self.num_attention_heads % self.kv_heads() != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.kv_heads()) {
             return Err(invalid(
                 "num_key_value_heads",
                 format!(
@@ -177,7 +177,7 @@ impl LlamaConfig {
                 return Err(invalid("moe_intermediate_size", "must be at least 1"));
             }
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return Err(invalid("head_dim", "must be even for rotary embeddings"));
         }
         Ok(())

@@ -78,7 +78,7 @@ impl AttnDims {
         ] {
             check_positive(arg, v)?;
         }
-        if self.hq % self.hkv != 0 {
+        if !self.hq.is_multiple_of(self.hkv) {
             return Err(crate::Error::Invalid {
                 arg: "hq",
                 msg: format!("must be a multiple of hkv = {}, got {}", self.hkv, self.hq),

@@ -607,7 +607,7 @@ mod tests {
             let q_offset = tk - tq;
             // sometimes fewer blocks than the last query sees (a chunk's cap)
             let n_c = (p.compressed_len(tk) + rng.random_range(0..2))
-                .saturating_sub(usize::from(tk % 3 == 0));
+                .saturating_sub(usize::from(tk.is_multiple_of(3)));
             let mut mask = vec![f32::NAN; tq * n_c];
             compressed_mask(p, q_offset, tq, n_c, &mut mask).unwrap();
             for t in 0..tq {

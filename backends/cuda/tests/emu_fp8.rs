@@ -74,19 +74,19 @@ fn scheme(a: ActQuant) -> ActQuant {
 /// The paths that apply to a case (as the planner's rules say), with K splits to exercise.
 fn paths(c: &Case) -> Vec<CudaFp8Path> {
     let mut p = vec![CudaFp8Path::Dequant];
-    if c.m <= 16 && c.block[1] % 16 == 0 {
+    if c.m <= 16 && c.block[1].is_multiple_of(16) {
         p.push(CudaFp8Path::SmallM {
             tokens: c.m.next_power_of_two(),
         });
     }
-    if c.act != ActQuant::None && c.block[1] % 128 == 0 {
+    if c.act != ActQuant::None && c.block[1].is_multiple_of(128) {
         for tile in [MmaTile::M16, MmaTile::M64, MmaTile::M128] {
             for splits in [1, 3] {
                 p.push(CudaFp8Path::Mma { tile, splits });
             }
         }
     }
-    if c.block == [128, 128] && c.act == ActQuant::Group && c.n % 16 == 0 {
+    if c.block == [128, 128] && c.act == ActQuant::Group && c.n.is_multiple_of(16) {
         p.push(CudaFp8Path::CublasLt);
     }
     p

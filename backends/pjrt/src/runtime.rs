@@ -285,7 +285,7 @@ impl PjrtRuntime {
         mask: &[f32],
         scale: f32,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        if s.hkv == 0 || s.hq % s.hkv != 0 || [s.tq, s.tk, s.d, s.dv].contains(&0) {
+        if s.hkv == 0 || !s.hq.is_multiple_of(s.hkv) || [s.tq, s.tk, s.d, s.dv].contains(&0) {
             return Err(invalid(
                 "shape",
                 format!("{s:?}: needs Hq a multiple of Hkv and no empty dim"),

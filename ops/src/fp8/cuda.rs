@@ -58,7 +58,7 @@ mod imp {
         needs_padding: bool,
         [rows, cols, ld]: [usize; 3],
     ) -> Result<Part<T>> {
-        let aligned = (t.layout().start_offset() * std::mem::size_of::<T>()) % 16 == 0;
+        let aligned = (t.layout().start_offset() * std::mem::size_of::<T>()).is_multiple_of(16);
         if !needs_padding && aligned {
             return Ok(Part::InPlace(t));
         }

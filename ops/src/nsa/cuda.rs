@@ -73,7 +73,7 @@ mod imp {
         }
         // cp.async moves 16-byte rows of k and v; q is read in 4-byte pairs
         let misaligned = |t: &Tensor, bytes: usize| {
-            (t.layout().start_offset() * t.dtype().size_in_bytes()) % bytes != 0
+            !(t.layout().start_offset() * t.dtype().size_in_bytes()).is_multiple_of(bytes)
         };
         if misaligned(k, 16) || misaligned(v, 16) || misaligned(q, 4) {
             return Ok(Err(

@@ -208,7 +208,12 @@ impl NativeSparseAttention {
         gates: Gates,
     ) -> Result<Self> {
         cfg.validate()?;
-        if dims.hkv == 0 || dims.hq == 0 || dims.hq % dims.hkv != 0 || dims.d == 0 || dims.dv == 0 {
+        if dims.hkv == 0
+            || dims.hq == 0
+            || !dims.hq.is_multiple_of(dims.hkv)
+            || dims.d == 0
+            || dims.dv == 0
+        {
             return Err(invalid(
                 "dims",
                 format!("need Hq a positive multiple of Hkv and D, Dv >= 1, got {dims:?}"),

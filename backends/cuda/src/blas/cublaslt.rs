@@ -86,7 +86,7 @@ pub(crate) fn matmul(
         Dtype::F16 => sys::cudaDataType::CUDA_R_16F,
     };
     let d_ptr = resolve(c.d);
-    if d_ptr % 16 != 0 {
+    if !d_ptr.is_multiple_of(16) {
         return Err(crate::error::unsupported(
             "cuBLASLt",
             "the output is not 16-byte aligned",

@@ -42,7 +42,7 @@ pub(crate) struct Applicability {
 pub(crate) fn applicability(info: &DeviceInfo, s: &LinearShape, act: ActQuant) -> Applicability {
     let small_m = if s.m > SMALL_M_MAX {
         Err(format!("M = {} > {SMALL_M_MAX}", s.m))
-    } else if s.bk % 16 != 0 {
+    } else if !s.bk.is_multiple_of(16) {
         Err(format!("block K = {} is not a multiple of 16", s.bk))
     } else {
         Ok(())
@@ -54,7 +54,7 @@ pub(crate) fn applicability(info: &DeviceInfo, s: &LinearShape, act: ActQuant) -
         ))
     } else if act == ActQuant::None {
         Err("activations are not quantized (ActQuant::None)".to_string())
-    } else if s.bk % 128 != 0 {
+    } else if !s.bk.is_multiple_of(128) {
         Err(format!("block K = {} is not a multiple of 128", s.bk))
     } else {
         Ok(())
@@ -73,7 +73,7 @@ pub(crate) fn applicability(info: &DeviceInfo, s: &LinearShape, act: ActQuant) -
         Err(format!(
             "activation scheme {act:?} (cuBLASLt takes 1x128 groups)"
         ))
-    } else if s.n % 16 != 0 {
+    } else if !s.n.is_multiple_of(16) {
         Err(format!("N = {} is not a multiple of 16", s.n))
     } else {
         Ok(())
