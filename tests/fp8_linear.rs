@@ -323,6 +323,52 @@ fn nan_input_propagates_and_zero_rows_stay_zero() {
     assert!(y[1].iter().all(|v| v.is_nan()));
 }
 
+/// Non-finite weights are refused when quantizing, and NaN, negative or infinite scales when a
+/// weight is built from parts (what loading a checkpoint does), each naming the block (issue:
+/// reliability, item 9).
+#[test]
+fn non_finite_weights_and_bad_scales_are_errors() {
+    let (n, k) = (40, 300);
+    let mut rng = rng("non_finite_weights");
+    for (bad, at) in [
+        (f32::INFINITY, 0),
+        (f32::NEG_INFINITY, 17 * k + 299),
+        (f32::NAN, 39 * k + 5),
+    ] {
+        let mut v = hetero(&mut rng, n, k, 16, 128);
+        v[at] = bad;
+        let e = err_of(Fp8BlockWeight::quantize(&tensor(v, &[n, k]), [16, 128]));
+        let (r, c) = (at / k, at % k);
+        let block = format!("block [{}, {}]", r / 16, c / 128);
+        assert!(
+            matches!(&e, Error::Invalid { arg: "w", msg } if msg.contains(&format!("[{r}, {c}]")) && msg.contains(&block)),
+            "{bad}: {e}"
+        );
+    }
+    let good =
+        Fp8BlockWeight::quantize(&tensor(hetero(&mut rng, n, k, 16, 128), &[n, k]), [16, 128])
+            .unwrap();
+    let scales: Vec<f32> = good.scales().flatten_all().unwrap().to_vec1().unwrap();
+    let dims = good.scales().dims().to_vec();
+    for bad in [f32::NAN, -1e-3, f32::INFINITY, -0.0 - 1.0] {
+        let mut s = scales.clone();
+        s[dims[1] + 2] = bad;
+        let e = err_of(Fp8BlockWeight::from_parts(
+            good.data().clone(),
+            tensor(s, &dims),
+            [16, 128],
+        ));
+        assert!(
+            matches!(&e, Error::Invalid { arg: "scales", msg } if msg.contains("block [1, 2]")),
+            "{bad}: {e}"
+        );
+    }
+    // zero is a legal scale (an all-zero block)
+    let mut s = scales.clone();
+    s[0] = 0.0;
+    assert!(Fp8BlockWeight::from_parts(good.data().clone(), tensor(s, &dims), [16, 128]).is_ok());
+}
+
 fn err_of<T: std::fmt::Debug>(r: Result<T, Error>) -> Error {
     match r {
         Ok(v) => panic!("expected an error, got {v:?}"),

@@ -102,6 +102,20 @@ impl Fp8BlockWeight {
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;
+        // a non-finite weight has no fp8 code (an Inf block would dequantize to NaN): the
+        // checkpoint is corrupt, and saying where beats writing a scale of Inf
+        if let Some(i) = host.iter().position(|v| !v.is_finite()) {
+            let (r, c) = (i / k, i % k);
+            return Err(invalid(
+                "w",
+                format!(
+                    "element [{r}, {c}] is {}: fp8 weights must be finite (block [{}, {}] of {block:?})",
+                    host[i],
+                    r / block[0],
+                    c / block[1]
+                ),
+            ));
+        }
         let (codes, scales) =
             fp8nsa_cpu::quant::quantize_weight_as(&host, n, k, block[0], block[1], scale_dtype)?;
         let dev = w.device();
@@ -146,6 +160,27 @@ impl Fp8BlockWeight {
                     "must be on the device of data ({:?}), got {:?}",
                     data.device(),
                     scales.device()
+                ),
+            ));
+        }
+        // a NaN, negative or infinite scale dequantizes a whole block to garbage; the scales are
+        // small (one per block), so they are checked on the host wherever they live
+        let host_scales = scales
+            .to_device(&Device::Cpu)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        if let Some(i) = host_scales
+            .iter()
+            .position(|s| !(s.is_finite() && *s >= 0.0))
+        {
+            let kb = expected[1];
+            return Err(invalid(
+                "scales",
+                format!(
+                    "block [{}, {}] is {}: scales must be finite and >= 0",
+                    i / kb,
+                    i % kb,
+                    host_scales[i]
                 ),
             ));
         }
