@@ -558,6 +558,48 @@ fn config_deserializes_and_validates() {
         },
         "window",
     );
+    // sizes that once passed and then spent minutes in the importance remap, and forced blocks
+    // whose count overflows (issue: reliability, items 5 and 8)
+    bad(
+        NsaConfig {
+            select_block: 1 << 31,
+            ..NsaConfig::default()
+        },
+        "select_block",
+    );
+    bad(
+        NsaConfig {
+            compress_block: 1 << 20,
+            select_block: 1 << 20,
+            ..NsaConfig::default()
+        },
+        "compress_block",
+    );
+    bad(
+        NsaConfig {
+            compress_stride: 1,
+            compress_block: 4096,
+            select_block: 1 << 16,
+            ..NsaConfig::default()
+        },
+        "compress_stride",
+    );
+    bad(
+        NsaConfig {
+            num_initial: usize::MAX,
+            ..NsaConfig::default()
+        },
+        "num_selected",
+    );
+    bad(
+        NsaConfig {
+            num_initial: usize::MAX,
+            num_local: usize::MAX,
+            num_selected: usize::MAX,
+            ..NsaConfig::default()
+        },
+        "num_selected",
+    );
 }
 
 #[test]

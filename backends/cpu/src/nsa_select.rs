@@ -10,6 +10,9 @@ use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, Error, Result};
 
+/// Largest `compress_block` / `select_block` a config may ask for (keys per block).
+pub const MAX_BLOCK: usize = 1 << 16;
+
 /// The block geometry and budget of the NSA layer (docs/nsa.md, "Defaults"): the same fields,
 /// under the same names, as the layer's `NsaConfig`, without Candle or serde.
 ///
@@ -57,6 +60,31 @@ impl NsaParams {
         check_positive("select_block", self.select_block)?;
         check_positive("num_selected", self.num_selected)?;
         check_positive("window", self.window)?;
+        // the selection work per query grows with select_block / compress_stride (the importance
+        // remap) and with the block sizes; a config past these bounds is a typo or an attack,
+        // not a model (the paper uses 32 / 64, DSA single tokens)
+        for (arg, v) in [
+            ("compress_block", self.compress_block),
+            ("select_block", self.select_block),
+        ] {
+            if v > MAX_BLOCK {
+                return Err(invalid(
+                    arg,
+                    format!("must be at most {MAX_BLOCK}, got {v}"),
+                ));
+            }
+        }
+        if self.select_block / self.compress_stride > MAX_BLOCK / 16 {
+            return Err(invalid(
+                "compress_stride",
+                format!(
+                    "select_block / compress_stride must be at most {}, got {} / {}",
+                    MAX_BLOCK / 16,
+                    self.select_block,
+                    self.compress_stride
+                ),
+            ));
+        }
         for (arg, v) in [
             ("compress_block", self.compress_block),
             ("select_block", self.select_block),
@@ -71,7 +99,8 @@ impl NsaParams {
                 ));
             }
         }
-        if self.num_initial.saturating_add(self.num_local) > self.num_selected {
+        let forced = self.num_initial.checked_add(self.num_local);
+        if forced.is_none_or(|f| f > self.num_selected) {
             return Err(invalid(
                 "num_selected",
                 format!(
