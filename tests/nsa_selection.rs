@@ -327,6 +327,56 @@ fn bf16_and_f16_inputs() {
     }
 }
 
+/// The non-finite rule on the kernel (issue: reliability, item 6): a NaN query makes its own
+/// head's `o` and `lse` NaN and nothing else; a NaN key makes NaN exactly the queries that
+/// attend it, never the ones that do not select it or cannot see it yet.
+#[test]
+fn nan_query_or_attended_nan_key_gives_nan_and_nothing_else() {
+    let mut rng = rng("nan_rule");
+    let (b, t, hq, hkv, d) = (1, 40, 4, 1, 32);
+    let x = qkv(&mut rng, b, t, t, hq, hkv, d, d, DType::F32);
+    let set_nan = |t_: &Tensor, at: [usize; 3]| {
+        let dims = t_.dims().to_vec();
+        let mut v: Vec<f32> = t_.flatten_all().unwrap().to_vec1().unwrap();
+        let row = ((at[0] * dims[1] + at[1]) * dims[2] + at[2]) * dims[3];
+        v[row + 3] = f32::NAN;
+        Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+    };
+    // query token 3, head 1; key position 5
+    let q = set_nan(&x.q, [0, 3, 1]);
+    let k = set_nan(&x.k, [0, 5, 0]);
+    // tokens before 20 select keys [0, 8) (causal: key 5 from token 5 on), later ones [12, i]
+    let rows = (0..t as i32)
+        .map(|i| {
+            if i < 20 {
+                vec![[0, 8]]
+            } else {
+                vec![[12, i + 1]]
+            }
+        })
+        .collect();
+    let sel = ranges_tensor(rows, b, t, hkv);
+    let (o, lse) = SelectionAttention::new()
+        .min_len(0)
+        .with_lse(true)
+        .forward(&q, &k, &x.v, &sel)
+        .unwrap();
+    let o: Vec<Vec<Vec<f32>>> = o.squeeze(0).unwrap().to_vec3().unwrap();
+    let lse: Vec<Vec<f32>> = lse.unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+    for i in 0..t {
+        for h in 0..hq {
+            let nan = (5..20).contains(&i) || (i, h) == (3, 1);
+            let what = format!("token {i} head {h}");
+            assert_eq!(o[i][h].iter().all(|x| x.is_nan()), nan, "o, {what}");
+            assert_eq!(lse[i][h].is_nan(), nan, "lse, {what}");
+            if !nan {
+                assert!(o[i][h].iter().all(|x| x.is_finite()), "o, {what}");
+                assert!(lse[i][h].is_finite(), "lse, {what}");
+            }
+        }
+    }
+}
+
 #[test]
 fn empty_rows_give_zero_and_minus_infinity() {
     let mut rng = rng("empty_rows");

@@ -332,7 +332,9 @@ fn attend_heads<T: Copy + Into<f32>>(
         let base = h - heads.start;
         for gi in 0..gn {
             let out = &mut o[(base + gi) * dv..(base + gi + 1) * dv];
-            if st.l[gi] > 0.0 {
+            // l is 0 only when the row saw no key; a NaN l (a NaN query, or a NaN / Inf in a
+            // key it attends) must come out as NaN, not as "saw nothing"
+            if st.l[gi] != 0.0 {
                 let inv = 1.0 / st.l[gi];
                 for (x, &y) in out.iter_mut().zip(&st.acc[gi * dv..(gi + 1) * dv]) {
                     *x = y * inv;
