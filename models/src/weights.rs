@@ -20,6 +20,101 @@ pub struct Weights {
     pub modules_to_not_convert: Vec<String>,
 }
 
+/// `general.alignment` of a GGUF file (versions 2 and 3) when it is stored as an integer, read
+/// from the metadata before candle's reader sees the file; `None` when the key is absent or the
+/// metadata cannot be walked (candle's reader then says what is wrong). Leaves the file at its
+/// start. Every length is bounded by the file's size, so a corrupt header cannot make this
+/// allocate much or loop for long.
+fn gguf_alignment(file: &mut std::fs::File) -> std::io::Result<Option<u64>> {
+    use std::io::{BufReader, Read, Seek, SeekFrom};
+    fn u32_(r: &mut impl Read) -> std::io::Result<u32> {
+        let mut b = [0u8; 4];
+        r.read_exact(&mut b)?;
+        Ok(u32::from_le_bytes(b))
+    }
+    fn u64_(r: &mut impl Read) -> std::io::Result<u64> {
+        let mut b = [0u8; 8];
+        r.read_exact(&mut b)?;
+        Ok(u64::from_le_bytes(b))
+    }
+    fn skip(r: &mut impl Read, n: u64) -> std::io::Result<()> {
+        let got = std::io::copy(&mut r.take(n), &mut std::io::sink())?;
+        if got < n {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok(())
+    }
+    // bytes of one value of a fixed-size type; None for strings (8) and arrays (9)
+    fn width(t: u32) -> Option<u64> {
+        match t {
+            0 | 1 | 7 => Some(1),
+            2 | 3 => Some(2),
+            4..=6 => Some(4),
+            10..=12 => Some(8),
+            _ => None,
+        }
+    }
+    fn walk(r: &mut impl Read, size: u64) -> std::io::Result<Option<u64>> {
+        let too_long = || std::io::Error::from(std::io::ErrorKind::InvalidData);
+        let mut magic = [0u8; 4];
+        r.read_exact(&mut magic)?;
+        let version = u32_(r)?;
+        if &magic != b"GGUF" || !(2..=3).contains(&version) {
+            return Ok(None);
+        }
+        let _tensors = u64_(r)?;
+        let kvs = u64_(r)?;
+        // every entry takes at least 12 bytes, so kvs is bounded by the size
+        for _ in 0..kvs.min(size / 12) {
+            let klen = u64_(r)?;
+            if klen > size {
+                return Err(too_long());
+            }
+            let mut key = vec![0u8; klen as usize];
+            r.read_exact(&mut key)?;
+            let t = u32_(r)?;
+            if key == b"general.alignment" {
+                // the 8- to 32-bit integer types candle's reader takes the alignment from (it
+                // uses its default for any other type); only whether it is zero matters here
+                return Ok(match (t, width(t)) {
+                    (0..=5, Some(w)) => {
+                        let mut b = [0u8; 4];
+                        r.read_exact(&mut b[..w as usize])?;
+                        Some(u32::from_le_bytes(b) as u64)
+                    }
+                    _ => None,
+                });
+            }
+            let (elem, count) = if t == 9 { (u32_(r)?, u64_(r)?) } else { (t, 1) };
+            match (elem, width(elem)) {
+                (_, Some(w)) => {
+                    let n = count
+                        .checked_mul(w)
+                        .filter(|n| *n <= size)
+                        .ok_or_else(too_long)?;
+                    skip(r, n)?
+                }
+                (8, None) => {
+                    for _ in 0..count.min(size) {
+                        let n = u64_(r)?;
+                        if n > size {
+                            return Err(too_long());
+                        }
+                        skip(r, n)?;
+                    }
+                }
+                _ => return Ok(None),
+            }
+        }
+        Ok(None)
+    }
+    let size = file.metadata()?.len();
+    file.seek(SeekFrom::Start(0))?;
+    let found = walk(&mut BufReader::new(&mut *file), size).unwrap_or(None);
+    file.seek(SeekFrom::Start(0))?;
+    Ok(found)
+}
+
 fn file_err(path: &Path, msg: impl ToString) -> Error {
     Error::File {
         path: path.to_path_buf(),
@@ -181,6 +276,13 @@ impl Weights {
         on_tensor: &mut dyn FnMut(usize, usize),
     ) -> Result<(LlamaConfig, Self, gguf_file::Content)> {
         let mut file = std::fs::File::open(path).map_err(|e| file_err(path, e))?;
+        // candle's reader divides by the alignment: a file saying 0 would panic inside it
+        if gguf_alignment(&mut file).map_err(|e| file_err(path, e))? == Some(0) {
+            return Err(file_err(
+                path,
+                "general.alignment is 0; a GGUF file needs a positive alignment",
+            ));
+        }
         let content = gguf_file::Content::read(&mut file).map_err(|e| file_err(path, e))?;
         let cfg = config_from_gguf(&content).map_err(|e| file_err(path, e))?;
         let mut names: Vec<String> = content.tensor_infos.keys().cloned().collect();
