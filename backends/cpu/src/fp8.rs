@@ -106,8 +106,8 @@ crate::simd::simd_dispatch!(
 );
 
 /// `dst[i] = decode(src[i]) * scale` over the common length, vectorized: through F16C on the
-/// AVX2 tier (16 lanes on AVX-512), plain loops below; bit-identical on every tier (a NaN's sign and payload
-/// aside).
+/// AVX2 tier (16 lanes on AVX-512), plain loops below; bit-identical on every tier (a NaN's
+/// sign and payload aside).
 ///
 /// ```
 /// let mut out = [0f32; 3];

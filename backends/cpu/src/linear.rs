@@ -414,8 +414,8 @@ fn gemv1_rows(
 /// Scaling each factor by its own block scale before the product is the contract's per-K-block
 /// scaling, distributed over the sum, as in the panel GEMM. The AVX-512 tier runs the same
 /// 256-bit code, decode included: on an Ice Lake-class Xeon a 16-lane `dot_4x3` measured
-/// 10-25% slower, and the 16-lane row decode alone ~10% slower at M = 16 (the 512-bit
-/// instructions lower the core's clock for the 256-bit FMAs that dominate here).
+/// 10-25% slower, and the 16-lane row decode alone ~10% slower at M = 16 (not profiled
+/// further; a lower clock under 512-bit instructions would explain it).
 #[allow(clippy::too_many_arguments)]
 fn gemv_small_rows(
     tier: Tier,
