@@ -177,8 +177,8 @@ pub(crate) unsafe fn dot4_blocks<const CHECK_NAN: bool>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fp8::e4m3_to_f32;
     use crate::simd::Tier;
+    use crate::x86::checks;
 
     /// Whether the AVX-512 tier exists here; without it these kernel tests skip, saying so (the
     /// AVX2 CI machines cannot run them; `tests/cpu_tiers.rs` runs every tier a machine has).
@@ -194,103 +194,17 @@ mod tests {
 
     #[test]
     fn decode_matches_the_scalar_decoder_bit_for_bit() {
-        if !avx512() {
-            return;
-        }
-        // every code, at every position of a vector and in a masked tail
-        let codes: Vec<u8> = (0..=255u8).chain(0..=255u8).chain(0..7).collect();
-        for scale in [1.0f32, 0.5, 3.0e-5, 7.6e35, 1e37, f32::MAX, 1e-12 / 448.0] {
-            for len in [codes.len(), 16, 5, 0] {
-                // a guard after the written part: a store past `len` would show there
-                let mut got = vec![-7f32; len + 16];
-                // SAFETY: AVX-512 checked above.
-                unsafe { decode_scaled(&codes[..len], scale, &mut got[..len]) };
-                assert!(
-                    got[len..].iter().all(|&g| g == -7.0),
-                    "store past len {len}"
-                );
-                for (c, g) in codes[..len].iter().zip(&got) {
-                    let want = e4m3_to_f32(*c) * scale;
-                    assert!(
-                        g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
-                        "code {c:#04x} scale {scale:e}: {g:e} vs {want:e}"
-                    );
-                }
-            }
+        if avx512() {
+            // SAFETY: AVX-512 checked above.
+            unsafe { checks::decode_bit_for_bit(decode_scaled) };
         }
     }
 
     #[test]
     fn dot4_blocks_matches_f64_and_propagates_nan() {
-        if !avx512() {
-            return;
-        }
-        for (n, bk) in [
-            (0usize, 16),
-            (1, 16),
-            (15, 16),
-            (16, 16),
-            (17, 16),
-            (33, 64),
-            (128, 128),
-            (300, 128),
-            (300, 40),
-            (3884, 128),
-        ] {
-            let x: Vec<f32> = (0..n)
-                .map(|i| ((i * 37 % 17) as f32 - 8.0) * 0.25)
-                .collect();
-            let mut rows: Vec<Vec<u8>> = (0..4)
-                .map(|r| {
-                    (0..n)
-                        .map(|i| ((i * 11 + r * 53) % 256) as u8)
-                        .map(|c| if c & 0x7f == 0x7f { 0x7e } else { c })
-                        .collect()
-                })
-                .collect();
-            let scales: Vec<Vec<f32>> = (0..4)
-                .map(|r| {
-                    (0..n.div_ceil(bk).max(1))
-                        .map(|b| 10f32.powi(((r * 5 + b * 3) % 7) as i32 - 3))
-                        .collect()
-                })
-                .collect();
-            let sc = [&scales[0][..], &scales[1], &scales[2], &scales[3]];
-            let wr = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
-            // SAFETY: AVX-512 checked above.
-            let (got, fast) = unsafe {
-                (
-                    dot4_blocks::<true>(&x, wr, bk, sc),
-                    dot4_blocks::<false>(&x, wr, bk, sc),
-                )
-            };
-            assert_eq!(
-                got.map(f32::to_bits),
-                fast.map(f32::to_bits),
-                "n {n} bk {bk}"
-            );
-            for r in 0..4 {
-                let term = |i: usize| {
-                    x[i] as f64 * e4m3_to_f32(rows[r][i]) as f64 * scales[r][i / bk] as f64
-                };
-                let want: f64 = (0..n).map(term).sum();
-                let mag: f64 = (0..n).map(|i| term(i).abs()).sum();
-                assert!(
-                    (got[r] as f64 - want).abs() <= 1e-6 * mag.max(1e-30),
-                    "n {n} bk {bk} row {r}: {} vs {want}",
-                    got[r]
-                );
-            }
-            if n >= 17 {
-                // one NaN code in row 2's unmasked part, one in row 3's last (masked) position
-                rows[2][3] = 0xff;
-                rows[3][n - 1] = 0x7f;
-                let wr = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
-                // SAFETY: as above.
-                let got = unsafe { dot4_blocks::<true>(&x, wr, bk, sc) };
-                assert!(!got[0].is_nan() && !got[1].is_nan(), "n {n}: {got:?}");
-                assert!(got[2].is_nan() && got[3].is_nan(), "n {n}: {got:?}");
-            }
+        if avx512() {
+            // SAFETY: as above.
+            unsafe { checks::dot4_blocks_against_f64(dot4_blocks::<true>, dot4_blocks::<false>) };
         }
     }
 }

@@ -210,6 +210,121 @@ pub(crate) unsafe fn dot_4x3(x: [&[f32]; 4], w: [&[f32]; 3]) -> [[f32; 3]; 4] {
     out
 }
 
+/// Checks of the e4m3 kernels against the scalar decoder and f64, shared by this module's tests
+/// and `avx512`'s: each tier's kernel is passed in as a function pointer.
+#[cfg(test)]
+pub(crate) mod checks {
+    use crate::fp8::e4m3_to_f32;
+
+    /// A `decode_scaled` kernel.
+    pub(crate) type Decode = unsafe fn(&[u8], f32, &mut [f32]);
+    /// A `dot4_blocks` kernel (one of its two NaN-scan forms).
+    pub(crate) type Dot4 = unsafe fn(&[f32], [&[u8]; 4], usize, [&[f32]; 4]) -> [f32; 4];
+
+    /// Every code, at every position of a vector and in a tail, is decoded bit-identically to
+    /// the scalar decoder for scales up to `f32::MAX` (where `scale · 2^8` would overflow), and
+    /// nothing is written past the end.
+    ///
+    /// # Safety
+    /// The CPU must have the features `decode` is compiled for.
+    pub(crate) unsafe fn decode_bit_for_bit(decode: Decode) {
+        let codes: Vec<u8> = (0..=255u8).chain(0..=255u8).chain(0..7).collect();
+        for scale in [1.0f32, 0.5, 3.0e-5, 7.6e35, 1e37, f32::MAX, 1e-12 / 448.0] {
+            for len in [codes.len(), 16, 5, 0] {
+                // a guard after the written part: a store past `len` would show there
+                let mut got = vec![-7f32; len + 16];
+                // SAFETY: the caller guarantees the kernel's features.
+                unsafe { decode(&codes[..len], scale, &mut got[..len]) };
+                assert!(
+                    got[len..].iter().all(|&g| g == -7.0),
+                    "store past len {len}"
+                );
+                for (c, g) in codes[..len].iter().zip(&got) {
+                    let want = e4m3_to_f32(*c) * scale;
+                    assert!(
+                        g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                        "code {c:#04x} scale {scale:e}: {g:e} vs {want:e}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// `checked` (the form with the NaN scan) against f64 over vector steps, tails, block sizes
+    /// that are not multiples of the vector width, K = 3884, and block scales of two kinds
+    /// (close to 1, and over 1e-3..1e3); `fast` (without the scan) gives the same bits on NaN-free
+    /// rows; a NaN code in a vector position or in a tail makes exactly its row NaN.
+    ///
+    /// # Safety
+    /// The CPU must have the features both kernels are compiled for.
+    pub(crate) unsafe fn dot4_blocks_against_f64(checked: Dot4, fast: Dot4) {
+        let cases = [
+            (0usize, 16),
+            (1, 16),
+            (15, 16),
+            (16, 16),
+            (17, 16),
+            (33, 64),
+            (128, 128),
+            (300, 128),
+            (300, 40),
+            (3884, 128),
+        ];
+        let near_one = |r: usize, b: usize| 0.5 + (r * 3 + b) as f32 * 0.75;
+        let spread = |r: usize, b: usize| 10f32.powi(((r * 5 + b * 3) % 7) as i32 - 3);
+        for (n, bk) in cases {
+            for scale_of in [&near_one as &dyn Fn(usize, usize) -> f32, &spread] {
+                let x: Vec<f32> = (0..n)
+                    .map(|i| ((i * 37 % 17) as f32 - 8.0) * 0.25)
+                    .collect();
+                // no NaN codes at first
+                let mut rows: Vec<Vec<u8>> = (0..4)
+                    .map(|r| {
+                        (0..n)
+                            .map(|i| ((i * 11 + r * 53) % 256) as u8)
+                            .map(|c| if c & 0x7f == 0x7f { 0x7e } else { c })
+                            .collect()
+                    })
+                    .collect();
+                let scales: Vec<Vec<f32>> = (0..4)
+                    .map(|r| (0..n.div_ceil(bk).max(1)).map(|b| scale_of(r, b)).collect())
+                    .collect();
+                let sc = [&scales[0][..], &scales[1], &scales[2], &scales[3]];
+                let wr = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
+                // SAFETY: the caller guarantees the kernels' features.
+                let (got, same) = unsafe { (checked(&x, wr, bk, sc), fast(&x, wr, bk, sc)) };
+                assert_eq!(
+                    got.map(f32::to_bits),
+                    same.map(f32::to_bits),
+                    "n {n} bk {bk}"
+                );
+                for r in 0..4 {
+                    let term = |i: usize| {
+                        x[i] as f64 * e4m3_to_f32(rows[r][i]) as f64 * scales[r][i / bk] as f64
+                    };
+                    let want: f64 = (0..n).map(term).sum();
+                    let mag: f64 = (0..n).map(|i| term(i).abs()).sum();
+                    assert!(
+                        (got[r] as f64 - want).abs() <= 1e-6 * mag.max(1e-30),
+                        "n {n} bk {bk} row {r}: {} vs {want}",
+                        got[r]
+                    );
+                }
+                if n >= 17 {
+                    // one NaN code in row 2's vector part, one in row 3's last (tail) position
+                    rows[2][3] = 0xff;
+                    rows[3][n - 1] = 0x7f;
+                    let wr = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
+                    // SAFETY: as above.
+                    let got = unsafe { checked(&x, wr, bk, sc) };
+                    assert!(!got[0].is_nan() && !got[1].is_nan(), "n {n}: {got:?}");
+                    assert!(got[2].is_nan() && got[3].is_nan(), "n {n}: {got:?}");
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -229,98 +344,17 @@ mod tests {
 
     #[test]
     fn decode_matches_the_scalar_decoder_bit_for_bit() {
-        if !avx2() {
-            return;
-        }
-        // every code, at every position of a vector and in the tail
-        let codes: Vec<u8> = (0..=255u8).chain(0..=255u8).chain(0..7).collect();
-        // 1e37 and f32::MAX: scale · 2^8 would overflow
-        for scale in [1.0f32, 0.5, 3.0e-5, 7.6e35, 1e37, f32::MAX, 1e-12 / 448.0] {
-            let mut got = vec![0f32; codes.len()];
+        if avx2() {
             // SAFETY: AVX2 + FMA + F16C checked above.
-            unsafe { decode_scaled(&codes, scale, &mut got) };
-            for (c, g) in codes.iter().zip(&got) {
-                let want = e4m3_to_f32(*c) * scale;
-                assert!(
-                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
-                    "code {c:#04x} scale {scale:e}: {g:e} vs {want:e}"
-                );
-            }
+            unsafe { checks::decode_bit_for_bit(decode_scaled) };
         }
     }
 
     #[test]
     fn dot4_blocks_matches_f64_and_propagates_nan() {
-        if !avx2() {
-            return;
-        }
-        for (n, bk) in [
-            (0usize, 16),
-            (1, 16),
-            (15, 16),
-            (16, 16),
-            (17, 16),
-            (128, 128),
-            (300, 128),
-            (300, 40),
-        ] {
-            let x: Vec<f32> = (0..n)
-                .map(|i| ((i * 37 % 17) as f32 - 8.0) * 0.25)
-                .collect();
-            // no NaN codes at first
-            let mut rows: Vec<Vec<u8>> = (0..4)
-                .map(|r| {
-                    (0..n)
-                        .map(|i| ((i * 11 + r * 53) % 256) as u8)
-                        .map(|c| if c & 0x7f == 0x7f { 0x7e } else { c })
-                        .collect()
-                })
-                .collect();
-            let scales: Vec<Vec<f32>> = (0..4)
-                .map(|r| {
-                    (0..n.div_ceil(bk).max(1))
-                        .map(|b| 0.5 + (r * 3 + b) as f32 * 0.75)
-                        .collect()
-                })
-                .collect();
-            let sc = [&scales[0][..], &scales[1], &scales[2], &scales[3]];
-            // SAFETY: AVX2 + FMA + F16C checked above.
-            let got = unsafe {
-                dot4_blocks::<true>(&x, [&rows[0], &rows[1], &rows[2], &rows[3]], bk, sc)
-            };
-            // without the NaN scan: the same bits for NaN-free rows
+        if avx2() {
             // SAFETY: as above.
-            let fast = unsafe {
-                dot4_blocks::<false>(&x, [&rows[0], &rows[1], &rows[2], &rows[3]], bk, sc)
-            };
-            assert_eq!(
-                got.map(f32::to_bits),
-                fast.map(f32::to_bits),
-                "n {n} bk {bk}"
-            );
-            for r in 0..4 {
-                let term = |i: usize| {
-                    x[i] as f64 * e4m3_to_f32(rows[r][i]) as f64 * scales[r][i / bk] as f64
-                };
-                let want: f64 = (0..n).map(term).sum();
-                let mag: f64 = (0..n).map(|i| term(i).abs()).sum();
-                assert!(
-                    (got[r] as f64 - want).abs() <= 1e-6 * mag.max(1.0),
-                    "n {n} bk {bk} row {r}: {} vs {want}",
-                    got[r]
-                );
-            }
-            if n >= 17 {
-                // one NaN code in row 2's vector part, one in row 3's last (tail) position
-                rows[2][3] = 0xff;
-                rows[3][n - 1] = 0x7f;
-                // SAFETY: as above.
-                let got = unsafe {
-                    dot4_blocks::<true>(&x, [&rows[0], &rows[1], &rows[2], &rows[3]], bk, sc)
-                };
-                assert!(!got[0].is_nan() && !got[1].is_nan(), "n {n}: {got:?}");
-                assert!(got[2].is_nan() && got[3].is_nan(), "n {n}: {got:?}");
-            }
+            unsafe { checks::dot4_blocks_against_f64(dot4_blocks::<true>, dot4_blocks::<false>) };
         }
     }
 
