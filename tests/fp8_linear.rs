@@ -323,6 +323,49 @@ fn nan_input_propagates_and_zero_rows_stay_zero() {
     assert!(y[1].iter().all(|v| v.is_nan()));
 }
 
+/// One token holding NaN or ±Inf turns its own outputs NaN and no other token's, for every
+/// activation scheme, `Block2d` included, where tokens share a scale (issue: reliability,
+/// item 11), on every CPU path: M = 1, small M, the large-M GEMM, K not a multiple of 128.
+#[test]
+fn non_finite_activations_stay_in_their_token() {
+    let mut rng = rng("non_finite_acts");
+    let (n, k) = (48, 300);
+    let w = Fp8BlockWeight::quantize(&tensor(hetero(&mut rng, n, k, 16, 128), &[n, k]), [16, 128])
+        .unwrap();
+    for act in [
+        ActQuant::Group,
+        ActQuant::Block2d { bm: 4 },
+        ActQuant::Block2d { bm: 128 },
+        ActQuant::None,
+    ] {
+        let layer = Fp8Linear::new(w.clone(), None, act).unwrap();
+        for m in [1, 3, 9, 200] {
+            let x = gaussian(&mut rng, m * k);
+            let forward = |x: &Tensor| layer.forward(x).unwrap();
+            if m == 1 {
+                // one token: its own outputs NaN
+                let mut bad = x.clone();
+                bad[7] = f32::INFINITY;
+                let y: Vec<f32> = forward(&tensor(bad, &[1, k]))
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                assert!(y.iter().all(|v| !v.is_finite()), "{act:?} m=1");
+                continue;
+            }
+            check_non_finite_rows(
+                forward,
+                &x,
+                m,
+                k,
+                act != ActQuant::None,
+                &format!("{act:?} m={m}"),
+            );
+        }
+    }
+}
+
 /// Non-finite weights are refused when quantizing, and NaN, negative or infinite scales when a
 /// weight is built from parts (what loading a checkpoint does), each naming the block (issue:
 /// reliability, item 9).

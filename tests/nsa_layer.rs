@@ -224,6 +224,75 @@ fn covering_selection_and_window_equal_dense_causal_attention() {
 }
 
 #[test]
+fn non_finite_keys_and_values_reach_no_query_that_does_not_attend_them() {
+    // docs/nsa.md "Non-finite values": NaN / Inf in the last tokens' keys and values, which
+    // no earlier query attends in any branch (compressed, selected, window)
+    let mut rng = rng("layer_non_finite");
+    let t = 120;
+    let dims = NsaDims {
+        hq: 4,
+        hkv: 2,
+        d: 16,
+        dv: 16,
+    };
+    let (q, k, v) = qkv(&mut rng, t, t, dims);
+    let poke = |x: &Tensor, vals: [f32; 2]| {
+        let mut r = rows(x);
+        let row = r.len() / t;
+        r[(t - 1) * row] = vals[0];
+        r[(t - 2) * row + 1] = vals[1];
+        Tensor::from_vec(r, x.dims(), &Device::Cpu).unwrap()
+    };
+    let (kb, vb) = (
+        poke(&k, [f32::NAN, f32::INFINITY]),
+        poke(&v, [-f32::INFINITY, f32::NAN]),
+    );
+    let x = Tensor::zeros((1, t, 4), DType::F32, &Device::Cpu).unwrap();
+    for min_len in [0, usize::MAX] {
+        let nsa = NativeSparseAttention::new(
+            small_cfg(),
+            dims,
+            Compressor::MeanPool,
+            Gates::Fixed([0.3, 0.3, 0.4]),
+        )
+        .unwrap()
+        .with_attention(SelectionAttention::new().min_len(min_len));
+        let bad = nsa.forward_detailed(&x, &q, &kb, &vb).unwrap();
+        let good = nsa.forward_detailed(&x, &q, &k, &v).unwrap();
+        let row = dims.hq * dims.dv;
+        for (name, a, b) in [
+            ("compressed", &bad.compressed, &good.compressed),
+            ("selected", &bad.selected, &good.selected),
+            ("window", &bad.window, &good.window),
+            ("gated", &bad.o, &good.o),
+        ] {
+            let (a, b) = (rows(a), rows(b));
+            // the bad entries sit in kv head 0 at tokens t - 2 and t - 1: bit-for-bit
+            // everywhere else; the last two tokens' query heads 0 and 1 attend them (window,
+            // own selection block; the compressed block of keys 104..120 from token 119 on)
+            // and turn non-finite
+            let half = row / 2;
+            let first = if name == "compressed" { t - 1 } else { t - 2 };
+            for i in 0..t {
+                let (a, b) = (&a[i * row..(i + 1) * row], &b[i * row..(i + 1) * row]);
+                let what = format!("{name}, min_len {min_len}, token {i}");
+                if i < first {
+                    assert_eq!(a, b, "{what}");
+                } else {
+                    assert!(a[..half].iter().any(|x| !x.is_finite()), "{what}");
+                    assert_eq!(a[half..], b[half..], "{what}");
+                }
+            }
+        }
+        let imp = rows(&good.importance).len() / t;
+        assert_eq!(
+            rows(&bad.importance)[..(t - 1) * imp],
+            rows(&good.importance)[..(t - 1) * imp]
+        );
+    }
+}
+
+#[test]
 fn prefill_equals_successive_decode_steps() {
     let mut rng = rng("prefill_vs_decode");
     let dims = NsaDims {

@@ -331,20 +331,29 @@ fn bf16_and_f16_inputs() {
 /// head's `o` and `lse` NaN and nothing else; a NaN key makes NaN exactly the queries that
 /// attend it, never the ones that do not select it or cannot see it yet.
 #[test]
-fn nan_query_or_attended_nan_key_gives_nan_and_nothing_else() {
+fn non_finite_inputs_reach_only_the_queries_that_attend_them() {
+    // docs/nsa.md "Non-finite values", on the kernel and on the dense fallback
     let mut rng = rng("nan_rule");
     let (b, t, hq, hkv, d) = (1, 40, 4, 1, 32);
     let x = qkv(&mut rng, b, t, t, hq, hkv, d, d, DType::F32);
-    let set_nan = |t_: &Tensor, at: [usize; 3]| {
+    let poke = |t_: &Tensor, at: &[(usize, usize, f32)]| {
         let dims = t_.dims().to_vec();
         let mut v: Vec<f32> = t_.flatten_all().unwrap().to_vec1().unwrap();
-        let row = ((at[0] * dims[1] + at[1]) * dims[2] + at[2]) * dims[3];
-        v[row + 3] = f32::NAN;
+        for &(tok, head, val) in at {
+            v[(tok * dims[2] + head) * dims[3] + 3] = val;
+        }
         Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
     };
-    // query token 3, head 1; key position 5
-    let q = set_nan(&x.q, [0, 3, 1]);
-    let k = set_nan(&x.k, [0, 5, 0]);
+    let (nan, inf) = (f32::NAN, f32::INFINITY);
+    // query token 3 head 1 NaN; keys: 5 NaN and 30 +Inf (attended), 9 NaN (never attended);
+    // values: 2 NaN (attended), 10 -Inf (never attended)
+    let q = poke(&x.q, &[(3, 1, nan)]);
+    let k = poke(&x.k, &[(5, 0, nan), (30, 0, inf), (9, 0, nan)]);
+    let v = poke(&x.v, &[(2, 0, nan), (10, 0, -inf)]);
+    // the same inputs with every poked entry finite: what the unaffected queries must give
+    let q0 = poke(&x.q, &[(3, 1, 0.5)]);
+    let k0 = poke(&x.k, &[(5, 0, 0.5), (30, 0, 0.5), (9, 0, 0.5)]);
+    let v0 = poke(&x.v, &[(2, 0, 0.5), (10, 0, 0.5)]);
     // tokens before 20 select keys [0, 8) (causal: key 5 from token 5 on), later ones [12, i]
     let rows = (0..t as i32)
         .map(|i| {
@@ -356,22 +365,35 @@ fn nan_query_or_attended_nan_key_gives_nan_and_nothing_else() {
         })
         .collect();
     let sel = ranges_tensor(rows, b, t, hkv);
-    let (o, lse) = SelectionAttention::new()
-        .min_len(0)
-        .with_lse(true)
-        .forward(&q, &k, &x.v, &sel)
-        .unwrap();
-    let o: Vec<Vec<Vec<f32>>> = o.squeeze(0).unwrap().to_vec3().unwrap();
-    let lse: Vec<Vec<f32>> = lse.unwrap().squeeze(0).unwrap().to_vec2().unwrap();
-    for i in 0..t {
-        for h in 0..hq {
-            let nan = (5..20).contains(&i) || (i, h) == (3, 1);
-            let what = format!("token {i} head {h}");
-            assert_eq!(o[i][h].iter().all(|x| x.is_nan()), nan, "o, {what}");
-            assert_eq!(lse[i][h].is_nan(), nan, "lse, {what}");
-            if !nan {
-                assert!(o[i][h].iter().all(|x| x.is_finite()), "o, {what}");
-                assert!(lse[i][h].is_finite(), "lse, {what}");
+    for (min_len, path) in [(0, "kernel"), (usize::MAX, "fallback")] {
+        let run = |q: &Tensor, k: &Tensor, v: &Tensor| {
+            let (o, lse) = SelectionAttention::new()
+                .min_len(min_len)
+                .with_lse(true)
+                .forward(q, k, v, &sel)
+                .unwrap();
+            let o: Vec<Vec<Vec<f32>>> = o.squeeze(0).unwrap().to_vec3().unwrap();
+            let lse: Vec<Vec<f32>> = lse.unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+            (o, lse)
+        };
+        let (o, lse) = run(&q, &k, &v);
+        let (o0, lse0) = run(&q0, &k0, &v0);
+        for i in 0..t {
+            for h in 0..hq {
+                let bad_key = (5..20).contains(&i) || i >= 30 || (i, h) == (3, 1);
+                let bad_value = (2..20).contains(&i);
+                let what = format!("{path}: token {i} head {h}");
+                if bad_key {
+                    assert!(o[i][h].iter().all(|x| x.is_nan()), "o, {what}");
+                    assert!(lse[i][h].is_nan(), "lse, {what}");
+                } else if bad_value {
+                    assert!(o[i][h].iter().any(|x| !x.is_finite()), "o, {what}");
+                    assert_eq!(lse[i][h], lse0[i][h], "lse, {what}");
+                } else {
+                    // bit-for-bit what the finite inputs give
+                    assert_eq!(o[i][h], o0[i][h], "o, {what}");
+                    assert_eq!(lse[i][h], lse0[i][h], "lse, {what}");
+                }
             }
         }
     }

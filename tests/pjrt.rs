@@ -87,6 +87,29 @@ fn fp8_linear_decode_group_through_pjrt_matches_reference() {
     }
 }
 
+/// docs/numerics.md, non-finite activations: through the PJRT program (its amax reduces with
+/// StableHLO `maximum`, which propagates NaN), a bad token stays in its own outputs.
+#[test]
+fn non_finite_activations_through_pjrt_stay_in_their_token() {
+    let Some(rt) = runtime() else { return };
+    let mut rng = rng("pjrt_non_finite_acts");
+    let (n, k, m) = (64, 300, 9);
+    let w = tensor(hetero(&mut rng, n, k, 16, 128), &[n, k]);
+    let wq = Fp8BlockWeight::quantize(&w, [16, 128]).unwrap();
+    for act in [ActQuant::Group, ActQuant::Block2d { bm: 4 }] {
+        let layer = Fp8Linear::new(wq.clone(), None, act)
+            .unwrap()
+            .with_backend(Backend::Pjrt(rt.clone()));
+        let x = gaussian(&mut rng, m * k);
+        let forward = |x: &Tensor| {
+            let (y, path) = layer.forward_with_path(x).unwrap();
+            assert!(matches!(path, Fp8Path::Pjrt(_)), "{path:?}");
+            y
+        };
+        check_non_finite_rows(forward, &x, m, k, true, &format!("pjrt {act:?}"));
+    }
+}
+
 #[test]
 fn selection_attention_through_pjrt_matches_cpu() {
     let Some(rt) = runtime() else { return };
@@ -171,6 +194,69 @@ fn selection_attention_through_pjrt_matches_cpu() {
             if msg.starts_with("duplicates")),
         "{e}"
     );
+}
+
+#[test]
+fn selection_attention_through_pjrt_keeps_non_finite_inputs_to_their_queries() {
+    // docs/nsa.md "Non-finite values": the masked program adds -inf, so this checks the
+    // rule around it against the CPU kernel (tests/nsa_selection.rs checks that one)
+    let Some(rt) = runtime() else { return };
+    let mut rng = rng("pjrt_nsa_nan");
+    let (b, t, hq, hkv, d) = (1, 64, 4, 2, 32);
+    let mut mk = |dims: &[usize], poke: &[(usize, f32)]| {
+        let mut x = gaussian(&mut rng, dims.iter().product());
+        for &(tok, val) in poke {
+            x[tok * dims[2] * dims[3] + 5] = val; // kv head 0 (query head 0 for q)
+        }
+        tensor(x, dims)
+    };
+    let q = mk(&[b, t, hq, d], &[(12, f32::NAN)]);
+    let k = mk(&[b, t, hkv, d], &[(20, f32::NAN), (40, f32::INFINITY)]);
+    let v = mk(&[b, t, hkv, d], &[(3, f32::NAN), (50, -f32::INFINITY)]);
+    // blocks of 8: every query sees block 0 and its own block, and block 5 (keys 40..48) from
+    // token 40 on; block 2 (the NaN key 20) only by the queries inside it
+    let idx: Vec<i32> = (0..t * hkv)
+        .flat_map(|i| match (i / hkv / 8) as i32 {
+            0 => [0, 5, -1],
+            own @ 1..=5 => [0, own, if own == 5 { -1 } else { 5 }],
+            own => [0, 5, own],
+        })
+        .collect();
+    let sel = BlockSelection::new(
+        Tensor::from_vec(idx, (b, t, hkv, 3), &Device::Cpu).unwrap(),
+        8,
+    )
+    .unwrap();
+    let run = |backend| {
+        let (o, lse) = SelectionAttention::new()
+            .min_len(0)
+            .with_lse(true)
+            .backend(backend)
+            .forward(&q, &k, &v, &sel)
+            .unwrap();
+        let o: Vec<Vec<Vec<f32>>> = o.squeeze(0).unwrap().to_vec3().unwrap();
+        let lse: Vec<Vec<f32>> = lse.unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+        (o, lse)
+    };
+    let (o, lse) = run(Backend::Pjrt(rt));
+    let (oc, lsec) = run(Backend::Cpu);
+    let mut counts = [0usize; 2];
+    for i in 0..t {
+        for h in 0..hq {
+            let what = format!("token {i} head {h}");
+            let finite = oc[i][h].iter().all(|x| x.is_finite());
+            assert_eq!(o[i][h].iter().all(|x| x.is_finite()), finite, "o, {what}");
+            assert_eq!(lse[i][h].is_nan(), lsec[i][h].is_nan(), "lse, {what}");
+            counts[finite as usize] += 1;
+            if finite {
+                for (x, y) in o[i][h].iter().zip(&oc[i][h]) {
+                    assert!((x - y).abs() < 1e-4 * (1.0 + y.abs()), "{what}: {x} vs {y}");
+                }
+            }
+        }
+    }
+    // kv head 1's queries are clean, kv head 0's from token 3 on see the NaN value 3
+    assert!(counts[0] > 0 && counts[1] > 0, "{counts:?}");
 }
 
 #[test]

@@ -79,6 +79,56 @@ pub fn rel_frobenius(y: &Tensor, want: &Tensor) -> f64 {
     (num / den).sqrt()
 }
 
+/// The non-finite activation rule (docs/numerics.md) on a linear layer's `forward` over
+/// `x [m, k]` (m >= 3): NaN, +Inf and -Inf put into rows 0, m / 2 and m - 1 make those rows'
+/// outputs NaN (`exact_nan`; otherwise merely non-finite, as without activation quantization)
+/// and leave every other row bit-for-bit as with zeros in their place.
+pub fn check_non_finite_rows(
+    forward: impl Fn(&Tensor) -> Tensor,
+    x: &[f32],
+    m: usize,
+    k: usize,
+    exact_nan: bool,
+    what: &str,
+) {
+    let pokes = [
+        (0, 3 % k, f32::NAN),
+        (m / 2, k - 1, f32::INFINITY),
+        (m - 1, 0, f32::NEG_INFINITY),
+    ];
+    let (mut bad, mut zero) = (x.to_vec(), x.to_vec());
+    for &(r, c, v) in &pokes {
+        bad[r * k + c] = v;
+        zero[r * k + c] = 0.0;
+    }
+    let rows = |v: Vec<f32>| -> Vec<Vec<f32>> {
+        forward(&tensor(v, &[m, k]))
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec2()
+            .unwrap()
+    };
+    let (y, y0) = (rows(bad), rows(zero));
+    for r in 0..m {
+        if pokes.iter().any(|p| p.0 == r) {
+            let ok = |v: &f32| {
+                if exact_nan {
+                    v.is_nan()
+                } else {
+                    !v.is_finite()
+                }
+            };
+            assert!(
+                y[r].iter().all(ok),
+                "{what}: row {r} {:?}",
+                &y[r][..4.min(y[r].len())]
+            );
+        } else {
+            assert_eq!(y[r], y0[r], "{what}: row {r}");
+        }
+    }
+}
+
 /// DeepGEMM's `calc_diff`: 1 - 2Σxy / Σ(x² + y²).
 pub fn calc_diff(y: &Tensor, want: &Tensor) -> f64 {
     let y = y.to_dtype(DType::F64).unwrap().flatten_all().unwrap();

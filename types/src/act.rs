@@ -16,6 +16,12 @@ pub enum ActQuant {
     #[default]
     Group,
     /// One scale per `bm x bk` block of activations (the tpu-inference design).
+    ///
+    /// The `bm` tokens of a block share its scale: a large finite outlier in one token (1e6
+    /// among values near 1) leaves the others of its block with tens of percent of relative
+    /// error. NaN and ±Inf do not spread (the scale comes from finite values only; docs/
+    /// numerics.md, "Non-finite values"). Prefer [`ActQuant::Group`] where one batch mixes
+    /// requests from different users.
     Block2d { bm: usize },
 }
 

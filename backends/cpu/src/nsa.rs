@@ -41,7 +41,10 @@ fn fold_chunk_impl<A: Arith>(
     for (gi, qg) in q.chunks_exact(d).enumerate() {
         let s = &mut scores[gi * c..(gi + 1) * c];
         for (sj, kj) in s.iter_mut().zip(kc.chunks_exact(d)) {
-            *sj = dot::<A>(qg, kj);
+            let x = dot::<A>(qg, kj);
+            // finite inputs cannot give -inf (short of overflow): it comes from an Inf in the
+            // key, and as exp(-inf) = 0 it would vanish instead of making the query NaN
+            *sj = if x == f32::NEG_INFINITY { f32::NAN } else { x };
         }
         let mx = s.iter().fold(m[gi], |a, &b| a.max(b));
         let alpha = (m[gi] - mx).exp();

@@ -8,18 +8,30 @@ use crate::error::{check_len, check_positive, Result};
 use crate::fp8::{fake_quant_slice, quantize, scale_for_amax};
 use fp8nsa_types::{ActQuant, ScaleDType};
 
-/// Largest magnitude in `xs`, NaN ignored. Eight independent lanes let it vectorize (a single
-/// running `max` is a serial chain LLVM keeps scalar).
-fn amax(xs: &[f32]) -> f32 {
+/// Largest finite magnitude in `xs` (NaN and ±Inf ignored), and whether `xs` holds any NaN or
+/// ±Inf. Eight independent lanes let it vectorize (a single running `max` is a serial chain
+/// LLVM keeps scalar).
+fn amax(xs: &[f32]) -> (f32, bool) {
     let mut lanes = [0f32; 8];
+    let mut bad = [0u32; 8];
+    let step = |l: &mut f32, b: &mut u32, x: f32| {
+        let a = x.abs();
+        let finite = a < f32::INFINITY; // false for NaN too
+        *l = l.max(if finite { a } else { 0.0 });
+        *b |= !finite as u32;
+    };
     let chunks = xs.chunks_exact(8);
-    let tail = chunks.remainder().iter().fold(0f32, |a, &x| a.max(x.abs()));
+    let (mut tail, mut tail_bad) = (0f32, 0u32);
+    for &x in chunks.remainder() {
+        step(&mut tail, &mut tail_bad, x);
+    }
     for c in chunks {
-        for (l, &x) in lanes.iter_mut().zip(c) {
-            *l = l.max(x.abs());
+        for ((l, b), &x) in lanes.iter_mut().zip(&mut bad).zip(c) {
+            step(l, b, x);
         }
     }
-    lanes.iter().fold(tail, |a, &l| a.max(l))
+    let any_bad = bad.iter().fold(tail_bad, |a, &b| a | b) != 0;
+    (lanes.iter().fold(tail, |a, &l| a.max(l)), any_bad)
 }
 
 /// Quantizes a row-major `[n, k]` weight in `bn x bk` blocks (edge blocks partial).
@@ -62,7 +74,7 @@ pub fn quantize_weight_as(
             let rows = w.len() / k;
             for (kb, s) in scales.iter_mut().enumerate() {
                 let (k0, k1) = (kb * bk, (kb * bk + bk).min(k));
-                let a = (0..rows).fold(0f32, |a, r| a.max(amax(&w[r * k + k0..r * k + k1])));
+                let a = (0..rows).fold(0f32, |a, r| a.max(amax(&w[r * k + k0..r * k + k1]).0));
                 *s = scale_dtype.round_up(scale_for_amax(a));
                 for r in 0..rows {
                     for i in r * k + k0..r * k + k1 {
@@ -154,14 +166,27 @@ pub fn quantize_act_in<'a>(
     let mut scales = vec![0f32; m.div_ceil(rows_per_scale) * kbs];
     let quant = |((out, x), scales): ((&mut [f32], &[f32]), &mut [f32])| {
         let rows = x.len() / k;
+        // docs/numerics.md, non-finite activations: the scale comes from the finite elements
+        // (one bad token must not move a scale it shares with others, as in Block2d), and a
+        // row span holding NaN / ±Inf becomes NaN, so its own token's outputs turn NaN
+        let mut bad = vec![false; rows];
         for (kb, s) in scales.iter_mut().enumerate() {
             let (k0, k1) = (kb * bk, (kb * bk + bk).min(k));
-            let a = (0..rows).fold(0f32, |a, r| a.max(amax(&x[r * k + k0..r * k + k1])));
+            let mut a = 0f32;
+            for (r, bad) in bad.iter_mut().enumerate() {
+                let (ar, br) = amax(&x[r * k + k0..r * k + k1]);
+                a = a.max(ar);
+                *bad = br;
+            }
             *s = scale_for_amax(a);
             let mul = if dequantize { *s } else { 1.0 };
-            for r in 0..rows {
+            for (r, &bad) in bad.iter().enumerate() {
                 let span = r * k + k0..r * k + k1;
-                fake_quant_slice(&x[span.clone()], *s, mul, &mut out[span]);
+                if bad {
+                    out[span].fill(f32::NAN);
+                } else {
+                    fake_quant_slice(&x[span.clone()], *s, mul, &mut out[span]);
+                }
             }
         }
     };

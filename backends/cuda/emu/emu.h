@@ -35,6 +35,8 @@
 // the device spelling uses __int_as_float
 #undef CUDART_INF_F
 #define CUDART_INF_F INFINITY
+#undef CUDART_NAN_F
+#define CUDART_NAN_F NAN
 
 namespace fp8nsa_emu {
 

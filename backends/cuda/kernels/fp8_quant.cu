@@ -3,6 +3,15 @@
 
 #include "common.cuh"
 
+// docs/numerics.md, non-finite activations: the amax is taken over finite elements, so one
+// bad token cannot move a scale it shares (Block2d), and a non-finite element becomes the NaN
+// code (0x7f) rather than saturating to 448, so its own token's outputs turn NaN.
+// (|v| <= FLT_MAX is false for NaN and for ±Inf: one test for both.)
+__device__ __forceinline__ float finite_abs(float v) { return fabsf(v) <= 3.40282347e38f ? fabsf(v) : 0.0f; }
+__device__ __forceinline__ uint8_t act_code(float v, float s) {
+    return fabsf(v) <= 3.40282347e38f ? f32_to_e4m3(__fdiv_rn(v, s)) : (uint8_t)0x7f;
+}
+
 // Dynamic activation quantization, a warp per scale tile of `bm` rows x `bk` columns
 // (Group is bm = 1). Pass 1 takes the tile's amax, pass 2 writes
 //   xq[m * ldq + k] = sat(rne(x / s)),   s = max(amax, 1e-12) / 448
@@ -31,13 +40,13 @@ __device__ void act_tile(const T* __restrict__ x, uint8_t* __restrict__ xq, OT* 
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             v[j] = c0 + j < k1 ? to_f32(x[row + c0 + j]) : 0.0f;
-            amax = fmaxf(amax, fabsf(v[j]));
+            amax = fmaxf(amax, finite_abs(v[j]));
         }
         const float s = act_none ? 1.0f : fp8_scale(warp_max(amax));
         if (!act_none && lane == 0 && sx != nullptr) sx[mb * sx_rs + kb * sx_cs] = s;
         uint8_t q[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) q[j] = act_none ? 0 : f32_to_e4m3(__fdiv_rn(v[j], s));
+        for (int j = 0; j < 4; ++j) q[j] = act_none ? 0 : act_code(v[j], s);
         const int64_t out = (int64_t)m0 * ldq + c0;
         if (c0 < k1) {
             if (xd != nullptr) {
@@ -66,7 +75,7 @@ __device__ void act_tile(const T* __restrict__ x, uint8_t* __restrict__ xq, OT* 
     if (!act_none) {
         float amax = 0.0f;
         for (int m = m0; m < m1; ++m)
-            for (int k = k0 + lane; k < k1; k += 32) amax = fmaxf(amax, fabsf(to_f32(x[(int64_t)m * K + k])));
+            for (int k = k0 + lane; k < k1; k += 32) amax = fmaxf(amax, finite_abs(to_f32(x[(int64_t)m * K + k])));
         s = fp8_scale(warp_max(amax));
         if (lane == 0 && sx != nullptr) sx[mb * sx_rs + kb * sx_cs] = s;
     }
@@ -76,7 +85,7 @@ __device__ void act_tile(const T* __restrict__ x, uint8_t* __restrict__ xq, OT* 
             if (act_none) {
                 xd[(int64_t)m * ldq + k] = from_f32<OT>(v);
             } else {
-                const uint8_t q = f32_to_e4m3(__fdiv_rn(v, s));
+                const uint8_t q = act_code(v, s);
                 if (xd != nullptr)
                     xd[(int64_t)m * ldq + k] = from_f32<OT>(e4m3_to_f32(q) * s);
                 else

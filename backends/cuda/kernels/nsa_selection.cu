@@ -251,7 +251,11 @@ template <typename T, int D, int DV, int NW> __device__ void nsa_selection(const
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = j * 8 + t4 * 2 + (e & 1);
-                const float x = key < len ? s[j][e] * p.scale_log2 : -CUDART_INF_F;
+                // keys past the span are masked by replacing the score; an attended key
+                // giving -inf holds an Inf (finite inputs cannot, short of overflow) and must
+                // make the row NaN, not vanish as exp2(-inf) = 0 (docs/nsa.md, non-finite)
+                const float sc = s[j][e] * p.scale_log2;
+                const float x = key < len ? (sc == -CUDART_INF_F ? CUDART_NAN_F : sc) : -CUDART_INF_F;
                 s[j][e] = x;
                 mx[e >> 1] = fmaxf(mx[e >> 1], x);
             }
@@ -317,8 +321,10 @@ template <typename T, int D, int DV, int NW> __device__ void nsa_selection(const
         const int row = head0 + g + r * 8;
         if (row >= G) continue;
         const int64_t qh = (int64_t)tok * p.hq + h * G + row;
-        const float inv = l_run[r] > 0.0f ? 1.0f / l_run[r] : 0.0f;
-        const float lse = l_run[r] > 0.0f ? (m_run[r] + log2f(l_run[r])) * CUDART_LN2_F : -CUDART_INF_F;
+        // l = 0 only when the row saw nothing; a NaN l (NaN query, non-finite attended key)
+        // stays NaN rather than reading as "saw nothing"
+        const float inv = l_run[r] != 0.0f ? 1.0f / l_run[r] : 0.0f;
+        const float lse = l_run[r] != 0.0f ? (m_run[r] + log2f(l_run[r])) * CUDART_LN2_F : -CUDART_INF_F;
         if (p.splits > 1) {
             float* dst = p.ws_o + ((int64_t)split * p.total_q * p.hq + qh) * DV;
 #pragma unroll
@@ -372,7 +378,8 @@ __device__ void nsa_merge(const float* __restrict__ ws_o, const float* __restric
         const float l = ws_lse[(int64_t)s * rows + row];
         sum += l == -CUDART_INF_F ? 0.0f : expf(l - m);
     }
-    const float total = sum > 0.0f ? m + logf(sum) : -CUDART_INF_F;
+    // a NaN split lse makes sum NaN, and the row NaN (not "saw nothing")
+    const float total = sum != 0.0f ? m + logf(sum) : -CUDART_INF_F;
     for (int c = threadIdx.x; c < dv; c += blockDim.x) {
         float acc = 0.0f;
         for (int s = 0; s < splits; ++s) {

@@ -439,3 +439,62 @@ fn grouped_experts_every_path() {
         }
     }
 }
+
+/// docs/numerics.md, non-finite activations: on every path, a token holding NaN or ±Inf gets
+/// NaN outputs and leaves every other token bit-for-bit as with zeros in its place, with
+/// `Block2d` too, where tokens share a scale.
+#[test]
+fn non_finite_activations_stay_in_their_token() {
+    let mut rng = rng("emu_fp8_non_finite");
+    let (m, n, k, block) = (9, 64, 384, [128, 128]);
+    let w = Tensor::from_vec(hetero(&mut rng, n, k, 128, 128), (n, k), &Device::Cpu).unwrap();
+    let wq = Fp8BlockWeight::quantize(&w, block).unwrap();
+    let (layout, mut wd, mut ws) = kernel_weight(&wq);
+    let x: Vec<f32> = hetero(&mut rng, m, k, 1, 128);
+    let pokes = [
+        (0, 3, f32::NAN),
+        (4, k - 1, f32::INFINITY),
+        (8, 0, f32::NEG_INFINITY),
+    ];
+    let (mut bad, mut zero) = (x.clone(), x);
+    for &(r, c, v) in &pokes {
+        bad[r * k + c] = v;
+        zero[r * k + c] = 0.0;
+    }
+    for act in [ActQuant::Group, ActQuant::Block2d { bm: 4 }] {
+        let c = Case {
+            m,
+            n,
+            k,
+            block,
+            act,
+            dtype: Dtype::F32,
+            bias: false,
+        };
+        for path in paths(&c) {
+            let what = format!("{act:?} {path}");
+            let plan = plan_fp8_linear(&layout, m, scheme(act), path, Dtype::F32, false, true);
+            let mut run = |x: &[f32]| {
+                let (mut xb, mut bb) = (HostBuf::from_slice(x), HostBuf::new(4));
+                let mut out = HostBuf::new(m * n * 4);
+                execute(&plan, &mut [&mut xb, &mut wd, &mut ws, &mut bb, &mut out])
+                    .unwrap_or_else(|e| panic!("{what}: {e}"));
+                out.to_vec::<f32>()
+            };
+            let (y, y0) = (run(&bad), run(&zero));
+            for r in 0..m {
+                let (a, b) = (&y[r * n..(r + 1) * n], &y0[r * n..(r + 1) * n]);
+                if pokes.iter().any(|p| p.0 == r) {
+                    assert!(
+                        a.iter().all(|v| v.is_nan()),
+                        "{what}: row {r} {:?}",
+                        &a[..4]
+                    );
+                } else {
+                    assert!(b.iter().all(|v| v.is_finite()), "{what}: row {r}");
+                    assert_eq!(a, b, "{what}: row {r}");
+                }
+            }
+        }
+    }
+}

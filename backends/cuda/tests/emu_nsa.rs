@@ -90,9 +90,16 @@ struct SeqData {
     q_offset: usize,
 }
 
-/// Runs the packed sequences through the plan on the emulator and each sequence through the
-/// reference; compares o (rms ratio) and lse. `sms` sets how eagerly the plan splits.
-fn check(seqs: &[SeqData], hq: usize, hkv: usize, sms: u32, expect_split: bool, what: &str) {
+/// Runs the packed sequences through the plan on the emulator: `o [Σtq, hq, dv]` and
+/// `lse [Σtq, hq]`. `sms` sets how eagerly the plan splits; `expect_split` is checked.
+fn run_plan(
+    seqs: &[SeqData],
+    hq: usize,
+    hkv: usize,
+    sms: u32,
+    expect_split: bool,
+    what: &str,
+) -> (Vec<f64>, Vec<f32>) {
     let (d, dv) = (seqs[0].q.dims()[3], seqs[0].v.dims()[3]);
     let dtype = match seqs[0].q.dtype() {
         DType::BF16 => Dtype::Bf16,
@@ -149,7 +156,13 @@ fn check(seqs: &[SeqData], hq: usize, hkv: usize, sms: u32, expect_split: bool, 
             .map(|x| x.to_f64())
             .collect(),
     };
-    let lse = args[8].to_vec::<f32>();
+    (o, args[8].to_vec::<f32>())
+}
+
+/// [`run_plan`], and each sequence through the reference; compares o (rms ratio) and lse.
+fn check(seqs: &[SeqData], hq: usize, hkv: usize, sms: u32, expect_split: bool, what: &str) {
+    let dv = seqs[0].v.dims()[3];
+    let (o, lse) = run_plan(seqs, hq, hkv, sms, expect_split, what);
     assert!(o.iter().all(|x| x.is_finite()), "{what}: unwritten o");
     assert!(lse.iter().all(|x| !x.is_nan()), "{what}: unwritten lse");
     let mut row = 0;
@@ -425,4 +438,82 @@ fn adversarial_selections() {
         ranges(rows, t, hkv),
     );
     check(&[s], hq, hkv, 4, false, "adversarial ranges");
+}
+
+/// docs/nsa.md "Non-finite values": a NaN query, a NaN / Inf key or a NaN value reaches the
+/// queries that attend it (NaN) and no other (bit-exact with the same inputs made finite),
+/// in one-pass prefill and in split decode merged by lse; the CPU kernel gives the pattern.
+#[test]
+fn non_finite_inputs_reach_only_the_queries_that_attend_them() {
+    use fp8nsa_ops::nsa::SelectionAttention;
+    let mut rng = rng("emu_nsa_non_finite");
+    let (hq, hkv, d) = (16, 2, 64);
+    let poke = |x: &Tensor, at: &[(usize, usize, f32)]| {
+        let dims = x.dims().to_vec();
+        let mut v: Vec<f32> = x
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for &(tok, head, val) in at {
+            v[(tok * dims[2] + head) * dims[3] + 7] = val;
+        }
+        Tensor::from_vec(v, dims, &Device::Cpu)
+            .unwrap()
+            .to_dtype(x.dtype())
+            .unwrap()
+    };
+    let (nan, inf) = (f32::NAN, f32::INFINITY);
+    // prefill of 80 with blocks of 16, and one decode query over 900 keys (split)
+    for (tq, tk, sms, split) in [(80, 80, 4, false), (1, 900, 132, true)] {
+        let sel = blocks(&mut rng, tq, hkv, tk, 16, 3);
+        let base = SeqData {
+            q: gaussian(&mut rng, &[1, tq, hq, d], DType::BF16),
+            k: gaussian(&mut rng, &[1, tk, hkv, d], DType::BF16),
+            v: gaussian(&mut rng, &[1, tk, hkv, d], DType::BF16),
+            sel,
+            q_offset: tk - tq,
+        };
+        let mut keys = vec![(0, 0, nan), (tk / 2, 1, inf), (tk - 1, 0, -inf)];
+        keys.extend((0..tk).step_by(37).map(|j| (j, j % 2, nan)));
+        let bad = SeqData {
+            q: poke(&base.q, &[(tq - 1, 3, nan)]),
+            k: poke(&base.k, &keys),
+            v: poke(&base.v, &[(3, 1, nan), (tk - 20, 0, inf)]),
+            sel: match &base.sel {
+                Sel::Blocks(b) => Sel::Blocks(b.clone()),
+                Sel::Ranges(r) => Sel::Ranges(r.clone()),
+            },
+            q_offset: base.q_offset,
+        };
+        let what = format!("tq={tq} tk={tk}");
+        let (o, lse) = run_plan(std::slice::from_ref(&bad), hq, hkv, sms, split, &what);
+        let (o0, lse0) = run_plan(std::slice::from_ref(&base), hq, hkv, sms, split, &what);
+        let Sel::Blocks(b) = &bad.sel else {
+            unreachable!()
+        };
+        let (oc, lc) = SelectionAttention::new()
+            .min_len(0)
+            .with_lse(true)
+            .forward(&bad.q, &bad.k, &bad.v, b)
+            .unwrap();
+        let oc = f64s(&oc);
+        let lc = f64s(&lc.unwrap());
+        let mut seen = [0usize; 2];
+        for r in 0..tq * hq {
+            let row = |x: &[f64]| x[r * d..(r + 1) * d].to_vec();
+            let clean = row(&oc).iter().all(|x| x.is_finite());
+            seen[clean as usize] += 1;
+            let at = format!("{what}: token {} head {}", r / hq, r % hq);
+            assert_eq!(row(&o).iter().all(|x| x.is_finite()), clean, "o, {at}");
+            assert_eq!(lse[r].is_nan(), lc[r].is_nan(), "lse, {at}");
+            if clean {
+                assert_eq!(row(&o), row(&o0), "o, {at}");
+                assert_eq!(lse[r].to_bits(), lse0[r].to_bits(), "lse, {at}");
+            }
+        }
+        assert!(seen[0] > 0 && seen[1] > 0, "{what}: {seen:?}");
+    }
 }

@@ -258,7 +258,15 @@ fn quantize(
     keep: &[usize],
     scale_dims: &[usize],
 ) -> (String, String) {
+    // docs/numerics.md, non-finite activations: the amax is taken over finite elements (a bad
+    // token must not move a shared Block2d scale), and a non-finite element quantizes to NaN
+    let (ft, bool_t) = (f32t(dims), ty(dims, "i1"));
+    let fin = b.op(format!("stablehlo.is_finite {x} : ({ft}) -> {bool_t}"));
     let ax = b.unary("abs", x, dims);
+    let zero = b.splat(0.0, dims);
+    let ax = b.op(format!(
+        "stablehlo.select {fin}, {ax}, {zero} : ({bool_t}, {ft}, {ft}) -> {ft}"
+    ));
     let amax = b.reduce(&ax, dims, red, "maximum", 0.0);
     let floor = b.splat(1e-12, scale_dims);
     let am = b.binary("maximum", &amax, &floor, scale_dims);
@@ -268,7 +276,12 @@ fn quantize(
     let sc = b.binary("divide", &am, &c448, scale_dims);
     let sb = b.broadcast(&sc, scale_dims, keep, dims);
     let q = b.binary("divide", x, &sb, dims);
-    (round_to_e4m3(b, &q, dims), sc)
+    let r = round_to_e4m3(b, &q, dims);
+    let nan = b.splat(f32::NAN, dims);
+    let r = b.op(format!(
+        "stablehlo.select {fin}, {r}, {nan} : ({bool_t}, {ft}, {ft}) -> {ft}"
+    ));
+    (r, sc)
 }
 
 /// `decode(encode_e4m3(q))` in f32 arithmetic and integer bit operations: round to 3 mantissa

@@ -3,7 +3,7 @@ use candle_nn::{Linear, Module, VarBuilder};
 
 use super::compress::{Compressor, MlpCompressor};
 use super::config::{CompressorKind, NsaConfig};
-use super::sdpa::masked_softmax;
+use super::sdpa::masked_attention;
 use super::{BlockSelection, SelectionAttention, SelectionRanges};
 use crate::error::{invalid, shape_err, Error, Result};
 use fp8nsa_cpu::nsa_select::{self, QueryRows};
@@ -592,17 +592,9 @@ impl NativeSparseAttention {
                 // a query at position p sees compressed block i iff the block ends at or before p
                 let mut mask = vec![0f32; tc * n_c];
                 nsa_select::compressed_mask(params, q_offset + t0, tc, n_c, &mut mask)?;
-                let mask = Tensor::from_vec(mask, (1, 1, tc, n_c), q.device())?;
-                let scores = (qs.matmul(&kb.t()?)? * self.scale as f64)?
-                    .reshape((hkv, g, tc, n_c))?
-                    .broadcast_add(&mask)?;
-                let (probs, _) = masked_softmax(&scores)?;
-                let o = probs
-                    .reshape((hkv, g * tc, n_c))?
-                    .matmul(&vb)?
-                    .reshape((hkv, g, tc, dv))?
-                    .permute((2, 0, 1, 3))?
-                    .reshape((tc, hq, dv))?;
+                let attend = Tensor::from_vec(mask, (1, 1, tc, n_c), q.device())?.eq(0f32)?;
+                let (o, probs, _) = masked_attention(&qs, &kb, &vb, &attend, self.scale)?;
+                let o = o.permute((2, 0, 1, 3))?.reshape((tc, hq, dv))?;
                 chunks.push(o);
                 // group-summed probabilities [hkv, tc, n_c], as rows [tc, hkv] like
                 // importance [b, tq, hkv, nb] -> block importance

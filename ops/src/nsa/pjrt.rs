@@ -43,15 +43,41 @@ pub(crate) fn selection(
             d,
             dv,
         };
-        let mask = super::sdpa::selection_mask(sel, s, hkv);
-        let (o, lse) = rt.nsa_selection(
+        let attend = super::sdpa::selection_mask(sel, s, hkv);
+        // The program masks by adding -inf, so the non-finite rule (docs/nsa.md) is kept
+        // here: non-finite keys and values are zeroed before they reach it (an unattended one
+        // then cannot turn a score or a product NaN), and the queries that do attend one get
+        // NaN afterwards.
+        let (mut k_s, mut v_s) = (host(k, s.k_start, s.k_len)?, host(v, s.k_start, s.k_len)?);
+        let bad_k = zero_non_finite_rows(&mut k_s, d);
+        let bad_v = zero_non_finite_rows(&mut v_s, dv);
+        let mask: Vec<f32> = attend
+            .iter()
+            .map(|&a| if a == 1 { 0.0 } else { f32::NEG_INFINITY })
+            .collect();
+        let (mut o, mut lse) = rt.nsa_selection(
             shape,
             &host(q, s.q_start, s.q_len)?,
-            &host(k, s.k_start, s.k_len)?,
-            &host(v, s.k_start, s.k_len)?,
+            &k_s,
+            &v_s,
             &mask,
             scale,
         )?;
+        let (tq, tk, g) = (s.q_len, s.k_len, hq / hkv);
+        for (row, seen) in attend.chunks_exact(tk).enumerate() {
+            // mask rows are [Hkv, Tq]
+            let (h, t) = (row / tq, row % tq);
+            let hit = |bad: &[bool]| (0..tk).any(|j| seen[j] == 1 && bad[j * hkv + h]);
+            let (key, value) = (hit(&bad_k), hit(&bad_v));
+            for qh in h * g..(h + 1) * g {
+                if key {
+                    lse[t * hq + qh] = f32::NAN;
+                }
+                if key || value {
+                    o[(t * hq + qh) * dv..(t * hq + qh + 1) * dv].fill(f32::NAN);
+                }
+            }
+        }
         os.push(Tensor::from_vec(o, (s.q_len, hq, dv), q.device())?);
         lses.push(Tensor::from_vec(lse, (s.q_len, hq), q.device())?);
     }
@@ -66,6 +92,20 @@ pub(crate) fn selection(
         dv
     );
     Ok((Tensor::cat(&os, 0)?, Tensor::cat(&lses, 0)?))
+}
+
+/// Zeroes every row of `x [rows, width]` holding a NaN or ±Inf; returns which rows did.
+#[cfg(feature = "pjrt")]
+fn zero_non_finite_rows(x: &mut [f32], width: usize) -> Vec<bool> {
+    x.chunks_exact_mut(width)
+        .map(|r| {
+            let bad = r.iter().any(|e| !e.is_finite());
+            if bad {
+                r.fill(0.0);
+            }
+            bad
+        })
+        .collect()
 }
 
 #[cfg(not(feature = "pjrt"))]

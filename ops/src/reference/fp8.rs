@@ -99,7 +99,10 @@ pub fn fp8_linear(
                 let mut amax = 0f64;
                 for r in r0..r1 {
                     for i in k0..k1 {
-                        amax = amax.max(xs[r * k + i].abs());
+                        // docs/numerics.md: over finite elements only
+                        if xs[r * k + i].is_finite() {
+                            amax = amax.max(xs[r * k + i].abs());
+                        }
                     }
                 }
                 let s = act_scale(amax);
@@ -110,7 +113,11 @@ pub fn fp8_linear(
                         // exact f64 quotients often sit a hair off an fp8 midpoint that the f32
                         // quotient lands on, flipping the rounding of whole dominant blocks.
                         let q = (xs[r * k + i] as f32 / s as f32) as f64;
-                        xq[r * k + i] = round_to_e4m3(q, &table);
+                        xq[r * k + i] = if q.is_finite() {
+                            round_to_e4m3(q, &table)
+                        } else {
+                            f64::NAN // and so the token's outputs
+                        };
                     }
                 }
             }
