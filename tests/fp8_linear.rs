@@ -646,6 +646,90 @@ fn loads_hugging_face_layout_from_safetensors() {
     );
 }
 
+/// A weight stored as anything but F8_E4M3 is never converted by value (issue: reliability,
+/// item 10): `load_safetensors` reads U8 as the codes they are and refuses f32 / i64;
+/// `load` (a `VarBuilder`, which converts silently) refuses what is not e4m3-valued.
+#[test]
+fn stored_weight_dtypes_are_codes_or_refused() {
+    use candle_core::safetensors::MmapedSafetensors;
+    use safetensors::tensor::{Dtype, TensorView};
+    let mut rng = rng("stored_dtypes");
+    let (n, k, block) = (150, 300, [128, 128]);
+    let w = hetero(&mut rng, n, k, 128, 128);
+    let wq = Fp8BlockWeight::quantize(&tensor(w.clone(), &[n, k]), block).unwrap();
+    let codes = wq.data().flatten_all().unwrap().to_vec1::<u8>().unwrap();
+    let scale_bytes: Vec<u8> = wq
+        .scales()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s.to_le_bytes())
+        .collect();
+    let f32_bytes: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let i64_bytes: Vec<u8> = codes
+        .iter()
+        .flat_map(|&c| (c as i64).to_le_bytes())
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let sdims = wq.scales().dims().to_vec();
+    let mut tensors = Vec::new();
+    for (p, dtype, bytes) in [
+        ("fp8", Dtype::F8_E4M3, &codes),
+        ("u8", Dtype::U8, &codes),
+        ("f32", Dtype::F32, &f32_bytes),
+        ("i64", Dtype::I64, &i64_bytes),
+    ] {
+        tensors.push((
+            format!("{p}.weight"),
+            TensorView::new(dtype, vec![n, k], bytes).unwrap(),
+        ));
+        tensors.push((
+            format!("{p}.weight_scale_inv"),
+            TensorView::new(Dtype::F32, sdims.clone(), &scale_bytes).unwrap(),
+        ));
+    }
+    let path = dir.path().join("model.safetensors");
+    safetensors::serialize_to_file(tensors, None, &path).unwrap();
+    // SAFETY: the file is this test's own and is not modified while mapped.
+    let st = unsafe { MmapedSafetensors::new(&path) }.unwrap();
+    for p in ["fp8", "u8"] {
+        let got = Fp8BlockWeight::load_safetensors(&st, p, block, &Device::Cpu).unwrap();
+        assert_eq!(
+            got.data().flatten_all().unwrap().to_vec1::<u8>().unwrap(),
+            codes,
+            "{p}"
+        );
+    }
+    for p in ["f32", "i64"] {
+        let e = err_of(Fp8BlockWeight::load_safetensors(
+            &st,
+            p,
+            block,
+            &Device::Cpu,
+        ));
+        assert!(
+            matches!(&e, Error::Invalid { arg: "weight", msg } if msg.contains(&format!("{p}.weight is stored as"))),
+            "{p}: {e}"
+        );
+    }
+    let map = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let vb = candle_nn::VarBuilder::from_tensors(map, DType::F32, &Device::Cpu);
+    let got = Fp8BlockWeight::load(vb.pp("fp8"), block).unwrap();
+    assert_eq!(
+        got.data().flatten_all().unwrap().to_vec1::<u8>().unwrap(),
+        codes
+    );
+    for p in ["u8", "f32", "i64"] {
+        let e = err_of(Fp8BlockWeight::load(vb.pp(p), block));
+        assert!(
+            matches!(&e, Error::Invalid { arg: "weight", msg } if msg.contains("not stored as F8_E4M3")),
+            "{p}: {e}"
+        );
+    }
+}
+
 /// `E` experts with heterogeneous block scales (each expert its own magnitude on top).
 fn experts(
     rng: &mut StdRng,

@@ -206,6 +206,14 @@ impl Fp8BlockWeight {
     /// Loads `weight` (F8_E4M3) and `weight_scale_inv` (the dequantization multiplier, f32 or
     /// bf16) from a `VarBuilder` prefix, as in DeepSeek-V3 / Qwen3-FP8 checkpoints.
     ///
+    /// A `VarBuilder` converts whatever dtype the file stores into the one asked for, by value,
+    /// and does not say what it found. So that a weight stored as anything but F8_E4M3 (U8
+    /// codes, f32, integers) is not silently read as numbers, the values are also read as f32
+    /// and must all be e4m3 values; otherwise this is an `Error::Invalid` for `weight`. Codes
+    /// stored as U8 load with [`Self::load_safetensors`], which reads the stored dtype.
+    /// (Limit: a non-F8_E4M3 tensor whose every value happens to be an e4m3 value loads as
+    /// those values.)
+    ///
     /// ```no_run
     /// # use candle_core::{DType, Device};
     /// # use candle_nn::VarBuilder;
@@ -216,10 +224,86 @@ impl Fp8BlockWeight {
     /// ```
     pub fn load(vb: candle_nn::VarBuilder, block: [usize; 2]) -> Result<Self> {
         let data = vb.get_unchecked_dtype("weight", DType::F8E4M3)?;
+        let values = vb.get_unchecked_dtype("weight", DType::F32)?;
+        if let [n, _] = *data.dims() {
+            // a band of rows at a time keeps the host copies small for large weights
+            const BAND: usize = 256;
+            for r0 in (0..n).step_by(BAND) {
+                let rows = BAND.min(n - r0);
+                let band = |t: &Tensor| -> Result<Vec<f32>> {
+                    Ok(t.narrow(0, r0, rows)?
+                        .to_device(&Device::Cpu)?
+                        .to_dtype(DType::F32)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?)
+                };
+                let (got, as_e4m3) = (band(&values)?, band(&data)?);
+                let k = got.len() / rows;
+                let same = |(a, b): (&f32, &f32)| a == b || (a.is_nan() && b.is_nan());
+                if let Some(i) = got.iter().zip(&as_e4m3).position(|p| !same(p)) {
+                    return Err(invalid(
+                        "weight",
+                        format!(
+                            "{}.weight is not stored as F8_E4M3: element [{}, {}] is {}, not an \
+                             e4m3 value; codes stored as U8 load with \
+                             Fp8BlockWeight::load_safetensors",
+                            vb.prefix(),
+                            r0 + i / k,
+                            i % k,
+                            got[i]
+                        ),
+                    ));
+                }
+            }
+        }
         let scales = vb
             .get_unchecked_dtype("weight_scale_inv", DType::F32)?
             .to_dtype(DType::F32)?;
         Self::from_parts(data, scales, block)
+    }
+
+    /// Loads `{prefix}.weight` and `{prefix}.weight_scale_inv` from safetensors files by their
+    /// stored dtypes: the weight's codes as stored when F8_E4M3 or U8 (never converted by
+    /// value), anything else refused; the scales from f32, bf16, f16 or f64. Moved to `device`.
+    ///
+    /// ```no_run
+    /// use candle_core::{safetensors::MmapedSafetensors, Device};
+    /// // SAFETY: the file is not modified while mapped.
+    /// let st = unsafe { MmapedSafetensors::new("model.safetensors")? };
+    /// let w = fp8nsa_ops::Fp8BlockWeight::load_safetensors(
+    ///     &st, "model.layers.0.mlp.up_proj", [128, 128], &Device::Cpu)?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn load_safetensors(
+        st: &candle_core::safetensors::MmapedSafetensors,
+        prefix: &str,
+        block: [usize; 2],
+        device: &Device,
+    ) -> Result<Self> {
+        let name = format!("{prefix}.weight");
+        let data = st.load(&name, &Device::Cpu)?;
+        if !matches!(data.dtype(), DType::F8E4M3 | DType::U8) {
+            return Err(invalid(
+                "weight",
+                format!(
+                    "{name} is stored as {:?}; fp8 weights are F8_E4M3 (or U8 codes)",
+                    data.dtype()
+                ),
+            ));
+        }
+        let name = format!("{prefix}.weight_scale_inv");
+        let scales = st.load(&name, &Device::Cpu)?;
+        if !scales.dtype().is_float() || scales.dtype() == DType::F8E4M3 {
+            return Err(invalid(
+                "scales",
+                format!(
+                    "{name} is stored as {:?}; scales are f32, bf16, f16 or f64",
+                    scales.dtype()
+                ),
+            ));
+        }
+        let data = Tensor::from_vec(host_bytes("weight", &data)?, data.dims(), device)?;
+        Self::from_parts(data, scales.to_dtype(DType::F32)?.to_device(device)?, block)
     }
 
     /// The real weight `[N, K]` in `dtype`, on the weight's device.

@@ -44,6 +44,9 @@ pub struct QuantizeOptions {
     /// The dtype of the written `weight_scale_inv`: f32 (DeepSeek-V3's, the default) or bf16
     /// (Qwen3-FP8's; each scale rounded up to bf16 before the codes are computed).
     pub scale_dtype: ScaleDType,
+    /// Replace an output that already exists (a file, or a directory that is not empty).
+    /// Without it such an output is an error, before anything is converted.
+    pub force: bool,
 }
 
 impl Default for QuantizeOptions {
@@ -53,6 +56,7 @@ impl Default for QuantizeOptions {
             include: r"\.weight$".into(),
             exclude: r"(embed|lm_head|norm|mlp\.gate\.weight$)".into(),
             scale_dtype: ScaleDType::F32,
+            force: false,
         }
     }
 }
@@ -167,42 +171,125 @@ pub fn quantize_checkpoint(
     let (include, exclude) = regexes(opts)?;
     let files = input_files(input)?;
     let dir_mode = input.is_dir();
-    let out_dir = if dir_mode {
-        output.to_path_buf()
-    } else {
-        output.parent().map(Path::to_path_buf).unwrap_or_default()
-    };
-    if !out_dir.as_os_str().is_empty() {
-        std::fs::create_dir_all(&out_dir).map_err(io_err(&out_dir))?;
+    if !dir_mode && output.extension().is_none_or(|e| e != "safetensors") {
+        return Err(invalid(
+            "output",
+            format!(
+                "{} must end in .safetensors (for a file input, the output is a file)",
+                output.display()
+            ),
+        ));
     }
-    let mut report = QuantizeReport::default();
-    let mut weight_map = serde_json::Map::new();
     for file in &files {
         let dest = if dir_mode {
             output.join(file.file_name().expect("a listed file has a name"))
         } else {
             output.to_path_buf()
         };
-        if same_file(file, &dest) {
+        if same_file(file, &dest) || same_file(input, output) {
             return Err(invalid(
                 "output",
                 format!("{} would overwrite the input", dest.display()),
             ));
         }
-        let names = convert_file(
-            file,
-            &dest,
+    }
+    let exists = match std::fs::read_dir(output) {
+        Ok(mut d) => d.next().is_some(),
+        Err(_) => output.exists(),
+    };
+    if exists && !opts.force {
+        return Err(invalid(
+            "output",
+            format!(
+                "{} already exists{}; pass --force (QuantizeOptions::force) to replace it",
+                output.display(),
+                if dir_mode { " and is not empty" } else { "" }
+            ),
+        ));
+    }
+    // Everything is written into a staging folder beside the output and moved into place
+    // only once complete: a failed or killed run never leaves new shards beside old ones,
+    // and what it leaves behind is named as unfinished.
+    let parent = match output.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    std::fs::create_dir_all(&parent).map_err(io_err(&parent))?;
+    let out_name = output
+        .file_name()
+        .ok_or_else(|| invalid("output", format!("{} names no file", output.display())))?
+        .to_string_lossy()
+        .into_owned();
+    let stage = parent.join(format!(".{out_name}.fp8nsa-partial-{}", std::process::id()));
+    if stage.exists() {
+        std::fs::remove_dir_all(&stage).map_err(io_err(&stage))?;
+    }
+    std::fs::create_dir(&stage).map_err(io_err(&stage))?;
+    let staged = (|| {
+        let staged_out = if dir_mode {
+            stage.clone()
+        } else {
+            stage.join(&out_name)
+        };
+        let final_dir = if dir_mode { output } else { parent.as_path() };
+        let mut report = convert_into(
+            input,
+            &files,
+            dir_mode,
+            &staged_out,
+            final_dir,
             opts,
             &include,
             &exclude,
-            &mut report,
             on_tensor,
         )?;
+        put_in_place(&stage, output, &parent, dir_mode, &mut report)?;
+        Ok(report)
+    })();
+    if staged.is_err() {
+        let _ = std::fs::remove_dir_all(&stage);
+    }
+    staged
+}
+
+/// Writes the converted shards, the index and the config into `staged_out` (the staging
+/// folder for a directory input, a file in it otherwise); `final_dir` is the folder they
+/// will be moved to.
+#[allow(clippy::too_many_arguments)]
+fn convert_into(
+    input: &Path,
+    files: &[PathBuf],
+    dir_mode: bool,
+    staged_out: &Path,
+    final_dir: &Path,
+    opts: &QuantizeOptions,
+    include: &Regex,
+    exclude: &Regex,
+    on_tensor: &mut dyn FnMut(&str, u64),
+) -> Result<QuantizeReport> {
+    let mut report = QuantizeReport::default();
+    let mut weight_map = serde_json::Map::new();
+    for file in files {
+        let dest = if dir_mode {
+            staged_out.join(file.file_name().expect("a listed file has a name"))
+        } else {
+            staged_out.to_path_buf()
+        };
+        let names = convert_file(file, &dest, opts, include, exclude, &mut report, on_tensor)?;
         let shard = dest
             .file_name()
             .map(|f| f.to_string_lossy().into_owned())
             .unwrap_or_default();
         for n in names {
+            if weight_map.contains_key(&n) {
+                return Err(invalid(
+                    "input",
+                    format!(
+                        "{n} is in more than one shard (the second: {})",
+                        file.display()
+                    ),
+                ));
+            }
             weight_map.insert(n, serde_json::Value::String(shard.clone()));
         }
     }
@@ -212,9 +299,9 @@ pub fn quantize_checkpoint(
             "metadata": { "total_size": report.bytes_out },
             "weight_map": weight_map,
         });
-        let path = output.join(INDEX_FILE);
+        let path = staged_out.join(INDEX_FILE);
         let text = serde_json::to_string_pretty(&index).expect("a JSON value serializes");
-        std::fs::write(&path, text + "\n").map_err(io_err(&path))?;
+        write_synced(&path, (text + "\n").as_bytes())?;
         report.written.push(path);
     }
     report.not_converted.sort();
@@ -226,8 +313,63 @@ pub fn quantize_checkpoint(
         "weight_block_size": opts.block,
         "modules_to_not_convert": report.not_converted,
     });
-    write_config(input, output, dir_mode, &mut report)?;
+    write_config(input, staged_out, final_dir, dir_mode, &mut report)?;
     Ok(report)
+}
+
+/// Moves a complete staging folder's contents to the output: for a directory the folder
+/// itself (replacing an empty or `--force`d one), for a file its entries one by one (each a
+/// rename within one folder). `report.written` is rewritten to the final paths.
+fn put_in_place(
+    stage: &Path,
+    output: &Path,
+    parent: &Path,
+    dir_mode: bool,
+    report: &mut QuantizeReport,
+) -> Result<()> {
+    let final_path = |p: &PathBuf| -> PathBuf {
+        let rel = p.strip_prefix(stage).expect("written into the stage");
+        if dir_mode {
+            output.join(rel)
+        } else {
+            parent.join(rel)
+        }
+    };
+    if dir_mode {
+        let old = parent.join(format!(
+            ".{}.fp8nsa-replaced-{}",
+            output.file_name().unwrap_or_default().to_string_lossy(),
+            std::process::id()
+        ));
+        let had = output.exists();
+        if had {
+            std::fs::rename(output, &old).map_err(io_err(output))?;
+        }
+        std::fs::rename(stage, output).map_err(io_err(output))?;
+        if had {
+            std::fs::remove_dir_all(&old).map_err(io_err(&old))?;
+        }
+    } else {
+        for p in &report.written {
+            let to = final_path(p);
+            std::fs::rename(p, &to).map_err(io_err(&to))?;
+        }
+        std::fs::remove_dir(stage).map_err(io_err(stage))?;
+    }
+    // the renames themselves are durable once the folder holding them is synced
+    if let Ok(d) = std::fs::File::open(parent) {
+        let _ = d.sync_all();
+    }
+    report.written = report.written.iter().map(final_path).collect();
+    Ok(())
+}
+
+/// Writes `bytes` to a new file (ordinary permissions) and syncs it to disk.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).map_err(io_err(path))?;
+    f.write_all(bytes).map_err(io_err(path))?;
+    f.sync_all().map_err(io_err(path))
 }
 
 fn same_file(a: &Path, b: &Path) -> bool {
@@ -318,6 +460,21 @@ fn convert_file(
         tracing::info!(tensor = %name, shape = ?view.shape(), "quantized");
         report.converted.push(name);
     }
+    let mut seen = std::collections::HashSet::new();
+    for (n, ..) in &out {
+        if !seen.insert(n.as_str()) {
+            let dense = n.strip_suffix("_scale_inv").unwrap_or(n);
+            return Err(invalid(
+                "input",
+                format!(
+                    "{}: {n} would be written twice: the input already holds it beside \
+                     {dense}, which is dense and matches --include (a partly converted \
+                     checkpoint?); leave {dense} out with --exclude or remove the stale {n}",
+                    file.display()
+                ),
+            ));
+        }
+    }
     let views = out
         .iter()
         .map(|(n, d, s, b)| {
@@ -332,28 +489,44 @@ fn convert_file(
         path: dest.to_path_buf(),
         source,
     })?;
+    // the safetensors writer goes through a private temporary file (mode 0600): give the
+    // result an ordinary file's permissions (rw-r--r--), and sync it before it is moved in place
+    let f = std::fs::File::open(dest).map_err(io_err(dest))?;
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dest, std::fs::Permissions::from_mode(0o644))
+            .map_err(io_err(dest))?;
+    }
+    f.sync_all().map_err(io_err(dest))?;
     report.bytes_out += std::fs::metadata(dest).map_err(io_err(dest))?.len();
     report.written.push(dest.to_path_buf());
     Ok(out.into_iter().map(|t| t.0).collect())
 }
 
+/// The config into the folder of `staged_out`; `final_dir` is where it will end up.
 fn write_config(
     input: &Path,
-    output: &Path,
+    staged_out: &Path,
+    final_dir: &Path,
     dir_mode: bool,
     report: &mut QuantizeReport,
 ) -> Result<()> {
     let (src, out_dir) = if dir_mode {
-        (input.join("config.json"), output.to_path_buf())
+        (input.join("config.json"), staged_out.to_path_buf())
     } else {
         (
             input.with_file_name("config.json"),
-            output.parent().map(Path::to_path_buf).unwrap_or_default(),
+            staged_out
+                .parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_default(),
         )
     };
     let qc = report.quantization_config.clone();
     // beside an input config in the same folder, never overwrite it: write the new section alone
-    let (dest, json) = if src.is_file() && !same_file(&src, &out_dir.join("config.json")) {
+    let beside_input = same_file(&src, &final_dir.join("config.json"));
+    let (dest, json) = if src.is_file() && !beside_input {
         let text = std::fs::read_to_string(&src).map_err(io_err(&src))?;
         let mut cfg: serde_json::Value =
             serde_json::from_str(&text).map_err(|source| Error::Json {
@@ -369,7 +542,7 @@ fn write_config(
         (out_dir.join("quantization_config.json"), qc)
     };
     let text = serde_json::to_string_pretty(&json).expect("a JSON value serializes");
-    std::fs::write(&dest, text + "\n").map_err(io_err(&dest))?;
+    write_synced(&dest, (text + "\n").as_bytes())?;
     report.written.push(dest);
     Ok(())
 }

@@ -118,6 +118,9 @@ enum Command {
         /// dtype of the written scales: f32 (as DeepSeek-V3) or bf16 (as Qwen3-FP8).
         #[arg(long, default_value = "f32")]
         scale_dtype: ScaleDType,
+        /// Replace an existing output (a file, or a directory that is not empty).
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -146,6 +149,7 @@ fn main() -> ExitCode {
             include,
             exclude,
             scale_dtype,
+            force,
         }) => quantize(
             input,
             output,
@@ -154,6 +158,7 @@ fn main() -> ExitCode {
                 include,
                 exclude,
                 scale_dtype,
+                force,
             },
         ),
         Some(Command::Inspect { file, expect }) => return inspect(&file, expect.as_deref()),

@@ -286,3 +286,144 @@ fn shards_get_an_index_and_same_folder_output_keeps_the_input_config() {
     .unwrap();
     assert_eq!(qc["quant_method"], "fp8");
 }
+
+/// Every file in `dir` (recursively), relative, with its bytes.
+fn snapshot(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                let rel = p.strip_prefix(dir).unwrap().to_string_lossy().into_owned();
+                out.push((rel, std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// A checkpoint that already holds `X.weight_scale_inv` beside a dense `X.weight` is an error
+/// naming both, not a panic inside the safetensors writer (issue: reliability, item 2).
+#[test]
+fn a_stale_scale_beside_a_dense_weight_is_an_error() {
+    let src = tempfile::tempdir().unwrap();
+    let mut t = write_checkpoint(src.path(), &mut rng("stale_scale"));
+    t.insert(
+        "model.layers.0.mlp.up_proj.weight_scale_inv".into(),
+        Tensor::ones((3, 2), DType::F32, &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&t, src.path().join("model.safetensors")).unwrap();
+    let parent = tempfile::tempdir().unwrap();
+    let dst = parent.path().join("out");
+    let out = Command::new(env!("CARGO_BIN_EXE_fp8nsa"))
+        .args(["quantize", src.path().to_str().unwrap(), "-o"])
+        .arg(&dst)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("model.layers.0.mlp.up_proj.weight_scale_inv would be written twice")
+            && err.contains("model.layers.0.mlp.up_proj.weight,")
+            && !err.contains("panicked"),
+        "{err}"
+    );
+    // nothing written, no staging folder left
+    assert!(std::fs::read_dir(parent.path()).unwrap().next().is_none());
+}
+
+/// The output is complete or untouched (issue: reliability, items 14 and 15): an existing
+/// output needs --force; a run that fails on shard 2 leaves the old output exactly as it was
+/// and no partial files; a good --force run replaces it whole; `-o` at the input's
+/// config.json is refused; written files have ordinary permissions.
+#[test]
+fn output_is_replaced_whole_or_not_at_all() {
+    let mut rng = rng("atomic_output");
+    let src = tempfile::tempdir().unwrap();
+    let orig = write_checkpoint(src.path(), &mut rng);
+    let parent = tempfile::tempdir().unwrap();
+    let dst = parent.path().join("out");
+    let opts = QuantizeOptions::default();
+    quantize_checkpoint(src.path(), &dst, &opts, &mut |_, _| {}).unwrap();
+    let first = snapshot(&dst);
+    #[cfg(unix)]
+    for name in ["model.safetensors", "config.json"] {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dst.join(name))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o644, "{name}: {mode:o}");
+    }
+
+    // a second run into the same, non-empty folder
+    let e = quantize_checkpoint(src.path(), &dst, &opts, &mut |_, _| {}).unwrap_err();
+    assert!(e.to_string().contains("--force"), "{e}");
+
+    // two shards, the second one broken: --force fails and changes nothing
+    std::fs::remove_file(src.path().join("model.safetensors")).unwrap();
+    let (a, b): (Vec<_>, Vec<_>) = orig.into_iter().partition(|(n, _)| n.contains("mlp"));
+    let mut b: HashMap<_, _> = b.into_iter().collect();
+    candle_core::safetensors::save(
+        &a.into_iter().collect::<HashMap<_, _>>(),
+        src.path().join("model-00001-of-00002.safetensors"),
+    )
+    .unwrap();
+    let shard2 = src.path().join("model-00002-of-00002.safetensors");
+    std::fs::write(&shard2, b"truncated").unwrap();
+    let force = QuantizeOptions {
+        force: true,
+        ..QuantizeOptions::default()
+    };
+    let e = quantize_checkpoint(src.path(), &dst, &force, &mut |_, _| {}).unwrap_err();
+    assert!(e.to_string().contains("model-00002-of-00002"), "{e}");
+    assert_eq!(snapshot(&dst), first, "the old output changed");
+    let left: Vec<_> = std::fs::read_dir(parent.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, ["out"], "partial files left behind");
+
+    // repaired: --force replaces the output as a whole
+    b.remove("lm_head.weight");
+    candle_core::safetensors::save(&b, &shard2).unwrap();
+    quantize_checkpoint(src.path(), &dst, &force, &mut |_, _| {}).unwrap();
+    let names: Vec<String> = snapshot(&dst).into_iter().map(|f| f.0).collect();
+    assert_eq!(
+        names,
+        [
+            "config.json",
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json"
+        ]
+    );
+    let left = std::fs::read_dir(parent.path()).unwrap().count();
+    assert_eq!(left, 1);
+
+    // -o at the input's own config.json: refused, config untouched
+    let cfg = src.path().join("config.json");
+    let before = std::fs::read(&cfg).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_fp8nsa"))
+        .args([
+            "quantize",
+            src.path()
+                .join("model-00001-of-00002.safetensors")
+                .to_str()
+                .unwrap(),
+            "-o",
+        ])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains(".safetensors"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&cfg).unwrap(), before);
+}

@@ -45,7 +45,7 @@ const EVIDENCE_CHARS: usize = 160;
 const MAX_EVIDENCE: usize = 8;
 /// Instructions visited per dot while looking for an upcast: enough to cross fusions and
 /// views, small enough that a huge program stays linear.
-const TRACE_LIMIT: usize = 64;
+const TRACE_LIMIT: usize = 256;
 /// A function signature longer than this is not one we can read.
 const MAX_SIGNATURE_LINES: usize = 256;
 /// Steps followed through slices/squeezes to find the buffer a DMA really uses.
