@@ -727,6 +727,17 @@ fn bad_shapes_are_errors() {
         matches!(&e, fp8nsa::Error::Shape { arg: "k", got, .. } if got == &[1, 1, 2, 8]),
         "{e}"
     );
+    // more queries than new keys (issue: reliability, item 13): an error, the cache unchanged
+    let len = cache.len();
+    let (q2, k1, v1) = qkv(&mut rng, 2, 1, dims);
+    let e = nsa
+        .forward_step(&x.narrow(1, 0, 2).unwrap(), &q2, &k1, &v1, &mut cache)
+        .unwrap_err();
+    assert!(
+        matches!(&e, fp8nsa::Error::Invalid { arg: "q", msg } if msg.contains("2 query tokens for 1 new")),
+        "{e}"
+    );
+    assert_eq!(cache.len(), len);
     let _ = SelectionAttention::new();
 }
 

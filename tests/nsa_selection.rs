@@ -510,6 +510,31 @@ fn err_of<T: std::fmt::Debug>(r: Result<T, Error>) -> Error {
     }
 }
 
+/// The f64 reference on the documented-valid extremes: ranges up to `i32::MAX` and block ids
+/// far past the keys cost what the keys cost, not gigabytes (issue: reliability, item 4).
+#[test]
+fn reference_takes_huge_ranges_and_block_ids() {
+    let mut rng = rng("reference_huge");
+    let (b, t, hq, hkv, d) = (1, 30, 2, 1, 16);
+    let x = qkv(&mut rng, b, t, t, hq, hkv, d, d, DType::F32);
+    let rows = (0..t).map(|_| vec![[0, i32::MAX]]).collect();
+    let huge = ranges_tensor(rows, b, t, hkv);
+    let rows = (0..t).map(|_| vec![[0, t as i32]]).collect();
+    let all = ranges_tensor(rows, b, t, hkv);
+    let (o, _) = reference::nsa_selection(&x.q, &x.k, &x.v, &huge, None, None).unwrap();
+    let (want, _) = reference::nsa_selection(&x.q, &x.k, &x.v, &all, None, None).unwrap();
+    assert_eq!(rel_frobenius(&o, &want), 0.0);
+    let ids = Tensor::from_vec(
+        [0i32, i32::MAX / 2, i32::MAX].repeat(t),
+        (b, t, hkv, 3),
+        &Device::Cpu,
+    )
+    .unwrap();
+    let blocks = BlockSelection::new(ids, 64).unwrap();
+    let (o, _) = reference::nsa_selection(&x.q, &x.k, &x.v, &blocks, None, None).unwrap();
+    assert_eq!(rel_frobenius(&o, &want), 0.0);
+}
+
 #[test]
 fn validation_errors_name_the_entry() {
     let dev = Device::Cpu;

@@ -19,47 +19,96 @@ pub enum AttentionKind {
     Nsa(NsaConfig),
 }
 
-/// Rotary position embedding tables.
-#[derive(Clone, Debug)]
+/// Rotary position embedding tables, built for the positions in use: they grow (doubling)
+/// as later positions are asked for, up to `max_position_embeddings`, so a config that
+/// declares an enormous context allocates nothing up front.
+#[derive(Debug)]
 pub(crate) struct Rope {
-    cos: Tensor,
-    sin: Tensor,
+    /// `[1, head_dim / 2]` inverse frequencies.
+    inv: Tensor,
+    attn_factor: f64,
+    max: usize,
     style: RopeStyle,
+    /// `(cos, sin)` `[len, head_dim / 2]` for positions `0..len`.
+    tables: std::sync::RwLock<(Tensor, Tensor)>,
+}
+
+/// Positions a fresh table covers before it first grows.
+const ROPE_INITIAL: usize = 4096;
+
+impl Clone for Rope {
+    fn clone(&self) -> Self {
+        let tables = self
+            .tables
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        Self {
+            inv: self.inv.clone(),
+            attn_factor: self.attn_factor,
+            max: self.max,
+            style: self.style,
+            tables: std::sync::RwLock::new(tables),
+        }
+    }
 }
 
 impl Rope {
     pub(crate) fn new(cfg: &LlamaConfig) -> Result<Self> {
         let hd = cfg.head_dim();
-        let max = cfg.max_position_embeddings.max(1);
         let (inv, attn_factor) = cfg.rope_scaling()?.frequencies(cfg.rope_theta, hd);
         let inv: Vec<f32> = inv.iter().map(|&f| f as f32).collect();
         let inv = Tensor::from_vec(inv, (1, hd / 2), &Device::Cpu)?;
-        let t = Tensor::arange(0u32, max as u32, &Device::Cpu)?
-            .to_dtype(DType::F32)?
-            .reshape((max, 1))?;
-        let f = t.broadcast_mul(&inv)?;
-        // YaRN's attention temperature scales q·k through both rotated factors
+        let max = cfg.max_position_embeddings.max(1);
+        let tables = Self::build(&inv, attn_factor, ROPE_INITIAL.min(max))?;
         Ok(Self {
-            cos: (f.cos()? * attn_factor)?,
-            sin: (f.sin()? * attn_factor)?,
+            inv,
+            attn_factor,
+            max,
             style: cfg.rope_style,
+            tables: std::sync::RwLock::new(tables),
         })
+    }
+
+    fn build(inv: &Tensor, attn_factor: f64, len: usize) -> Result<(Tensor, Tensor)> {
+        let n = u32::try_from(len)
+            .map_err(|_| invalid("position", format!("{len} positions do not fit in u32")))?;
+        let t = Tensor::arange(0u32, n, &Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .reshape((len, 1))?;
+        let f = t.broadcast_mul(inv)?;
+        // YaRN's attention temperature scales q·k through both rotated factors
+        Ok(((f.cos()? * attn_factor)?, (f.sin()? * attn_factor)?))
+    }
+
+    /// `(cos, sin)` for positions `pos..pos + t`, growing the tables if needed.
+    fn rows(&self, pos: usize, t: usize) -> Result<(Tensor, Tensor)> {
+        let end = pos
+            .checked_add(t)
+            .filter(|&e| e <= self.max)
+            .ok_or_else(|| {
+                invalid(
+                    "position",
+                    format!("{pos} + {t} exceeds max_position_embeddings = {}", self.max),
+                )
+            })?;
+        {
+            let (cos, sin) = &*self.tables.read().unwrap_or_else(|e| e.into_inner());
+            if cos.dims()[0] >= end {
+                return Ok((cos.narrow(0, pos, t)?, sin.narrow(0, pos, t)?));
+            }
+        }
+        let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
+        if tables.0.dims()[0] < end {
+            let len = end.max(2 * tables.0.dims()[0]).min(self.max);
+            *tables = Self::build(&self.inv, self.attn_factor, len)?;
+        }
+        Ok((tables.0.narrow(0, pos, t)?, tables.1.narrow(0, pos, t)?))
     }
 
     /// Rotates `x [B, T, H, D]` for positions `pos..pos + T`.
     fn apply(&self, x: &Tensor, pos: usize) -> Result<Tensor> {
-        let t = x.dims()[1];
-        if pos + t > self.cos.dims()[0] {
-            return Err(invalid(
-                "position",
-                format!(
-                    "{} exceeds max_position_embeddings = {}",
-                    pos + t,
-                    self.cos.dims()[0]
-                ),
-            ));
-        }
-        let (cos, sin) = (self.cos.narrow(0, pos, t)?, self.sin.narrow(0, pos, t)?);
+        let (cos, sin) = self.rows(pos, x.dims()[1])?;
         let xh = x.transpose(1, 2)?.contiguous()?;
         let y = match self.style {
             RopeStyle::Half => candle_nn::rotary_emb::rope(&xh, &cos, &sin)?,

@@ -3,7 +3,7 @@ use candle_nn::{Embedding, RmsNorm};
 
 use crate::attention::{Attention, AttnCache, Rope};
 use crate::config::{LlamaConfig, ModelOptions};
-use crate::error::Result;
+use crate::error::{invalid, Result};
 use crate::linear::{Linear, LinearKind};
 use crate::weights::Weights;
 use fp8nsa_ops::{Fp8BlockWeight, Fp8Experts, Fp8Moe, MoeRouter};
@@ -191,6 +191,7 @@ impl Llama {
         on_layer: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         cfg.validate()?;
+        check_weights_match(cfg, w)?;
         let not_convert: Vec<&String> = opts
             .modules_to_not_convert
             .iter()
@@ -327,4 +328,50 @@ impl Llama {
         cache.pos += t;
         Ok(logits)
     }
+}
+
+/// What the config declares against what the weights hold, before anything is sized from the
+/// config: no tensor of a layer past `num_hidden_layers` (a file whose `block_count` says 2
+/// but holds 30 layers would otherwise run 2 and say nothing), and a `head_dim` that the
+/// query projection's rows agree with (the RoPE tables are sized from it).
+fn check_weights_match(cfg: &LlamaConfig, w: &Weights) -> Result<()> {
+    let mut beyond: Vec<usize> = w
+        .names()
+        .filter_map(|n| {
+            n.strip_prefix("model.layers.")?
+                .split('.')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .filter(|&l| l >= cfg.num_hidden_layers)
+        .collect();
+    beyond.sort_unstable();
+    if let Some(&l) = beyond.first() {
+        return Err(invalid(
+            "num_hidden_layers",
+            format!(
+                "the config declares {} layers but the weights hold layer {l} (up to {}): \
+                 num_hidden_layers / block_count disagrees with the file",
+                cfg.num_hidden_layers,
+                beyond[beyond.len() - 1]
+            ),
+        ));
+    }
+    let q = "model.layers.0.self_attn.q_proj.weight";
+    if let Some(t) = w.get_opt(q) {
+        let want = cfg.num_attention_heads.checked_mul(cfg.head_dim());
+        if want != t.dims().first().copied() {
+            return Err(invalid(
+                "head_dim",
+                format!(
+                    "num_attention_heads {} x head_dim {} does not match {q} with {} rows",
+                    cfg.num_attention_heads,
+                    cfg.head_dim(),
+                    t.dims().first().copied().unwrap_or(0)
+                ),
+            ));
+        }
+    }
+    Ok(())
 }

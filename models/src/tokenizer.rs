@@ -96,12 +96,62 @@ pub fn from_gguf(content: &gguf_file::Content) -> Result<Tokenizer> {
         .map(|(s, _)| AddedToken::from(s.clone(), true))
         .collect();
     tok.add_special_tokens(special).map_err(tok_err)?;
+    // user text is text: "<|im_end|>" typed by a user must not become a control token
+    // (prompt injection into the chat template); `encode_with_special_tokens` is the way in
+    tok.set_encode_special_tokens(true);
     Ok(tok)
 }
 
-/// Token ids of `text` (no special tokens added).
+/// Token ids of `text` as plain text: the text of a special token (`<|im_start|>`, ...) is
+/// encoded like any other characters, never as the control token. Use this for anything a
+/// user typed; [`chatml`] builds a chat prompt around it.
 pub fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
     Ok(tok.encode(text, false).map_err(tok_err)?.get_ids().to_vec())
+}
+
+/// Token ids of trusted `text` (a template the application wrote) in which the text of each
+/// special token becomes that control token; the rest is encoded as by [`encode`].
+pub fn encode_with_special_tokens(tok: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let mut specials: Vec<(String, u32)> = tok
+        .get_added_tokens_decoder()
+        .into_iter()
+        .filter(|(_, t)| t.special && !t.content.is_empty())
+        .map(|(id, t)| (t.content, id))
+        .collect();
+    // the longest match first where one special token is a prefix of another
+    specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+    let mut ids = Vec::new();
+    let mut rest = text;
+    while !rest.is_empty() {
+        let next = specials
+            .iter()
+            .filter_map(|(s, id)| rest.find(s.as_str()).map(|at| (at, s.len(), *id)))
+            .min_by_key(|&(at, len, _)| (at, std::cmp::Reverse(len)));
+        let Some((at, len, id)) = next else {
+            ids.extend(encode(tok, rest)?);
+            break;
+        };
+        if at > 0 {
+            ids.extend(encode(tok, &rest[..at])?);
+        }
+        ids.push(id);
+        rest = &rest[at + len..];
+    }
+    Ok(ids)
+}
+
+/// A ChatML prompt (SmolLM2's template): each `(role, content)` as
+/// `<|im_start|>role\ncontent<|im_end|>\n`, then `<|im_start|>assistant\n`. The markers are
+/// control tokens; roles and contents are plain text, whatever they contain.
+pub fn chatml(tok: &Tokenizer, messages: &[(&str, &str)]) -> Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    for (role, content) in messages {
+        ids.extend(encode_with_special_tokens(tok, "<|im_start|>")?);
+        ids.extend(encode(tok, &format!("{role}\n{content}"))?);
+        ids.extend(encode_with_special_tokens(tok, "<|im_end|>\n")?);
+    }
+    ids.extend(encode_with_special_tokens(tok, "<|im_start|>assistant\n")?);
+    Ok(ids)
 }
 
 /// Text of `ids`, special tokens skipped.

@@ -1,5 +1,5 @@
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
@@ -20,12 +20,21 @@ pub struct Weights {
     pub modules_to_not_convert: Vec<String>,
 }
 
-/// `general.alignment` of a GGUF file (versions 2 and 3) when it is stored as an integer, read
-/// from the metadata before candle's reader sees the file; `None` when the key is absent or the
-/// metadata cannot be walked (candle's reader then says what is wrong). Leaves the file at its
-/// start. Every length is bounded by the file's size, so a corrupt header cannot make this
-/// allocate much or loop for long.
-fn gguf_alignment(file: &mut std::fs::File) -> std::io::Result<Option<u64>> {
+/// What the header of a GGUF file (versions 2 and 3) declares, read before candle's reader
+/// sees the file: the tensor and metadata counts (candle keeps both in maps, so a repeated
+/// name would silently replace the first), and `general.alignment` when it is stored as an
+/// integer.
+#[derive(Debug, Default)]
+struct GgufHeader {
+    tensors: Option<u64>,
+    kvs: Option<u64>,
+    alignment: Option<u64>,
+}
+
+/// [`GgufHeader`]; fields stay `None` where the header cannot be walked (candle's reader then
+/// says what is wrong). Leaves the file at its start. Every length is bounded by the file's
+/// size, so a corrupt header cannot make this allocate much or loop for long.
+fn gguf_header(file: &mut std::fs::File) -> std::io::Result<GgufHeader> {
     use std::io::{BufReader, Read, Seek, SeekFrom};
     fn u32_(r: &mut impl Read) -> std::io::Result<u32> {
         let mut b = [0u8; 4];
@@ -54,7 +63,7 @@ fn gguf_alignment(file: &mut std::fs::File) -> std::io::Result<Option<u64>> {
             _ => None,
         }
     }
-    fn walk(r: &mut impl Read, size: u64) -> std::io::Result<Option<u64>> {
+    fn walk(r: &mut impl Read, size: u64, h: &mut GgufHeader) -> std::io::Result<Option<u64>> {
         let too_long = || std::io::Error::from(std::io::ErrorKind::InvalidData);
         let mut magic = [0u8; 4];
         r.read_exact(&mut magic)?;
@@ -62,8 +71,9 @@ fn gguf_alignment(file: &mut std::fs::File) -> std::io::Result<Option<u64>> {
         if &magic != b"GGUF" || !(2..=3).contains(&version) {
             return Ok(None);
         }
-        let _tensors = u64_(r)?;
+        h.tensors = Some(u64_(r)?);
         let kvs = u64_(r)?;
+        h.kvs = Some(kvs);
         // every entry takes at least 12 bytes, so kvs is bounded by the size
         for _ in 0..kvs.min(size / 12) {
             let klen = u64_(r)?;
@@ -110,9 +120,10 @@ fn gguf_alignment(file: &mut std::fs::File) -> std::io::Result<Option<u64>> {
     }
     let size = file.metadata()?.len();
     file.seek(SeekFrom::Start(0))?;
-    let found = walk(&mut BufReader::new(&mut *file), size).unwrap_or(None);
+    let mut h = GgufHeader::default();
+    h.alignment = walk(&mut BufReader::new(&mut *file), size, &mut h).unwrap_or(None);
     file.seek(SeekFrom::Start(0))?;
-    Ok(found)
+    Ok(h)
 }
 
 fn file_err(path: &Path, msg: impl ToString) -> Error {
@@ -257,8 +268,15 @@ impl Weights {
         if files.is_empty() {
             return Err(file_err(dir, "no .safetensors file"));
         }
+        let mut from: HashMap<String, PathBuf> = HashMap::new();
         for f in files {
             for (name, t) in candle_core::safetensors::load(&f, &Device::Cpu)? {
+                if let Some(first) = from.insert(name.clone(), f.clone()) {
+                    return Err(file_err(
+                        &f,
+                        format!("tensor {name} is also in {}", first.display()),
+                    ));
+                }
                 let t = match t.dtype() {
                     DType::F8E4M3 | DType::U8 | DType::F32 => t,
                     _ => t.to_dtype(DType::F32)?,
@@ -277,13 +295,55 @@ impl Weights {
     ) -> Result<(LlamaConfig, Self, gguf_file::Content)> {
         let mut file = std::fs::File::open(path).map_err(|e| file_err(path, e))?;
         // candle's reader divides by the alignment: a file saying 0 would panic inside it
-        if gguf_alignment(&mut file).map_err(|e| file_err(path, e))? == Some(0) {
+        let header = gguf_header(&mut file).map_err(|e| file_err(path, e))?;
+        if header.alignment == Some(0) {
             return Err(file_err(
                 path,
                 "general.alignment is 0; a GGUF file needs a positive alignment",
             ));
         }
         let content = gguf_file::Content::read(&mut file).map_err(|e| file_err(path, e))?;
+        for (what, declared, read) in [
+            ("tensor", header.tensors, content.tensor_infos.len()),
+            ("metadata key", header.kvs, content.metadata.len()),
+        ] {
+            if declared.is_some_and(|d| d != read as u64) {
+                return Err(file_err(
+                    path,
+                    format!(
+                        "the header declares {} {what}s but {read} distinct names were read: \
+                         a {what} name appears more than once",
+                        declared.unwrap_or(0)
+                    ),
+                ));
+            }
+        }
+        // every tensor's size from its dims, with checked arithmetic, within the file: candle
+        // would allocate it before reading
+        let size = file.metadata().map_err(|e| file_err(path, e))?.len();
+        for (name, info) in &content.tensor_infos {
+            let elems = info
+                .shape
+                .dims()
+                .iter()
+                .try_fold(1u64, |a, &d| a.checked_mul(d as u64));
+            let bytes = elems.and_then(|e| {
+                let bs = info.ggml_dtype.block_size() as u64;
+                (e / bs).checked_mul(info.ggml_dtype.type_size() as u64)
+            });
+            let end = bytes
+                .and_then(|b| b.checked_add(info.offset))
+                .and_then(|b| b.checked_add(content.tensor_data_offset));
+            if end.is_none_or(|e| e > size) {
+                return Err(file_err(
+                    path,
+                    format!(
+                        "tensor {name} with dims {:?} does not fit in the file ({size} bytes)",
+                        info.shape.dims()
+                    ),
+                ));
+            }
+        }
         let cfg = config_from_gguf(&content).map_err(|e| file_err(path, e))?;
         let mut names: Vec<String> = content.tensor_infos.keys().cloned().collect();
         names.sort();

@@ -64,3 +64,59 @@ fn zero_alignment_is_an_error_not_a_panic() {
         let _ = std::fs::remove_file(path);
     }
 }
+
+fn temp_gguf(tag: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("fp8nsa-gguf-{tag}-{}.gguf", std::process::id()))
+}
+
+/// A tensor name written twice (candle's reader keeps the last silently) is an error naming
+/// the count; so is a tensor whose dims are huge, or whose product wraps, before anything is
+/// allocated from them (issue: reliability, items 4 and 13).
+#[test]
+fn repeated_names_and_impossible_dims_are_errors() {
+    let arch = gguf_file::Value::String("llama".into());
+    let meta: Vec<(&str, &gguf_file::Value)> = vec![("general.architecture", &arch)];
+    let t = Tensor::ones((4, 32), candle_core::DType::F32, &Device::Cpu).unwrap();
+    let q = QTensor::quantize(&t, GgmlDType::F32).unwrap();
+
+    let path = temp_gguf("dup");
+    let mut f = std::fs::File::create(&path).unwrap();
+    gguf_file::write(
+        &mut f,
+        &meta,
+        &[("blk.0.attn_q.weight", &q), ("blk.0.attn_q.weight", &q)],
+    )
+    .unwrap();
+    drop(f);
+    let e = Weights::load_gguf(&path, &mut |_, _| {})
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::File { msg, .. } if msg.contains("declares 2 tensors but 1 distinct")),
+        "{e}"
+    );
+    let _ = std::fs::remove_file(&path);
+
+    // the dims of the one tensor, patched: [32, 4] -> [huge, 4] and [2^63, 4] (bytes wrap)
+    let mut f = std::fs::File::create(&path).unwrap();
+    gguf_file::write(&mut f, &meta, &[("token_embd.weight", &q)]).unwrap();
+    drop(f);
+    let bytes = std::fs::read(&path).unwrap();
+    let name = b"token_embd.weight";
+    let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len();
+    // n_dims (u32) then the dims (u64 each, innermost first)
+    assert_eq!(u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()), 2);
+    for huge in [1u64 << 40, 1 << 63, u64::MAX] {
+        let mut b = bytes.clone();
+        b[at + 4..at + 12].copy_from_slice(&huge.to_le_bytes());
+        std::fs::write(&path, &b).unwrap();
+        let e = Weights::load_gguf(&path, &mut |_, _| {})
+            .map(|_| ())
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::File { msg, .. } if msg.contains("token_embd.weight") && msg.contains("does not fit")),
+            "{huge}: {e}"
+        );
+    }
+    let _ = std::fs::remove_file(&path);
+}

@@ -380,3 +380,60 @@ fn rope_scaling_kinds_load_and_unknown_ones_are_refused() {
         assert!(v.iter().all(|x| x.is_finite()), "{scaling}");
     }
 }
+
+/// Sizes a config declares are checked against the weights before anything is sized from
+/// them (issue: reliability, items 4 and 13): tensors of a layer the config does not declare,
+/// a head_dim the query projection disagrees with (2^40 included) are errors; an enormous
+/// context (0xFFFFFFFF, 1e9) costs nothing until positions are used.
+#[test]
+fn config_sizes_are_checked_against_the_weights() {
+    let cfg = LlamaConfig::tiny();
+    let w = Weights::random(&cfg, 5).unwrap();
+    let e = Llama::new(
+        &LlamaConfig {
+            num_hidden_layers: 2,
+            ..cfg.clone()
+        },
+        &w,
+        &ModelOptions::default(),
+    )
+    .map(|_| ())
+    .unwrap_err();
+    assert!(
+        matches!(&e, Error::Invalid { arg: "num_hidden_layers", msg } if msg.contains("declares 2 layers but the weights hold layer 2 (up to 3)")),
+        "{e}"
+    );
+    for hd in [32, 1 << 40] {
+        let e = Llama::new(
+            &LlamaConfig {
+                head_dim: Some(hd),
+                ..cfg.clone()
+            },
+            &w,
+            &ModelOptions::default(),
+        )
+        .map(|_| ())
+        .unwrap_err();
+        assert!(
+            matches!(&e, Error::Invalid { arg: "head_dim", msg } if msg.contains("576 rows")),
+            "{hd}: {e}"
+        );
+    }
+    let want = model(ModelOptions::default())
+        .forward(&prompt(5), &mut model(ModelOptions::default()).new_cache())
+        .unwrap();
+    for max in [0xFFFF_FFFF, 1_000_000_000, usize::MAX] {
+        let big = LlamaConfig {
+            max_position_embeddings: max,
+            ..cfg.clone()
+        };
+        let m = Llama::new(
+            &big,
+            &Weights::random(&cfg, 7).unwrap(),
+            &ModelOptions::default(),
+        )
+        .unwrap();
+        let got = m.forward(&prompt(5), &mut m.new_cache()).unwrap();
+        assert_eq!(max_abs_diff(&got, &want), 0.0, "{max}");
+    }
+}

@@ -310,6 +310,8 @@ impl NativeSparseAttention {
     /// Decoding (or chunked prefill) with a cache: appends `k_new`/`v_new [B, Tn, Hkv, ..]` and
     /// their completed compressed blocks to `cache`, then attends `q [B, Tn, Hq, D]` (the new
     /// positions) over everything cached. Prefill of T tokens equals T calls of one token.
+    /// `q` may hold fewer tokens than `k_new` (then it is the last of them), never more: a
+    /// query for a position already in the cache is an error.
     pub fn forward_step(
         &self,
         gate_input: &Tensor,
@@ -332,6 +334,17 @@ impl NativeSparseAttention {
         v_new: &Tensor,
         cache: &mut NsaCache,
     ) -> Result<NsaOutput> {
+        if let (Some(&tq), Some(&tn)) = (q.dims().get(1), k_new.dims().get(1)) {
+            if tq > tn {
+                return Err(invalid(
+                    "q",
+                    format!(
+                        "{tq} query tokens for {tn} new key tokens: a step's queries are its new \
+                         positions (at most as many as k_new)"
+                    ),
+                ));
+            }
+        }
         let before = cache.len();
         self.append_kv(k_new, v_new, cache)?;
         let out = self.attend_cached(gate_input, q, cache);

@@ -50,11 +50,14 @@ pub fn nsa_selection<'s>(
                 .to_vec1()?;
             let [_, stq, shkv, n] = s.dims();
             let bs = s.block_size() as i64;
+            // only keys inside [0, Tk) can count: clamping first keeps a huge index from
+            // gathering billions of keys that are dropped anyway
+            let tk = tk as i64;
             Box::new(move |bi, t, h| {
                 let row = &idx4[((bi * stq + t) * shkv + h) * n..][..n];
                 row.iter()
                     .filter(|&&i| i >= 0)
-                    .flat_map(|&i| i * bs..(i + 1) * bs)
+                    .flat_map(|&i| (i * bs).min(tk)..((i + 1) * bs).min(tk))
                     .collect()
             })
         }
@@ -66,9 +69,12 @@ pub fn nsa_selection<'s>(
                 .flatten_all()?
                 .to_vec1()?;
             let [_, stq, shkv, n] = s.dims();
+            let tk = tk as i64;
             Box::new(move |bi, t, h| {
                 let row = &r[((bi * stq + t) * shkv + h) * n * 2..][..n * 2];
-                row.chunks(2).flat_map(|p| p[0]..p[1]).collect()
+                row.chunks(2)
+                    .flat_map(|p| p[0].clamp(0, tk)..p[1].clamp(0, tk))
+                    .collect()
             })
         }
     };
@@ -76,7 +82,11 @@ pub fn nsa_selection<'s>(
     let mut lse = vec![f32::NEG_INFINITY; b * tq * hq];
     for bi in 0..b {
         for t in 0..tq {
-            let pos = (q_offset + t) as i64;
+            let pos = q_offset.checked_add(t).ok_or_else(|| {
+                crate::error::invalid("q_offset", "q_offset + Tq overflows usize")
+            })?;
+            // past i64::MAX every key is visible anyway
+            let pos = i64::try_from(pos).unwrap_or(i64::MAX);
             for h in 0..hkv {
                 let keys: Vec<usize> = keys_of(bi, t, h)
                     .into_iter()

@@ -516,11 +516,7 @@ fn demo(args: DemoArgs) -> Result<()> {
         Some(t) => {
             let fp8 = fp8nsa::models::Llama::new(&cfg, &weights, &variants[1].opts)
                 .map_err(models_err)?;
-            let chat = format!(
-                "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
-                args.prompt
-            );
-            let ids = tokenizer::encode(t, &chat).map_err(models_err)?;
+            let ids = tokenizer::chatml(t, &[("user", &args.prompt)]).map_err(models_err)?;
             println!("\n[fp8 W8A8] {}", args.prompt);
             let mut shown = String::new();
             let out = fp8nsa::models::generate(
