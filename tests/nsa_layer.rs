@@ -798,3 +798,59 @@ fn a_failed_step_leaves_the_cache_as_it_was() {
         "{e}"
     );
 }
+
+/// Errors a server logs say what was wrong with which argument (issue: reliability, "unclear
+/// errors"): zero query tokens, Dv = 0 (blamed on v, not q), a gate input of the wrong width
+/// (not a raw matmul error); and through `candle_core::Error` no backtrace is appended.
+#[test]
+fn argument_errors_name_the_argument() {
+    let z = |d: &[usize]| Tensor::zeros(d, DType::F32, &Device::Cpu).unwrap();
+    let ranges = |t: usize| {
+        SelectionRanges::new(
+            Tensor::from_vec([0i32, 1].repeat(t), (1, t, 1, 1, 2), &Device::Cpu).unwrap(),
+        )
+        .unwrap()
+    };
+    for min_len in [0, usize::MAX] {
+        let attn = SelectionAttention::new().min_len(min_len);
+        let e = attn
+            .forward(
+                &z(&[1, 0, 2, 16]),
+                &z(&[1, 8, 1, 16]),
+                &z(&[1, 8, 1, 16]),
+                &ranges(0),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(&e, fp8nsa::Error::Invalid { arg: "q", msg } if msg.contains("no query tokens")),
+            "{e}"
+        );
+        let e = attn
+            .forward(
+                &z(&[1, 4, 2, 16]),
+                &z(&[1, 4, 1, 16]),
+                &z(&[1, 4, 1, 0]),
+                &ranges(4),
+            )
+            .unwrap_err();
+        assert!(matches!(&e, fp8nsa::Error::Shape { arg: "v", .. }), "{e}");
+    }
+    let dims = NsaDims {
+        hq: 4,
+        hkv: 2,
+        d: 16,
+        dv: 16,
+    };
+    let vb = candle_nn::VarBuilder::zeros(DType::F32, &Device::Cpu);
+    let nsa = NativeSparseAttention::load(small_cfg(), dims, 64, vb).unwrap();
+    let (q, k, v) = (z(&[1, 8, 4, 16]), z(&[1, 8, 2, 16]), z(&[1, 8, 2, 16]));
+    let e = nsa.forward(&z(&[1, 8, 65]), &q, &k, &v).unwrap_err();
+    assert!(
+        matches!(&e, fp8nsa::Error::Shape { arg: "gate_input", expected, got } if expected.contains("[1, 8, 64]") && got == &[1, 8, 65]),
+        "{e}"
+    );
+    assert!(nsa.forward(&z(&[1, 8, 64]), &q, &k, &v).is_ok());
+    // into candle's error type: our message, wrapped, with no backtrace captured
+    let c = candle_core::Error::from(e);
+    assert!(matches!(&c, candle_core::Error::Wrapped(_)), "{c:?}");
+}

@@ -67,7 +67,9 @@ impl From<Error> for candle_core::Error {
     fn from(e: Error) -> Self {
         match e {
             Error::Candle(c) => c,
-            other => candle_core::Error::wrap(other),
+            // not `Error::wrap`: with RUST_BACKTRACE set it appends a whole backtrace to
+            // the message a server logs or returns; our errors name their argument instead
+            other => candle_core::Error::Wrapped(Box::new(other)),
         }
     }
 }

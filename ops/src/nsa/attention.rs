@@ -296,8 +296,17 @@ impl SelectionAttention {
                 q.dims(),
             ));
         }
-        if tq == 0 || d == 0 || dv == 0 {
-            return Err(shape_err("q", "non-empty tensors", q.dims()));
+        if tq == 0 {
+            return Err(invalid(
+                "q",
+                "has no query tokens (Tq = 0): nothing to attend",
+            ));
+        }
+        if d == 0 {
+            return Err(shape_err("q", "head dim D >= 1", q.dims()));
+        }
+        if dv == 0 {
+            return Err(shape_err("v", "value head dim Dv >= 1", v.dims()));
         }
         for (arg, t) in [("q", q), ("k", k), ("v", v)] {
             if !matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) {

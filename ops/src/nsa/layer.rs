@@ -448,10 +448,11 @@ impl NativeSparseAttention {
             }
             Gates::Learned(lin) => {
                 let dims = gate_input.dims();
-                if dims.len() != 3 || dims[..2] != [b, tq] {
+                let hidden = lin.weight().dims()[1];
+                if dims != [b, tq, hidden] {
                     return Err(shape_err(
                         "gate_input",
-                        format!("[{b}, {tq}, hidden]"),
+                        format!("[{b}, {tq}, {hidden}] (hidden = the gate's input width)"),
                         dims,
                     ));
                 }

@@ -426,7 +426,14 @@ fn convert_file(
         }
         let dtype = candle_dtype(view.dtype()).expect("candidates are float");
         let w = Tensor::from_raw_buffer(view.data(), dtype, view.shape(), &Device::Cpu)?;
-        let q = Fp8BlockWeight::quantize_as(&w, opts.block, opts.scale_dtype)?;
+        let q =
+            Fp8BlockWeight::quantize_as(&w, opts.block, opts.scale_dtype).map_err(|source| {
+                Error::Tensor {
+                    path: file.to_path_buf(),
+                    name: name.clone(),
+                    source: Box::new(source),
+                }
+            })?;
         let codes = q.data().flatten_all()?.to_vec1::<u8>()?;
         let scale_values = q.scales().flatten_all()?.to_vec1::<f32>()?;
         let (scale_dtype, scales): (Dtype, Vec<u8>) = match opts.scale_dtype {
@@ -485,9 +492,16 @@ fn convert_file(
         })
         .collect::<Result<Vec<_>>>()?;
     let metadata: Option<HashMap<String, String>> = header.metadata().clone();
-    safetensors::serialize_to_file(views, metadata, dest).map_err(|source| Error::Safetensors {
-        path: dest.to_path_buf(),
-        source,
+    // a failed write (a full disk) is not a bad input file: say which it is
+    safetensors::serialize_to_file(views, metadata, dest).map_err(|source| match source {
+        safetensors::SafeTensorError::IoError(source) => Error::Io {
+            path: dest.to_path_buf(),
+            source,
+        },
+        source => Error::Write {
+            path: dest.to_path_buf(),
+            source,
+        },
     })?;
     // the safetensors writer goes through a private temporary file (mode 0600): give the
     // result an ordinary file's permissions (rw-r--r--), and sync it before it is moved in place

@@ -17,6 +17,17 @@ pub enum Error {
         path: PathBuf,
         source: safetensors::SafeTensorError,
     },
+    #[error("{path}: writing failed: {source}")]
+    Write {
+        path: PathBuf,
+        source: safetensors::SafeTensorError,
+    },
+    #[error("{path}: tensor {name}: {source}")]
+    Tensor {
+        path: PathBuf,
+        name: String,
+        source: Box<fp8nsa::Error>,
+    },
     #[error("{path}: invalid JSON: {source}")]
     Json {
         path: PathBuf,

@@ -427,3 +427,32 @@ fn output_is_replaced_whole_or_not_at_all() {
     );
     assert_eq!(std::fs::read(&cfg).unwrap(), before);
 }
+
+/// A weight the converter cannot take (here an empty [0, 4] one) is named with its file.
+#[test]
+fn a_bad_weight_is_named_with_its_file() {
+    let src = tempfile::tempdir().unwrap();
+    let mut t = write_checkpoint(src.path(), &mut rng("bad_weight_named"));
+    t.insert(
+        "model.layers.0.mlp.gate_proj.weight".into(),
+        Tensor::zeros((0, 4), DType::F32, &Device::Cpu).unwrap(),
+    );
+    let file = src.path().join("model.safetensors");
+    candle_core::safetensors::save(&t, &file).unwrap();
+    let parent = tempfile::tempdir().unwrap();
+    let e = quantize_checkpoint(
+        src.path(),
+        &parent.path().join("out"),
+        &QuantizeOptions::default(),
+        &mut |_, _| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains(&file.display().to_string())
+            && e.contains("tensor model.layers.0.mlp.gate_proj.weight")
+            && e.contains("[0, 4]"),
+        "{e}"
+    );
+    assert!(std::fs::read_dir(parent.path()).unwrap().next().is_none());
+}
