@@ -669,6 +669,14 @@ fn config_deserializes_and_validates() {
         },
         "num_selected",
     );
+    // every query's top-n row is num_selected long: bounded (found by tests/fuzz.rs)
+    bad(
+        NsaConfig {
+            num_selected: (1 << 16) + 1,
+            ..NsaConfig::default()
+        },
+        "num_selected",
+    );
 }
 
 #[test]

@@ -204,7 +204,7 @@ impl Llama {
         };
         let eps = cfg.rms_norm_eps;
         let norm = |n: &str| -> Result<RmsNorm> { Ok(RmsNorm::new(w.get(n)?, eps)) };
-        let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
+        let mut blocks = Vec::new();
         for l in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{l}");
             let lin = |n: &str| {
@@ -357,6 +357,28 @@ fn check_weights_match(cfg: &LlamaConfig, w: &Weights) -> Result<()> {
                 beyond[beyond.len() - 1]
             ),
         ));
+    }
+    let held = w
+        .names()
+        .filter_map(|n| {
+            n.strip_prefix("model.layers.")?
+                .split('.')
+                .next()?
+                .parse::<usize>()
+                .ok()
+        })
+        .max();
+    if let Some(last) = held {
+        if cfg.num_hidden_layers > last + 1 {
+            return Err(invalid(
+                "num_hidden_layers",
+                format!(
+                    "the config declares {} layers but the weights hold {}",
+                    cfg.num_hidden_layers,
+                    last + 1
+                ),
+            ));
+        }
     }
     let q = "model.layers.0.self_attn.q_proj.weight";
     if let Some(t) = w.get_opt(q) {

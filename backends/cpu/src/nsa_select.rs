@@ -99,6 +99,13 @@ impl NsaParams {
                 ));
             }
         }
+        // each query's top-n row is num_selected entries long (DSA's 2048 tokens fit easily)
+        if self.num_selected > MAX_BLOCK {
+            return Err(invalid(
+                "num_selected",
+                format!("must be at most {MAX_BLOCK}, got {}", self.num_selected),
+            ));
+        }
         let forced = self.num_initial.checked_add(self.num_local);
         if forced.is_none_or(|f| f > self.num_selected) {
             return Err(invalid(

@@ -1,0 +1,342 @@
+//! Our own fuzzing of what a server is handed (issue: reliability): GGUF files, safetensors
+//! files, `config.json`, selections and `NsaConfig`, mutated at random from valid ones. Every
+//! case must come back as `Ok` or an error: never a panic, an abort or a long hang. Seeded
+//! (the seed is printed; `FP8NSA_TEST_SEED=<seed>` replays it) and bounded to a few seconds
+//! each, so CI runs it on every commit. `FP8NSA_FUZZ_CASES` raises the case count for a
+//! longer local run.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::{Duration, Instant};
+
+use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use fp8nsa::models::{LlamaConfig, Weights};
+use fp8nsa::nsa::{
+    BlockSelection, Compressor, Gates, NativeSparseAttention, NsaConfig, NsaDims,
+    SelectionAttention, SelectionRanges, TokenSelection,
+};
+use fp8nsa::Fp8BlockWeight;
+use fp8nsa_test_support::*;
+use rand::rngs::StdRng;
+use rand::Rng;
+
+/// Cases per target: enough to reach every header field many times, small enough for CI.
+fn cases(default: usize) -> usize {
+    std::env::var("FP8NSA_FUZZ_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Runs `f`; a panic fails the test with the case's description, and so does a case that
+/// takes longer than `limit` (a near-hang).
+fn no_panic<T>(what: &str, limit: Duration, f: impl FnOnce() -> T) {
+    let t0 = Instant::now();
+    if let Err(p) = catch_unwind(AssertUnwindSafe(f)) {
+        let msg = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_default();
+        panic!("{what}: panicked: {msg}");
+    }
+    let took = t0.elapsed();
+    assert!(took < limit, "{what}: took {took:?}");
+}
+
+/// A value that often sits on a boundary: 0, 1, powers of two near the type's range, max.
+fn edgy(rng: &mut StdRng) -> u64 {
+    match rng.random_range(0..6) {
+        0 => 0,
+        1 => 1,
+        2 => u64::MAX,
+        3 => 1 << rng.random_range(0..64),
+        4 => u32::MAX as u64 + rng.random_range(0..3),
+        _ => rng.random_range(0..1 << 20),
+    }
+}
+
+/// Mutates `bytes` in place: flips, overwritten 4- and 8-byte fields, or a truncation.
+fn mutate(rng: &mut StdRng, bytes: &mut Vec<u8>, header_len: usize) {
+    let n = rng.random_range(1..4);
+    for _ in 0..n {
+        let span = header_len.min(bytes.len()).max(1);
+        let at = rng.random_range(0..span);
+        match rng.random_range(0..4) {
+            0 => bytes[at] ^= 1 << rng.random_range(0..8),
+            1 if at + 8 <= bytes.len() => {
+                bytes[at..at + 8].copy_from_slice(&edgy(rng).to_le_bytes())
+            }
+            2 if at + 4 <= bytes.len() => {
+                bytes[at..at + 4].copy_from_slice(&(edgy(rng) as u32).to_le_bytes())
+            }
+            _ => bytes.truncate(at.max(1)),
+        }
+    }
+}
+
+/// A small, valid Hugging Face Llama config (that of `LlamaConfig::tiny`).
+fn tiny_config_json() -> serde_json::Value {
+    serde_json::json!({
+        "vocab_size": 512, "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 4, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "max_position_embeddings": 4096, "tie_word_embeddings": true,
+        "bos_token_id": 1, "eos_token_id": 2, "rope_scaling": null
+    })
+}
+
+#[test]
+fn gguf_files() {
+    let mut rng = rng("fuzz_gguf");
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.gguf");
+    {
+        let s = |v: &str| gguf_file::Value::String(v.into());
+        let arch = s("llama");
+        let tokens = gguf_file::Value::Array((0..8).map(|i| s(&format!("t{i}"))).collect());
+        let (u, f) = (gguf_file::Value::U32, gguf_file::Value::F32);
+        let (ctx, emb, blocks, heads, rope, eps) = (u(64), u(32), u(1), u(2), u(16), f(1e-5));
+        let meta: Vec<(&str, &gguf_file::Value)> = vec![
+            ("general.architecture", &arch),
+            ("llama.context_length", &ctx),
+            ("llama.embedding_length", &emb),
+            ("llama.block_count", &blocks),
+            ("llama.attention.head_count", &heads),
+            ("llama.rope.dimension_count", &rope),
+            ("llama.attention.layer_norm_rms_epsilon", &eps),
+            ("tokenizer.ggml.tokens", &tokens),
+        ];
+        let t = Tensor::ones((8, 32), DType::F32, &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, GgmlDType::F32).unwrap();
+        let q8 = QTensor::quantize(
+            &Tensor::ones((32, 32), DType::F32, &Device::Cpu).unwrap(),
+            GgmlDType::Q8_0,
+        )
+        .unwrap();
+        let mut file = std::fs::File::create(&good).unwrap();
+        gguf_file::write(
+            &mut file,
+            &meta,
+            &[("token_embd.weight", &q), ("blk.0.attn_q.weight", &q8)],
+        )
+        .unwrap();
+    }
+    let bytes = std::fs::read(&good).unwrap();
+    // the header and tensor infos end where the 32-aligned data begins
+    let header_len = bytes.len() - 8 * 32 * 4 - 34 * 32;
+    let bad = dir.path().join("bad.gguf");
+    for i in 0..cases(400) {
+        let mut b = bytes.clone();
+        mutate(&mut rng, &mut b, header_len);
+        std::fs::write(&bad, &b).unwrap();
+        no_panic(&format!("gguf case {i}"), Duration::from_secs(5), || {
+            let _ = Weights::load_gguf(&bad, &mut |_, _| {});
+        });
+    }
+}
+
+#[test]
+fn safetensors_files() {
+    use safetensors::tensor::{Dtype, TensorView};
+    let mut rng = rng("fuzz_safetensors");
+    let dir = tempfile::tempdir().unwrap();
+    let codes: Vec<u8> = (0..64 * 48).map(|i| (i % 251) as u8).collect();
+    let scales: Vec<u8> = [0.5f32, 1.0].iter().flat_map(|s| s.to_le_bytes()).collect();
+    let dense: Vec<u8> = (0..48 * 4).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    let tensors = vec![
+        (
+            "m.weight".to_string(),
+            TensorView::new(Dtype::F8_E4M3, vec![64, 48], &codes).unwrap(),
+        ),
+        (
+            "m.weight_scale_inv".to_string(),
+            TensorView::new(Dtype::F32, vec![2, 1], &scales).unwrap(),
+        ),
+        (
+            "d.weight".to_string(),
+            TensorView::new(Dtype::F32, vec![48, 4], &dense).unwrap(),
+        ),
+    ];
+    let good = safetensors::serialize(tensors, None).unwrap();
+    let header_len = 8 + u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::write(model.join("config.json"), tiny_config_json().to_string()).unwrap();
+    let path = model.join("model.safetensors");
+    for i in 0..cases(400) {
+        let mut b = good.clone();
+        mutate(&mut rng, &mut b, header_len);
+        // a dtype name swapped inside the JSON header, now and then
+        if rng.random_bool(0.2) {
+            let text = String::from_utf8_lossy(&b).into_owned();
+            let swapped = text.replacen("F8_E4M3", ["U8", "I64", "F64", "BOOL"][i % 4], 1);
+            if swapped.len() == b.len() {
+                b = swapped.into_bytes();
+            }
+        }
+        std::fs::write(&path, &b).unwrap();
+        no_panic(
+            &format!("safetensors case {i}"),
+            Duration::from_secs(5),
+            || {
+                let _ = Weights::load_hf_dir(&model);
+                // SAFETY: this test's own file, not modified while mapped.
+                if let Ok(st) = unsafe { candle_core::safetensors::MmapedSafetensors::new(&path) } {
+                    let _ = Fp8BlockWeight::load_safetensors(&st, "m", [32, 48], &Device::Cpu);
+                }
+            },
+        );
+    }
+}
+
+#[test]
+fn config_json() {
+    let mut rng = rng("fuzz_config");
+    let base = tiny_config_json();
+    assert!(serde_json::from_value::<LlamaConfig>(base.clone()).is_ok());
+    let keys: Vec<String> = base.as_object().unwrap().keys().cloned().collect();
+    let values = [
+        serde_json::json!(0),
+        serde_json::json!(-1),
+        serde_json::json!(1e300),
+        serde_json::json!(u64::MAX),
+        serde_json::json!(4294967295u64),
+        serde_json::json!(1u64 << 40),
+        serde_json::json!("NaN"),
+        serde_json::json!(null),
+        serde_json::json!([]),
+        serde_json::json!({"type": "yarn", "factor": -2.0}),
+        serde_json::json!({"rope_type": "llama3", "factor": 1e30}),
+        serde_json::json!(0.5),
+    ];
+    for i in 0..cases(600) {
+        let mut cfg = base.clone();
+        for _ in 0..rng.random_range(1..4) {
+            let k = &keys[rng.random_range(0..keys.len())];
+            cfg[k] = values[rng.random_range(0..values.len())].clone();
+        }
+        no_panic(
+            &format!("config case {i}: {cfg}"),
+            Duration::from_secs(5),
+            || {
+                if let Ok(c) = serde_json::from_value::<LlamaConfig>(cfg.clone()) {
+                    if c.validate().is_ok() {
+                        // what a loader then builds from it, against weights it does not fit
+                        let w = Weights::random(&LlamaConfig::tiny(), 1).unwrap();
+                        let _ = fp8nsa::models::Llama::new(&c, &w, &Default::default());
+                    }
+                }
+            },
+        );
+    }
+}
+
+fn edge_i32(rng: &mut StdRng, tk: i32) -> i32 {
+    match rng.random_range(0..7) {
+        0 => -1,
+        1 => i32::MIN,
+        2 => i32::MAX,
+        3 => tk,
+        4 => rng.random_range(-5..tk + 5),
+        _ => rng.random_range(0..tk.max(1)),
+    }
+}
+
+#[test]
+fn selections() {
+    let mut rng = rng("fuzz_selections");
+    let (hq, hkv, d) = (4, 2, 16);
+    for i in 0..cases(300) {
+        let (tq, tk) = (rng.random_range(1..6), rng.random_range(1..40));
+        let n = rng.random_range(1..5);
+        let mk =
+            |rng: &mut StdRng, dims: &[usize]| tensor(gaussian(rng, dims.iter().product()), dims);
+        let (q, k, v) = (
+            mk(&mut rng, &[1, tq, hq, d]),
+            mk(&mut rng, &[1, tk, hkv, d]),
+            mk(&mut rng, &[1, tk, hkv, d]),
+        );
+        let ids: Vec<i32> = (0..tq * hkv * n * 2)
+            .map(|_| edge_i32(&mut rng, tk as i32))
+            .collect();
+        let block = [0, 1, 7, 64, usize::MAX][rng.random_range(0..5)];
+        let min_len = [0, usize::MAX][rng.random_range(0..2)];
+        let what = format!("selection case {i}: tq {tq} tk {tk} n {n} block {block}");
+        no_panic(&what, Duration::from_secs(5), || {
+            let attn = SelectionAttention::new().min_len(min_len).with_lse(true);
+            let t = |v: &[i32], dims: &[usize]| {
+                Tensor::from_vec(v.to_vec(), dims, &Device::Cpu).unwrap()
+            };
+            let half = &ids[..tq * hkv * n];
+            if let Ok(s) = BlockSelection::new(t(half, &[1, tq, hkv, n]), block) {
+                let _ = attn.forward(&q, &k, &v, &s);
+            }
+            if let Ok(s) = TokenSelection::new(t(half, &[1, tq, hkv, n])) {
+                let _ = attn.forward(&q, &k, &v, &s);
+            }
+            if let Ok(s) = SelectionRanges::new(t(&ids, &[1, tq, hkv, n, 2])) {
+                let _ = attn.forward(&q, &k, &v, &s);
+            }
+        });
+    }
+}
+
+#[test]
+fn nsa_configs() {
+    let mut rng = rng("fuzz_nsa_config");
+    let dims = NsaDims {
+        hq: 4,
+        hkv: 2,
+        d: 16,
+        dv: 16,
+    };
+    let pick = |rng: &mut StdRng| -> usize {
+        match rng.random_range(0..6) {
+            0 => 0,
+            1 => usize::MAX,
+            2 => 1 << rng.random_range(0..40),
+            3 => usize::MAX / rng.random_range(1..4),
+            _ => rng.random_range(1..40),
+        }
+    };
+    let t = 48;
+    let mk = |rng: &mut StdRng, dims: &[usize]| tensor(gaussian(rng, dims.iter().product()), dims);
+    let (q, k, v) = (
+        mk(&mut rng, &[1, t, 4, 16]),
+        mk(&mut rng, &[1, t, 2, 16]),
+        mk(&mut rng, &[1, t, 2, 16]),
+    );
+    let x = Tensor::zeros((1, t, 8), DType::F32, &Device::Cpu).unwrap();
+    for i in 0..cases(400) {
+        let mut cfg = NsaConfig::default();
+        for _ in 0..rng.random_range(1..4) {
+            let v = pick(&mut rng);
+            match rng.random_range(0..7) {
+                0 => cfg.compress_block = v,
+                1 => cfg.compress_stride = v,
+                2 => cfg.select_block = v,
+                3 => cfg.num_selected = v,
+                4 => cfg.num_initial = v,
+                5 => cfg.num_local = v,
+                _ => cfg.window = v,
+            }
+        }
+        no_panic(
+            &format!("nsa config case {i}: {cfg:?}"),
+            Duration::from_secs(5),
+            || {
+                if cfg.validate().is_ok() {
+                    if let Ok(nsa) = NativeSparseAttention::new(
+                        cfg.clone(),
+                        dims,
+                        Compressor::MeanPool,
+                        Gates::Fixed([0.3, 0.3, 0.4]),
+                    ) {
+                        let _ = nsa.forward(&x, &q, &k, &v);
+                    }
+                }
+            },
+        );
+    }
+}
