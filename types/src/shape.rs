@@ -116,3 +116,32 @@ impl Seq {
             .min(self.k_len)
     }
 }
+
+/// A paged KV cache's addressing (the vLLM v1 / FlashInfer NHD layout): keys and values live in
+/// a pool of pages of `page_size` tokens, and row `i` of `table` (`max_pages` page ids,
+/// row-major) lists the pages of sequence `i` in order, so its logical key `j` is token
+/// `j % page_size` of page `table[i * max_pages + j / page_size]`. Entries past a sequence's
+/// last page are not read.
+///
+/// ```
+/// use fp8nsa_types::Pages;
+/// let p = Pages { table: &[3, 0, -1, -1, 1, 2, 4, -1], max_pages: 4, page_size: 16 };
+/// assert_eq!(p.row(0, 17), 1); // page 0, token 1: pool row 0 * 16 + 1
+/// assert_eq!(p.row(1, 40), 4 * 16 + 8);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Pages<'a> {
+    pub table: &'a [i32],
+    pub max_pages: usize,
+    pub page_size: usize,
+}
+
+impl Pages<'_> {
+    /// The pool row (token index within the pool) of sequence `seq`'s logical key `j`, for an
+    /// entry already checked to be a page of the pool.
+    #[inline]
+    pub fn row(&self, seq: usize, j: usize) -> usize {
+        let page = self.table[seq * self.max_pages + j / self.page_size] as usize;
+        page * self.page_size + j % self.page_size
+    }
+}

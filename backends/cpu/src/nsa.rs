@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, Error, Result};
 use crate::simd::{dot, simd_dispatch, Arith};
-use fp8nsa_types::{AttnDims, Seq, Spans};
+use fp8nsa_types::{AttnDims, Pages, Seq, Spans};
 
 /// Keys per softmax step: scores for this many keys and all G heads are computed before the
 /// running max and sums are updated.
@@ -77,7 +77,7 @@ simd_dispatch!(fn fold_chunk => fold_chunk_impl(
 ///
 /// ```
 /// use fp8nsa_cpu::nsa::plan;
-/// use fp8nsa_types::{AttnDims, Seq, Spans};
+/// use fp8nsa_types::{AttnDims, Pages, Seq, Spans};
 ///
 /// let dims = AttnDims { hq: 2, hkv: 1, d: 4, dv: 4 };
 /// let seqs = [Seq { q_start: 0, q_len: 1, k_start: 0, k_len: 3, q_offset: 2 }];
@@ -97,9 +97,12 @@ pub struct SelectionPlan<'s> {
     dims: AttnDims,
     seqs: &'s [Seq],
     tq: usize,
+    /// Tokens `k` and `v` hold: the packed total, or the page pool's.
     tk: usize,
     /// `Some(block_size)` for block ids, `None` for ranges.
     block_size: Option<usize>,
+    /// Keys in a page pool rather than packed ([`plan_paged`]).
+    pages: Option<Pages<'s>>,
 }
 
 /// Checks a call's head dims and token partition: `seqs` tile the query tokens in order and
@@ -136,6 +139,89 @@ pub fn plan<'s>(
         tq,
         tk,
         block_size,
+        pages: None,
+    })
+}
+
+/// [`plan`] for keys and values in a page pool of `pool_tokens` tokens (`k [pool_tokens, hkv,
+/// d]`, `v [pool_tokens, hkv, dv]`): sequence `i` reads its `k_len` keys through row `i` of
+/// `pages.table` (its `k_start` is not used). Every table entry a sequence uses must be a page
+/// of the pool, and `k_len` within the row's `max_pages · page_size`; errors name the sequence.
+///
+/// ```
+/// use fp8nsa_cpu::nsa::plan_paged;
+/// use fp8nsa_types::{AttnDims, Pages, Seq, Spans};
+///
+/// let dims = AttnDims { hq: 1, hkv: 1, d: 2, dv: 2 };
+/// let seqs = [Seq { q_start: 0, q_len: 1, k_start: 0, k_len: 3, q_offset: 2 }];
+/// // a pool of 3 pages of 2 tokens; the sequence's keys 0, 1 on page 2, key 2 on page 0
+/// let pages = Pages { table: &[2, 0], max_pages: 2, page_size: 2 };
+/// let p = plan_paged(dims, &seqs, 6, None, pages)?;
+/// let kv = [9f32, 9., 9., 9., 0., 0., 0., 0., 1., 1., 1., 1.]; // pages 0, 1, 2
+/// let (mut o, mut lse) = ([0f32; 2], [0f32; 1]);
+/// let one_key = Spans::Ranges { ranges: &[2, 3][..], per_row: 1 };
+/// p.run(&[1f32, 0.], &kv, &kv, one_key, 1.0, &mut o, &mut lse)?;
+/// assert_eq!(o, [9.0, 9.0]); // key 2: page 0, token 0
+/// let bad = Pages { table: &[2, 3], ..pages };
+/// assert!(plan_paged(dims, &seqs, 6, None, bad).is_err()); // page 3 is past the pool
+/// # Ok::<(), fp8nsa_cpu::Error>(())
+/// ```
+pub fn plan_paged<'s>(
+    dims: AttnDims,
+    seqs: &'s [Seq],
+    pool_tokens: usize,
+    block_size: Option<usize>,
+    pages: Pages<'s>,
+) -> Result<SelectionPlan<'s>> {
+    let Pages {
+        table,
+        max_pages,
+        page_size,
+    } = pages;
+    check_positive("page_size", page_size)?;
+    let overflow = || Error::Invalid {
+        arg: "block_table",
+        msg: "its size overflows usize".into(),
+    };
+    let rows = seqs.len().checked_mul(max_pages).ok_or_else(overflow)?;
+    check_len("block_table", table.len(), rows)?;
+    let covered = max_pages.checked_mul(page_size).ok_or_else(overflow)?;
+    let pool_pages = pool_tokens / page_size;
+    for (i, s) in seqs.iter().enumerate() {
+        if s.k_len > covered {
+            return Err(Error::Invalid {
+                arg: "seq_lens",
+                msg: format!(
+                    "sequence {i}: {} keys exceed its block table row ({max_pages} pages of \
+                     {page_size})",
+                    s.k_len
+                ),
+            });
+        }
+        let row = &table[i * max_pages..][..s.k_len.div_ceil(page_size)];
+        if let Some((e, &p)) = row
+            .iter()
+            .enumerate()
+            .find(|&(_, &p)| p < 0 || p as usize >= pool_pages)
+        {
+            return Err(Error::Invalid {
+                arg: "block_table",
+                msg: format!(
+                    "sequence {i}, entry {e}: page {p} is not a page of the pool (0..{pool_pages})"
+                ),
+            });
+        }
+    }
+    // the same checks as packed keys, each sequence's keys counted from 0 within its row
+    let packed: Vec<Seq> = seqs.iter().map(|s| Seq { k_start: 0, ..*s }).collect();
+    let tq = plan(dims, &packed, covered, block_size)?.tq;
+    Ok(SelectionPlan {
+        dims,
+        seqs,
+        tq,
+        tk: pool_tokens,
+        block_size,
+        pages: Some(pages),
     })
 }
 
@@ -222,13 +308,17 @@ impl SelectionPlan<'_> {
                 let s = seqs[seq_of[token]];
                 let pos = s.q_offset + (token - s.q_start);
                 let limit = s.k_len.min(pos + 1);
+                let keys = match self.pages {
+                    None => KeyRows::Packed(s.k_start),
+                    Some(p) => KeyRows::Paged(p, seq_of[token]),
+                };
                 let args = RowArgs {
                     q,
                     k,
                     v,
                     dims,
                     token,
-                    k_start: s.k_start,
+                    keys,
                     limit,
                     scale,
                 };
@@ -273,13 +363,32 @@ struct Scratch {
     scores: Vec<f32>,
 }
 
+/// Where a sequence's logical key `j` sits in `k` / `v`.
+#[derive(Clone, Copy)]
+enum KeyRows<'a> {
+    /// Packed: token `k_start + j`.
+    Packed(usize),
+    /// In a page pool, through this sequence's row of the block table.
+    Paged(Pages<'a>, usize),
+}
+
+impl KeyRows<'_> {
+    #[inline]
+    fn row(self, j: usize) -> usize {
+        match self {
+            KeyRows::Packed(start) => start + j,
+            KeyRows::Paged(p, seq) => p.row(seq, j),
+        }
+    }
+}
+
 struct RowArgs<'a, T> {
     q: &'a [T],
     k: &'a [T],
     v: &'a [T],
     dims: AttnDims,
     token: usize,
-    k_start: usize,
+    keys: KeyRows<'a>,
     limit: usize,
     scale: f32,
 }
@@ -318,7 +427,7 @@ fn attend_heads<T: Copy + Into<f32>>(
         sc.kc.clear();
         sc.vc.clear();
         for j in sc.spans.iter().flat_map(|&(s0, s1)| s0..s1) {
-            let key = (a.k_start + j) * hkv + kvh;
+            let key = a.keys.row(j) * hkv + kvh;
             sc.kc
                 .extend(a.k[key * d..(key + 1) * d].iter().map(|&x| x.into()));
             sc.vc

@@ -1,5 +1,5 @@
 use candle_core::{DType, Tensor};
-use fp8nsa_types::{AttnDims, Seq, Settings, Spans};
+use fp8nsa_types::{AttnDims, Pages, Seq, Settings, Spans};
 
 use super::op::{SelPlan, SelectionOp};
 use super::sdpa::masked_sdpa;
@@ -56,6 +56,22 @@ impl std::fmt::Display for SdpaReason {
             SdpaReason::NoKernel(why) => f.write_str(why),
         }
     }
+}
+
+/// A paged KV cache as a server holds it (the NHD layout of vLLM v1 / FlashInfer): keys and
+/// values in a pool of pages the server allocates, a block table naming each sequence's pages
+/// in order, and each sequence's length. See [`SelectionAttention::forward_paged`].
+#[derive(Clone, Copy, Debug)]
+pub struct PagedKv<'a> {
+    /// `[num_pages, page_size, Hkv, D]`, any positive page size.
+    pub k_pages: &'a Tensor,
+    /// `[num_pages, page_size, Hkv, Dv]`.
+    pub v_pages: &'a Tensor,
+    /// `[B, max_pages]` i32: row `b` lists sequence `b`'s pages; entries past its last page
+    /// are not read (`-1` is customary).
+    pub block_table: &'a Tensor,
+    /// Keys held by each of the `B` sequences.
+    pub seq_lens: &'a [usize],
 }
 
 /// `(o, lse, the path that ran)`.
@@ -196,6 +212,7 @@ impl SelectionAttention {
             &seqs,
             sel,
             [b, tq, hkv],
+            None,
         )?;
         let lse = match lse {
             Some(l) => Some(l.reshape((b, tq, hq))?),
@@ -273,10 +290,190 @@ impl SelectionAttention {
                 q_offset,
             });
         }
-        self.run(q, k, v, &seqs, sel, [1, tq, hkv])
+        self.run(q, k, v, &seqs, sel, [1, tq, hkv], None)
     }
 
-    /// Token-packed core shared by both entry points.
+    /// Selection attention over a paged KV cache (see [`PagedKv`]), the shape of a
+    /// continuous-batching step: `q [B, Tq, Hq, D]` holds the last `Tq` positions of each of
+    /// the `B` sequences (one query each in decode, a few for speculative decoding), so query
+    /// `i` of sequence `b` sits at `seq_lens[b] − Tq + i` (or `q_offset + i` when set). The
+    /// selection `[B, Tq, Hkv, ..]` names logical key positions, as for [`Self::forward`].
+    /// Output `o [B, Tq, Hq, Dv]`, `lse [B, Tq, Hq]`.
+    ///
+    /// The CPU kernel reads the pages in place; the other paths (the dense fallback, CUDA,
+    /// PJRT) gather each sequence's keys first. On the CPU the result is bit for bit that of
+    /// [`Self::forward_varlen`] on the gathered keys. A wrong table shape, a page id outside
+    /// the pool in a used entry, a `seq_len` past what the table row covers, or a selection
+    /// past `seq_len` is an error naming the argument and the sequence.
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use fp8nsa_ops::nsa::{PagedKv, SelectionAttention, TokenSelection};
+    ///
+    /// let dev = Device::Cpu;
+    /// // a pool of 8 pages of 16 tokens; two sequences of 20 and 37 keys, one query each
+    /// let k_pages = Tensor::randn(0f32, 1.0, (8, 16, 2, 64), &dev)?;
+    /// let v_pages = Tensor::randn(0f32, 1.0, (8, 16, 2, 64), &dev)?;
+    /// let block_table = Tensor::new(&[[5i32, 2, -1], [0, 7, 3]], &dev)?;
+    /// let kv = PagedKv { k_pages: &k_pages, v_pages: &v_pages, block_table: &block_table,
+    ///                    seq_lens: &[20, 37] };
+    /// let q = Tensor::randn(0f32, 1.0, (2, 1, 8, 64), &dev)?;
+    /// // each query attends 4 chosen tokens (per kv head), -1 pads
+    /// let idx = Tensor::new(&[[[[0i32, 3, 19, -1], [1, 2, 4, 8]]], [[[0, 20, 36, 5], [-1, -1, 30, 31]]]], &dev)?;
+    /// let sel = TokenSelection::new(idx)?;
+    /// let (o, _) = SelectionAttention::new().min_len(0).forward_paged(&q, &kv, &sel)?;
+    /// assert_eq!(o.dims(), &[2, 1, 8, 64]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn forward_paged<'s>(
+        &self,
+        q: &Tensor,
+        kv: &PagedKv<'_>,
+        selection: impl Into<Selection<'s>>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let (o, lse, _) = self.forward_paged_with_path(q, kv, selection)?;
+        Ok((o, lse))
+    }
+
+    /// [`Self::forward_paged`], also returning which implementation ran.
+    pub fn forward_paged_with_path<'s>(
+        &self,
+        q: &Tensor,
+        kv: &PagedKv<'_>,
+        selection: impl Into<Selection<'s>>,
+    ) -> Result<PathOutput> {
+        let sel = selection.into();
+        let (b, tq, hq, d) = dims4("q", q, "[B, Tq, Hq, D]")?;
+        let (np, ps, hkv, dk) = dims4("k_pages", kv.k_pages, "[num_pages, page_size, Hkv, D]")?;
+        let (npv, psv, hv, dv) = dims4("v_pages", kv.v_pages, "[num_pages, page_size, Hkv, Dv]")?;
+        if dk != d {
+            return Err(shape_err(
+                "k_pages",
+                format!("[{np}, {ps}, {hkv}, {d}]"),
+                kv.k_pages.dims(),
+            ));
+        }
+        if (npv, psv, hv) != (np, ps, hkv) {
+            return Err(shape_err(
+                "v_pages",
+                format!("[{np}, {ps}, {hkv}, Dv]"),
+                kv.v_pages.dims(),
+            ));
+        }
+        let max_pages = match *kv.block_table.dims() {
+            [bt, m] if bt == b => m,
+            _ => {
+                return Err(shape_err(
+                    "block_table",
+                    format!("[{b}, max_pages]"),
+                    kv.block_table.dims(),
+                ))
+            }
+        };
+        if kv.block_table.dtype() != DType::I32 {
+            return Err(Error::DType {
+                arg: "block_table",
+                expected: "i32",
+                got: kv.block_table.dtype(),
+            });
+        }
+        if kv.seq_lens.len() != b {
+            return Err(invalid(
+                "seq_lens",
+                format!("has {} entries for {b} sequences", kv.seq_lens.len()),
+            ));
+        }
+        let table: Vec<i32> = kv
+            .block_table
+            .to_device(&candle_core::Device::Cpu)?
+            .flatten_all()?
+            .to_vec1()?;
+        let mut seqs = Vec::with_capacity(b);
+        for (i, &k_len) in kv.seq_lens.iter().enumerate() {
+            let q_offset = match self.q_offset {
+                Some(o) => o,
+                None => k_len.checked_sub(tq).ok_or_else(|| {
+                    invalid(
+                        "seq_lens",
+                        format!("sequence {i}: {k_len} keys for {tq} queries (Tq > seq_len)"),
+                    )
+                })?,
+            };
+            seqs.push(Seq {
+                q_start: i * tq,
+                q_len: tq,
+                k_start: 0,
+                k_len,
+                q_offset,
+            });
+        }
+        let pages = Pages {
+            table: &table,
+            max_pages,
+            page_size: ps,
+        };
+        // the table against the pool and seq_lens, for every path
+        let dims = AttnDims {
+            hq: hkv,
+            hkv,
+            d,
+            dv,
+        };
+        fp8nsa_cpu::nsa::plan_paged(dims, &seqs, np * ps, None, pages).map_err(|e| match e {
+            fp8nsa_cpu::Error::Invalid { arg, msg } => Error::Invalid { arg, msg },
+            e => e.into(),
+        })?;
+        let q_packed = q.reshape((b * tq, hq, d))?;
+        let pool_k = kv.k_pages.reshape((np * ps, hkv, d))?;
+        let pool_v = kv.v_pages.reshape((np * ps, hkv, dv))?;
+        let max_tk = kv.seq_lens.iter().copied().max().unwrap_or(0);
+        let (o, lse, path) = if self.reads_pages(&self.backend.resolve()?, q, max_tk)? {
+            self.run(
+                &q_packed,
+                &pool_k,
+                &pool_v,
+                &seqs,
+                sel,
+                [b, tq, hkv],
+                Some(pages),
+            )?
+        } else {
+            // gather each sequence's keys, packed one after another
+            let mut rows = Vec::new();
+            for (i, s) in seqs.iter_mut().enumerate() {
+                s.k_start = rows.len();
+                rows.extend((0..s.k_len).map(|j| pages.row(i, j) as u32));
+            }
+            let rows = Tensor::from_vec(
+                rows,
+                seqs.iter().map(|s| s.k_len).sum::<usize>(),
+                q.device(),
+            )?;
+            let (k, v) = (
+                pool_k.index_select(&rows, 0)?,
+                pool_v.index_select(&rows, 0)?,
+            );
+            self.run(&q_packed, &k, &v, &seqs, sel, [b, tq, hkv], None)?
+        };
+        let lse = match lse {
+            Some(l) => Some(l.reshape((b, tq, hq))?),
+            None => None,
+        };
+        Ok((o.reshape((b, tq, hq, dv))?, lse, path))
+    }
+
+    /// Whether the CPU selection kernel takes a call (and so can read a page pool in place):
+    /// CPU tensors, no CUDA or PJRT backend, at least `min_len` keys.
+    fn reads_pages(&self, backend: &Backend, q: &Tensor, max_tk: usize) -> Result<bool> {
+        Ok(q.device().is_cpu()
+            && !use_cuda(backend, q.device(), "SelectionAttention")?
+            && !matches!(backend, Backend::Pjrt(_))
+            && max_tk >= self.resolved_min_len()?)
+    }
+
+    /// Token-packed core shared by the entry points; `pages` (only where the CPU kernel runs)
+    /// means `k` / `v` are a page pool read through the block table.
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
         q: &Tensor,
@@ -285,6 +482,7 @@ impl SelectionAttention {
         seqs: &[Seq],
         sel: Selection<'_>,
         sel_dims: [usize; 3],
+        pages: Option<Pages<'_>>,
     ) -> Result<PathOutput> {
         let (tq, hq, d) = q.dims3()?;
         let (_, hkv, _) = k.dims3()?;
@@ -331,6 +529,12 @@ impl SelectionAttention {
         let scale = self.scale.unwrap_or(1.0 / (d as f32).sqrt());
         let max_tk = seqs.iter().map(|s| s.k_len).max().unwrap_or(0);
         let backend = self.backend.resolve()?;
+        if pages.is_some() && !self.reads_pages(&backend, q, max_tk)? {
+            return Err(invalid(
+                "k",
+                "paged keys reached a path that needs them gathered (internal error)",
+            ));
+        }
         if use_cuda(&backend, q.device(), "SelectionAttention")? {
             return self.run_cuda(q, k, v, seqs, sel, scale, max_tk);
         }
@@ -385,7 +589,10 @@ impl SelectionAttention {
             Spans::Blocks { block_size, .. } => Some(*block_size),
             Spans::Ranges { .. } => None,
         };
-        let plan = fp8nsa_cpu::nsa::plan(dims, seqs, k.dims()[0], block_size)?;
+        let plan = match pages {
+            None => fp8nsa_cpu::nsa::plan(dims, seqs, k.dims()[0], block_size)?,
+            Some(p) => fp8nsa_cpu::nsa::plan_paged(dims, seqs, k.dims()[0], block_size, p)?,
+        };
         let op = SelectionOp::new(dims, scale, SelPlan::Cpu(plan, &host));
         let (o, lse) = op.apply(q, k, v)?;
         let lse = self.with_lse.then_some(lse);

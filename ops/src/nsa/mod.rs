@@ -31,7 +31,7 @@ mod sdpa;
 mod selection;
 
 pub use attention::{
-    NsaPath, PathOutput, SdpaReason, SelectionAttention, DEFAULT_MIN_LEN, MIN_LEN_ENV,
+    NsaPath, PagedKv, PathOutput, SdpaReason, SelectionAttention, DEFAULT_MIN_LEN, MIN_LEN_ENV,
 };
 pub use compress::{Compressor, MlpCompressor};
 pub use config::{CompressorKind, NsaConfig};
