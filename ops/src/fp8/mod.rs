@@ -6,6 +6,7 @@ mod experts_cuda;
 mod linear;
 mod moe;
 mod op;
+mod parallel;
 mod pjrt;
 pub(crate) mod weight;
 
@@ -15,4 +16,5 @@ pub use fp8nsa_types::{ActQuant, ScaleDType};
 pub use linear::Fp8Linear;
 pub use moe::{Fp8Moe, MoeRouter, Routing};
 pub use op::Fp8Path;
+pub use parallel::{ColumnParallel, Communicator, HostGroup, RowParallel, Shard, Split};
 pub use weight::Fp8BlockWeight;
