@@ -658,15 +658,7 @@ fn stored_weight_dtypes_are_codes_or_refused() {
     let w = hetero(&mut rng, n, k, 128, 128);
     let wq = Fp8BlockWeight::quantize(&tensor(w.clone(), &[n, k]), block).unwrap();
     let codes = wq.data().flatten_all().unwrap().to_vec1::<u8>().unwrap();
-    let scale_bytes: Vec<u8> = wq
-        .scales()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .flat_map(|s| s.to_le_bytes())
-        .collect();
+    let scale_bytes = f32_le_bytes(wq.scales());
     let f32_bytes: Vec<u8> = w.iter().flat_map(|x| x.to_le_bytes()).collect();
     let i64_bytes: Vec<u8> = codes
         .iter()

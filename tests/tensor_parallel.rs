@@ -123,15 +123,7 @@ fn load_shard_reads_the_blocks_shard_keeps() {
     let (n, k) = (576, 3884);
     let w = weight(&mut rng, n, k);
     let codes = w.data().flatten_all().unwrap().to_vec1::<u8>().unwrap();
-    let scales: Vec<u8> = w
-        .scales()
-        .flatten_all()
-        .unwrap()
-        .to_vec1::<f32>()
-        .unwrap()
-        .iter()
-        .flat_map(|s| s.to_le_bytes())
-        .collect();
+    let scales = f32_le_bytes(w.scales());
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("model.safetensors");
     let tensors = vec![

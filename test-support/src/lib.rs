@@ -79,6 +79,12 @@ pub fn rel_frobenius(y: &Tensor, want: &Tensor) -> f64 {
     (num / den).sqrt()
 }
 
+/// The little-endian bytes of an f32 tensor (e.g. scales to write into a safetensors file).
+pub fn f32_le_bytes(t: &Tensor) -> Vec<u8> {
+    let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
 /// The non-finite activation rule (docs/numerics.md) on a linear layer's `forward` over
 /// `x [m, k]` (m >= 3): NaN, +Inf and -Inf put into rows 0, m / 2 and m - 1 make those rows'
 /// outputs NaN (`exact_nan`; otherwise merely non-finite, as without activation quantization)

@@ -280,30 +280,12 @@ impl Fp8BlockWeight {
         block: [usize; 2],
         device: &Device,
     ) -> Result<Self> {
-        let name = format!("{prefix}.weight");
-        let data = st.load(&name, &Device::Cpu)?;
-        if !matches!(data.dtype(), DType::F8E4M3 | DType::U8) {
-            return Err(invalid(
-                "weight",
-                format!(
-                    "{name} is stored as {:?}; fp8 weights are F8_E4M3 (or U8 codes)",
-                    data.dtype()
-                ),
-            ));
-        }
-        let name = format!("{prefix}.weight_scale_inv");
-        let scales = st.load(&name, &Device::Cpu)?;
-        if !scales.dtype().is_float() || scales.dtype() == DType::F8E4M3 {
-            return Err(invalid(
-                "scales",
-                format!(
-                    "{name} is stored as {:?}; scales are f32, bf16, f16 or f64",
-                    scales.dtype()
-                ),
-            ));
-        }
-        let data = Tensor::from_vec(host_bytes("weight", &data)?, data.dims(), device)?;
-        Self::from_parts(data, scales.to_dtype(DType::F32)?.to_device(device)?, block)
+        // the whole weight is the one shard of a group of one
+        let whole = super::Shard {
+            rank: 0,
+            world_size: 1,
+        };
+        Self::load_shard(st, prefix, block, super::Split::Column, whole, device)
     }
 
     /// The real weight `[N, K]` in `dtype`, on the weight's device.
