@@ -12,7 +12,7 @@ use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use fp8nsa::models::{LlamaConfig, Weights};
 use fp8nsa::nsa::{
-    BlockSelection, Compressor, Gates, NativeSparseAttention, NsaConfig, NsaDims,
+    BlockSelection, Compressor, Gates, NativeSparseAttention, NsaConfig, NsaDims, PagedKv,
     SelectionAttention, SelectionRanges, TokenSelection,
 };
 use fp8nsa::Fp8BlockWeight;
@@ -339,4 +339,77 @@ fn nsa_configs() {
             },
         );
     }
+}
+
+#[test]
+fn paged_kv() {
+    let mut rng = rng("fuzz_paged");
+    let (hq, hkv, d) = (4, 2, 16);
+    let ok = std::sync::atomic::AtomicUsize::new(0);
+    for i in 0..cases(300) {
+        let (np, ps) = (rng.random_range(1..6), rng.random_range(1..20));
+        let b = rng.random_range(1..4);
+        let tq = rng.random_range(1..3);
+        let max_pages = rng.random_range(1..5);
+        // a valid call, then up to two mutations of its table, lengths or selection
+        let mut table: Vec<i32> = (0..b * max_pages)
+            .map(|_| rng.random_range(0..np as i32))
+            .collect();
+        let mut lens: Vec<usize> = (0..b)
+            .map(|_| rng.random_range(tq.min(max_pages * ps)..=max_pages * ps))
+            .collect();
+        let n = rng.random_range(1..4);
+        // tokens 0..n of each sequence (distinct, visible to its last query), -1 past its length
+        let mut ids: Vec<i32> = (0..b * tq * hkv * n)
+            .map(|x| {
+                let (bi, e) = (x / (tq * hkv * n), (x % n) as i32);
+                if (e as usize) < lens[bi] + 1 - tq {
+                    e
+                } else {
+                    -1
+                }
+            })
+            .collect();
+        for _ in 0..rng.random_range(0..3) {
+            match rng.random_range(0..3) {
+                0 => {
+                    let at = rng.random_range(0..table.len());
+                    table[at] = edge_i32(&mut rng, np as i32);
+                }
+                1 => {
+                    let at = rng.random_range(0..b);
+                    lens[at] = [0, usize::MAX, max_pages * ps + 1][rng.random_range(0..3)];
+                }
+                _ => {
+                    let at = rng.random_range(0..ids.len());
+                    ids[at] = edge_i32(&mut rng, 40);
+                }
+            }
+        }
+        let mk =
+            |rng: &mut StdRng, dims: &[usize]| tensor(gaussian(rng, dims.iter().product()), dims);
+        let k_pages = mk(&mut rng, &[np, ps, hkv, d]);
+        let v_pages = mk(&mut rng, &[np, ps, hkv, d]);
+        let q = mk(&mut rng, &[b, tq, hq, d]);
+        let min_len = [0, usize::MAX][rng.random_range(0..2)];
+        let what = format!("paged case {i}: pool {np}x{ps}, table {table:?}, lens {lens:?}");
+        no_panic(&what, Duration::from_secs(5), || {
+            let table = Tensor::from_vec(table.clone(), (b, max_pages), &Device::Cpu).unwrap();
+            let kv = PagedKv {
+                k_pages: &k_pages,
+                v_pages: &v_pages,
+                block_table: &table,
+                seq_lens: &lens,
+            };
+            let attn = SelectionAttention::new().min_len(min_len);
+            let idx = Tensor::from_vec(ids.clone(), (b, tq, hkv, n), &Device::Cpu).unwrap();
+            if let Ok(s) = TokenSelection::new(idx) {
+                if attn.forward_paged(&q, &kv, &s).is_ok() {
+                    ok.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        });
+    }
+    // the mutations leave enough valid calls to reach the kernels
+    assert!(ok.into_inner() > 0);
 }
