@@ -5,6 +5,8 @@ mod experts;
 mod experts_cuda;
 mod linear;
 mod moe;
+#[cfg(feature = "nccl")]
+mod nccl;
 mod op;
 mod parallel;
 mod pjrt;
@@ -15,6 +17,8 @@ pub use fp8nsa_cpu::linear::{CpuKernel, GEMV_MAX_M};
 pub use fp8nsa_types::{ActQuant, ScaleDType};
 pub use linear::Fp8Linear;
 pub use moe::{Fp8Moe, MoeRouter, Routing};
+#[cfg(feature = "nccl")]
+pub use nccl::NcclGroup;
 pub use op::Fp8Path;
 pub use parallel::{ColumnParallel, Communicator, HostGroup, RowParallel, Shard, Split};
 pub use weight::Fp8BlockWeight;

@@ -1,0 +1,142 @@
+//! The NCCL communicator (`nccl` feature): tensor-parallel reductions of CUDA tensors through
+//! NCCL, by cudarc's bindings. Built in CI; it needs GPUs (and the NCCL library, from the
+//! `nvidia-nccl-cu13` wheel) to run.
+
+use std::sync::Arc;
+
+use candle_core::{CudaStorage, DType, Storage, Tensor};
+use cudarc::driver::CudaStream;
+use cudarc::nccl::{Comm, Id, ReduceOp};
+
+use super::parallel::Communicator;
+use crate::cuda::{view, with_storage};
+use crate::error::{invalid, Result};
+
+/// One rank's NCCL communicator, on the CUDA device (and stream) candle runs that rank's
+/// tensors on. Collectives take and return f32 tensors (other float dtypes are converted).
+pub struct NcclGroup {
+    comm: Comm,
+    device: candle_core::CudaDevice,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
+// concurrent; `Communicator` methods are called by the one rank that owns the handle, and the
+// collectives are issued on its device's single candle stream.
+unsafe impl Send for NcclGroup {}
+// SAFETY: see `Send`: a rank calls its collectives in order, never concurrently.
+unsafe impl Sync for NcclGroup {}
+
+fn nccl_err(e: cudarc::nccl::result::NcclError) -> crate::error::Error {
+    invalid("nccl", format!("{e:?}"))
+}
+
+fn alloc_err(e: cudarc::driver::DriverError) -> crate::error::Error {
+    invalid("nccl", format!("allocating the output: {e:?}"))
+}
+
+impl NcclGroup {
+    /// A fresh group id, made by one rank (rank 0) and shared with the others out of band
+    /// (its 128 bytes: `Id::internal`, `Id::uninit`).
+    pub fn new_id() -> Result<Id> {
+        Id::new().map_err(nccl_err)
+    }
+
+    /// This process's rank of a `world_size` group whose id rank 0 made.
+    pub fn from_rank(
+        device: &candle_core::CudaDevice,
+        rank: usize,
+        world_size: usize,
+        id: Id,
+    ) -> Result<Self> {
+        if rank >= world_size {
+            return Err(invalid(
+                "rank",
+                format!("{rank} is not below the world size {world_size}"),
+            ));
+        }
+        let comm = Comm::from_rank(device.cuda_stream(), rank, world_size, id).map_err(nccl_err)?;
+        Ok(Self {
+            comm,
+            device: device.clone(),
+        })
+    }
+
+    /// One group over several GPUs of this process, one handle per device, in order.
+    pub fn for_devices(devices: &[candle_core::CudaDevice]) -> Result<Vec<Self>> {
+        let streams: Vec<Arc<CudaStream>> = devices.iter().map(|d| d.cuda_stream()).collect();
+        let comms = Comm::from_devices(streams).map_err(nccl_err)?;
+        Ok(comms
+            .into_iter()
+            .zip(devices)
+            .map(|(comm, d)| Self {
+                comm,
+                device: d.clone(),
+            })
+            .collect())
+    }
+
+    /// `t` as a contiguous f32 tensor on this rank's device.
+    fn f32_on_device(&self, t: &Tensor) -> Result<Tensor> {
+        if !t
+            .device()
+            .same_device(&candle_core::Device::Cuda(self.device.clone()))
+        {
+            return Err(invalid("t", "must be on this rank's CUDA device"));
+        }
+        Ok(t.to_dtype(DType::F32)?.contiguous()?)
+    }
+
+    fn wrap(&self, out: cudarc::driver::CudaSlice<f32>, dims: &[usize]) -> Tensor {
+        let storage = CudaStorage::wrap_cuda_slice(out, self.device.clone());
+        Tensor::from_storage(
+            Storage::Cuda(storage),
+            dims,
+            candle_core::op::BackpropOp::none(),
+            false,
+        )
+    }
+}
+
+impl Communicator for NcclGroup {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
+        let t = self.f32_on_device(t)?;
+        let n = t.elem_count();
+        let stream = self.device.cuda_stream();
+        let mut out = stream.alloc_zeros::<f32>(n).map_err(alloc_err)?;
+        with_storage("t", &t, |s, l| {
+            let src = view::<f32>("t", s, l)?;
+            self.comm
+                .all_reduce(&src, &mut out, &ReduceOp::Sum)
+                .map_err(nccl_err)?;
+            Ok(())
+        })?;
+        Ok(self.wrap(out, t.dims()))
+    }
+
+    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        let t = self.f32_on_device(t)?;
+        let world = self.world_size();
+        // NCCL gathers whole buffers rank after rank: gather along dim 0 of a copy with `dim`
+        // moved to the front, then move it back
+        let moved = t.transpose(0, dim)?.contiguous()?;
+        let n = moved.elem_count();
+        let stream = self.device.cuda_stream();
+        let mut out = stream.alloc_zeros::<f32>(n * world).map_err(alloc_err)?;
+        with_storage("t", &moved, |s, l| {
+            let src = view::<f32>("t", s, l)?;
+            self.comm.all_gather(&src, &mut out).map_err(nccl_err)?;
+            Ok(())
+        })?;
+        let mut dims = moved.dims().to_vec();
+        dims[0] *= world;
+        Ok(self.wrap(out, &dims).transpose(0, dim)?.contiguous()?)
+    }
+}
