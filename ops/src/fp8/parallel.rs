@@ -184,7 +184,9 @@ pub trait Communicator: Send + Sync {
 }
 
 /// Ranks as threads of one process, for CPU tensors (and tests): [`HostGroup::new`] returns
-/// one handle per rank. Sums are taken in rank order, so every rank gets the same bits.
+/// one handle per rank. Sums are taken in rank order, so every rank gets the same bits. As
+/// with any collective, every rank must make each call: a rank that stops early leaves the
+/// others waiting.
 ///
 /// ```
 /// use candle_core::{Device, Tensor};

@@ -347,7 +347,13 @@ fn put_in_place(
         }
         std::fs::rename(stage, output).map_err(io_err(output))?;
         if had {
-            std::fs::remove_dir_all(&old).map_err(io_err(&old))?;
+            // what --force replaced may have been a file
+            let removed = if old.is_dir() {
+                std::fs::remove_dir_all(&old)
+            } else {
+                std::fs::remove_file(&old)
+            };
+            removed.map_err(io_err(&old))?;
         }
     } else {
         for p in &report.written {

@@ -404,6 +404,12 @@ fn output_is_replaced_whole_or_not_at_all() {
     );
     let left = std::fs::read_dir(parent.path()).unwrap().count();
     assert_eq!(left, 1);
+    // --force over a file where the output folder goes
+    let file = parent.path().join("was_a_file");
+    std::fs::write(&file, b"x").unwrap();
+    quantize_checkpoint(src.path(), &file, &force, &mut |_, _| {}).unwrap();
+    assert!(file.join("config.json").is_file());
+    assert_eq!(std::fs::read_dir(parent.path()).unwrap().count(), 2);
 
     // -o at the input's own config.json: refused, config untouched
     let cfg = src.path().join("config.json");
