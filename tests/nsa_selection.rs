@@ -399,6 +399,42 @@ fn non_finite_inputs_reach_only_the_queries_that_attend_them() {
     }
 }
 
+/// A NaN query that attends nothing reads nothing: `o = 0`, `lse = -inf` on every path.
+#[test]
+fn a_nan_query_that_attends_nothing_gives_zero_and_minus_infinity() {
+    let mut rng = rng("nan_empty");
+    let (b, t, hq, hkv, d) = (1, 8, 2, 1, 16);
+    let x = qkv(&mut rng, b, t, t, hq, hkv, d, d, DType::F32);
+    let q = Tensor::full(f32::NAN, (b, t, hq, d), &Device::Cpu).unwrap();
+    // token 0 selects nothing; the others select key 0
+    let rows = (0..t)
+        .map(|i| if i == 0 { vec![[3, 3]] } else { vec![[0, 1]] })
+        .collect();
+    let sel = ranges_tensor(rows, b, t, hkv);
+    for min_len in [0, usize::MAX] {
+        let (o, lse) = SelectionAttention::new()
+            .min_len(min_len)
+            .with_lse(true)
+            .forward(&q, &x.k, &x.v, &sel)
+            .unwrap();
+        let o: Vec<Vec<Vec<f32>>> = o.squeeze(0).unwrap().to_vec3().unwrap();
+        let lse: Vec<Vec<f32>> = lse.unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+        assert!(
+            o[0].iter().flatten().all(|&v| v == 0.0),
+            "min_len {min_len}"
+        );
+        assert!(
+            lse[0].iter().all(|&v| v == f32::NEG_INFINITY),
+            "min_len {min_len}"
+        );
+        assert!(
+            o[1].iter().flatten().all(|v| v.is_nan()),
+            "min_len {min_len}"
+        );
+        assert!(lse[1].iter().all(|v| v.is_nan()), "min_len {min_len}");
+    }
+}
+
 #[test]
 fn empty_rows_give_zero_and_minus_infinity() {
     let mut rng = rng("empty_rows");

@@ -4,7 +4,7 @@ use std::borrow::Cow;
 
 use rayon::prelude::*;
 
-use crate::error::{check_len, check_positive, Result};
+use crate::error::{check_len, check_positive, Error, Result};
 use crate::fp8::{fake_quant_slice, quantize, scale_for_amax};
 use fp8nsa_types::{ActQuant, ScaleDType};
 
@@ -61,6 +61,19 @@ pub fn quantize_weight_as(
         check_positive(arg, v)?;
     }
     check_len("weight", w.len(), n * k)?;
+    // the amax below skips NaN and ±Inf (right for activations): a weight holding one is
+    // corrupt and refused here (docs/numerics.md, non-finite values)
+    if let Some(i) = w.iter().position(|x| !x.is_finite()) {
+        return Err(Error::Invalid {
+            arg: "weight",
+            msg: format!(
+                "element [{}, {}] is {}: weights must be finite",
+                i / k,
+                i % k,
+                w[i]
+            ),
+        });
+    }
     // a block larger than the matrix is the matrix (and keeps bn * k from overflowing)
     let (bn, bk) = (bn.min(n), bk.min(k));
     let kbs = k.div_ceil(bk);

@@ -35,6 +35,12 @@ pub(crate) fn selection(
     };
     let (mut os, mut lses) = (Vec::new(), Vec::new());
     for s in seqs.iter().filter(|s| s.q_len > 0) {
+        if s.k_len == 0 {
+            // no keys at all: every query sees nothing (and the mask rows below are empty)
+            os.push(Tensor::zeros((s.q_len, hq, dv), DType::F32, q.device())?);
+            lses.push(Tensor::full(f32::NEG_INFINITY, (s.q_len, hq), q.device())?);
+            continue;
+        }
         let shape = AttnShape {
             tq: s.q_len,
             tk: s.k_len,
@@ -69,7 +75,15 @@ pub(crate) fn selection(
             let (h, t) = (row / tq, row % tq);
             let hit = |bad: &[bool]| (0..tk).any(|j| seen[j] == 1 && bad[j * hkv + h]);
             let (key, value) = (hit(&bad_k), hit(&bad_v));
+            // a query that attends nothing reads nothing (the program gives NaN for a NaN
+            // query even then)
+            let none = !seen.contains(&1);
             for qh in h * g..(h + 1) * g {
+                if none {
+                    lse[t * hq + qh] = f32::NEG_INFINITY;
+                    o[(t * hq + qh) * dv..(t * hq + qh + 1) * dv].fill(0.0);
+                    continue;
+                }
                 if key {
                     lse[t * hq + qh] = f32::NAN;
                 }

@@ -82,8 +82,8 @@ pub(crate) fn selection_mask(sel: &HostSelection, s: &Seq, hkv: usize) -> Vec<u8
 /// (f32), restricted to where `attend [Hkv or 1, 1, Tq, Tk]` (u8) is 1. Returns
 /// `o [Hkv, G, Tq, Dv]`, the probabilities `[Hkv, G, Tq, Tk]` and `lse [Hkv, G, Tq]`.
 ///
-/// A query that attends nothing gets `o = 0`, `lse = -inf`. The non-finite rule
-/// (docs/nsa.md): a key or value the query does not attend must not reach it, so scores
+/// A query that attends nothing gets `o = 0`, `lse = -inf`, whatever it holds. The non-finite
+/// rule (docs/nsa.md): a key or value the query does not attend must not reach it, so scores
 /// outside the mask are *replaced* by `-inf` (adding `-inf` keeps a NaN score NaN), and
 /// non-finite values are zeroed before the product (a zero probability times NaN is NaN).
 /// What the query does attend decides explicitly: a non-finite query or attended key makes
@@ -120,8 +120,12 @@ pub(crate) fn masked_attention(
     let hits = |bad: &Tensor| -> Result<Tensor> {
         Ok(seen.broadcast_matmul(bad)?.reshape((hkv, 1, tq, 1))?)
     };
+    // a query that attends nothing reads nothing: o = 0, lse = -inf whatever it holds
+    let attends = seen.sum_keepdim(2)?.gt(0f32)?.to_dtype(DType::F32)?;
     let (bad_q, _) = non_finite_rows(qs)?;
-    let bad_q = bad_q.reshape((hkv, g, tq, 1))?;
+    let bad_q = bad_q
+        .reshape((hkv, g, tq, 1))?
+        .broadcast_mul(&attends.reshape((ha, 1, tq, 1))?)?;
     let (bad_k, _) = non_finite_rows(ks)?;
     let bad_lse = hits(&bad_k)?.broadcast_add(&bad_q)?;
     let bad_o = (hits(&bad_v)?.broadcast_add(&bad_lse))?.gt(0f32)?;

@@ -193,10 +193,60 @@ pub fn quantize_checkpoint(
             ));
         }
     }
+    // an output inside the input folder, or one holding the input, would be replaced (with
+    // --force) together with what it overlaps
+    if dir_mode {
+        let in_c = input.canonicalize().map_err(io_err(input))?;
+        let out_c = match output.canonicalize() {
+            Ok(c) => c,
+            Err(_) => match (output.parent(), output.file_name()) {
+                (Some(p), Some(f)) if !p.as_os_str().is_empty() => p
+                    .canonicalize()
+                    .map(|p| p.join(f))
+                    .unwrap_or_else(|_| output.to_path_buf()),
+                _ => std::env::current_dir()
+                    .map(|d| d.join(output))
+                    .unwrap_or_else(|_| output.to_path_buf()),
+            },
+        };
+        if out_c.starts_with(&in_c) || in_c.starts_with(&out_c) {
+            return Err(invalid(
+                "output",
+                format!(
+                    "{} overlaps the input {}: write the output elsewhere",
+                    output.display(),
+                    input.display()
+                ),
+            ));
+        }
+    }
     let exists = match std::fs::read_dir(output) {
         Ok(mut d) => d.next().is_some(),
         Err(_) => output.exists(),
     };
+    // in file mode the config goes beside the output: replacing one there needs --force too
+    let config_there = !dir_mode && {
+        let dir = match output.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let src = input.with_file_name("config.json");
+        let name = if src.is_file() && !same_file(&src, &dir.join("config.json")) {
+            "config.json"
+        } else {
+            "quantization_config.json"
+        };
+        dir.join(name).exists()
+    };
+    if config_there && !opts.force {
+        return Err(invalid(
+            "output",
+            format!(
+                "the config written beside {} would replace one already there; pass --force",
+                output.display()
+            ),
+        ));
+    }
     if exists && !opts.force {
         return Err(invalid(
             "output",
@@ -335,7 +385,8 @@ fn put_in_place(
             parent.join(rel)
         }
     };
-    if dir_mode {
+    let empty_dir = std::fs::read_dir(output).is_ok_and(|mut d| d.next().is_none());
+    if dir_mode && !empty_dir {
         let old = parent.join(format!(
             ".{}.fp8nsa-replaced-{}",
             output.file_name().unwrap_or_default().to_string_lossy(),
@@ -345,18 +396,36 @@ fn put_in_place(
         if had {
             std::fs::rename(output, &old).map_err(io_err(output))?;
         }
-        std::fs::rename(stage, output).map_err(io_err(output))?;
+        if let Err(e) = std::fs::rename(stage, output) {
+            if had {
+                // put the old output back where it was
+                let _ = std::fs::rename(&old, output);
+            }
+            return Err(io_err(output)(e));
+        }
         if had {
-            // what --force replaced may have been a file
+            // what --force replaced may have been a file; the new output is in place either
+            // way, so a failed clean-up is a warning, not a failed run
             let removed = if old.is_dir() {
                 std::fs::remove_dir_all(&old)
             } else {
                 std::fs::remove_file(&old)
             };
-            removed.map_err(io_err(&old))?;
+            if let Err(e) = removed {
+                tracing::warn!(path = %old.display(), error = %e, "could not remove the replaced output");
+            }
         }
-    } else {
+    } else if dir_mode {
+        // an existing empty folder (a mount point, a folder made for the output) stays: the
+        // files move into it
         for p in &report.written {
+            let to = final_path(p);
+            std::fs::rename(p, &to).map_err(io_err(&to))?;
+        }
+        std::fs::remove_dir(stage).map_err(io_err(stage))?;
+    } else {
+        // the config first: if its move fails, the old output file is still untouched
+        for p in report.written.iter().rev() {
             let to = final_path(p);
             std::fs::rename(p, &to).map_err(io_err(&to))?;
         }

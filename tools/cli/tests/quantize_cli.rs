@@ -404,6 +404,20 @@ fn output_is_replaced_whole_or_not_at_all() {
     );
     let left = std::fs::read_dir(parent.path()).unwrap().count();
     assert_eq!(left, 1);
+    // an output inside the input folder, or holding it, is refused even with --force
+    for out in [
+        src.path().join("config.json"),
+        src.path().join("sub"),
+        src.path().parent().unwrap().to_path_buf(),
+    ] {
+        let e = quantize_checkpoint(src.path(), &out, &force, &mut |_, _| {}).unwrap_err();
+        assert!(
+            e.to_string().contains("overlaps the input"),
+            "{}: {e}",
+            out.display()
+        );
+    }
+    assert!(src.path().join("config.json").is_file());
     // --force over a file where the output folder goes
     let file = parent.path().join("was_a_file");
     std::fs::write(&file, b"x").unwrap();
