@@ -2,7 +2,7 @@
 #
 # A CUDA 13.0 build toolchain on a machine without one, from NVIDIA's wheels on PyPI: nvcc,
 # ptxas, headers and cudart, plus the libraries candle's and our `cuda` feature link against
-# (cublas, cublasLt, curand, nvrtc). libcuda comes with a GPU driver, which a build machine
+# (cublas, cublasLt, curand, nvrtc), and NCCL for the `nccl` feature. libcuda comes with a GPU driver, which a build machine
 # lacks: a stub with every driver entry point cudarc declares is generated to link against
 # (binaries that touch no GPU, like the plan and emulator tests, also run with it).
 #
@@ -26,7 +26,14 @@ fp8nsa_cuda_toolchain() {
     "${pip[@]}" --target "$root/libs" \
       nvidia-cublas==13.0.2.14 nvidia-curand==10.4.0.35 nvidia-cuda-nvrtc==13.0.88 || return 1
   fi
-  local tk="$root/tk/nvidia/cu13" libs="$root/libs/nvidia/cu13/lib"
+  # to link against: binaries name the soname libnccl.so.2 and load the GPU machine's own copy
+  # there (it comes with PyTorch)
+  if [ ! -e "$root/nccl/nvidia/nccl/lib/libnccl.so.2" ]; then
+    echo "cuda-toolchain: installing the NCCL wheel into $root/nccl" >&2
+    "${pip[@]}" --target "$root/nccl" nvidia-nccl-cu13==2.28.9 || return 1
+  fi
+  local tk="$root/tk/nvidia/cu13" libs="$root/libs/nvidia/cu13/lib" nccl="$root/nccl/nvidia/nccl/lib"
+  ln -sf libnccl.so.2 "$nccl/libnccl.so"
   ln -sf libcudart.so.13 "$tk/lib/libcudart.so"
   for l in cublas cublasLt nvrtc; do ln -sf "lib$l.so.13" "$libs/lib$l.so"; done
   ln -sf libcurand.so.10 "$libs/libcurand.so"
@@ -48,8 +55,8 @@ fp8nsa_cuda_toolchain() {
   export CUDA_ROOT="$tk" CUDA_PATH="$tk" CUDA_HOME="$tk"
   export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
   export PATH="$tk/bin:$PATH"
-  export LIBRARY_PATH="$tk/lib:$libs:$root/stub${LIBRARY_PATH:+:$LIBRARY_PATH}"
-  export FP8NSA_CUDA_LIB_PATH="$root/stub:$libs:$tk/lib"
+  export LIBRARY_PATH="$tk/lib:$libs:$nccl:$root/stub${LIBRARY_PATH:+:$LIBRARY_PATH}"
+  export FP8NSA_CUDA_LIB_PATH="$root/stub:$libs:$tk/lib:$nccl"
   echo "cuda-toolchain: $(nvcc --version | tail -1)" >&2
 }
 fp8nsa_cuda_toolchain

@@ -2,12 +2,16 @@
 //! the contract's shapes (N = 576, K = 3884 in 128x128 blocks), every rank a thread with a
 //! `HostGroup` handle. Column-parallel + all-gather equals the whole layer bit for bit;
 //! row-parallel + all-reduce equals it up to the order of the sum; a sharded SwiGLU MLP equals
-//! the unsharded one; `load_shard` reads exactly the blocks `shard` keeps; a split that would
-//! cut a block is an error naming the world sizes that work.
+//! the unsharded one, and so do a sharded attention block (whole heads per rank) and an
+//! expert-parallel MoE block; `load_shard` / `load_range` read exactly the blocks `shard` /
+//! `slice` keep; a split that would cut a block or a head is an error naming the world sizes
+//! that work.
 
 use candle_core::{Device, Tensor};
-use fp8nsa::fp8::{ColumnParallel, Communicator, HostGroup, RowParallel, Shard, Split};
-use fp8nsa::{ActQuant, Error, Fp8BlockWeight, Fp8Linear};
+use fp8nsa::fp8::{
+    ColumnParallel, Communicator, ExpertParallel, HostGroup, RowParallel, Shard, Split,
+};
+use fp8nsa::{ActQuant, Error, Fp8BlockWeight, Fp8Experts, Fp8Linear, Fp8Moe, MoeRouter};
 use fp8nsa_test_support::*;
 
 const BLOCK: [usize; 2] = [128, 128];
@@ -169,6 +173,27 @@ fn load_shard_reads_the_blocks_shard_keeps() {
             }
         }
     }
+    // explicit ranges (a rank's heads): on blocks, and the last one may end at N or K
+    for (split, range) in [(Split::Column, 128..384), (Split::Row, 3840..3884)] {
+        let got = Fp8BlockWeight::load_range(&st, "p", BLOCK, split, range.clone(), &Device::Cpu)
+            .unwrap();
+        let want = w.slice(split, range).unwrap();
+        assert_eq!(
+            got.data().flatten_all().unwrap().to_vec1::<u8>().unwrap(),
+            want.data().flatten_all().unwrap().to_vec1::<u8>().unwrap()
+        );
+        assert_eq!(
+            f32_le_bytes(got.scales()),
+            f32_le_bytes(want.scales()),
+            "{split:?}"
+        );
+    }
+    for range in [64..256, 128..200, 256..256] {
+        let e = Fp8BlockWeight::load_range(&st, "p", BLOCK, Split::Column, range, &Device::Cpu)
+            .map(|_| ())
+            .unwrap_err();
+        assert!(matches!(&e, Error::Invalid { arg: "range", .. }), "{e}");
+    }
     // N = 576 is 5 blocks of 128: 6 ranks would cut one
     let e = Fp8BlockWeight::load_shard(
         &st,
@@ -198,4 +223,212 @@ fn load_shard_reads_the_blocks_shard_keeps() {
         .map(|_| ())
         .unwrap_err();
     assert!(matches!(&e, Error::Invalid { arg: "shard", .. }), "{e}");
+}
+
+/// Causal grouped-query attention of `q [T, Hq * D]` over `k`, `v` `[T, Hkv * D]`: `[T, Hq * D]`.
+fn gqa(q: &Tensor, k: &Tensor, v: &Tensor, hq: usize, hkv: usize, d: usize) -> Tensor {
+    let t = q.dims()[0];
+    let heads = |x: &Tensor, h: usize| x.reshape((t, h, d)).unwrap().transpose(0, 1).unwrap();
+    let (q, k, v) = (heads(q, hq), heads(k, hkv), heads(v, hkv));
+    let group = hq / hkv;
+    let mut outs = Vec::new();
+    for h in 0..hq {
+        let (qh, kh, vh) = (
+            q.get(h).unwrap(),
+            k.get(h / group).unwrap(),
+            v.get(h / group).unwrap(),
+        );
+        let s = (qh.matmul(&kh.t().unwrap()).unwrap() / (d as f64).sqrt()).unwrap();
+        let mask: Vec<f32> = (0..t * t)
+            .map(|i| {
+                if i % t > i / t {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let s = (s + Tensor::from_vec(mask, (t, t), &Device::Cpu).unwrap()).unwrap();
+        let p = candle_nn::ops::softmax_last_dim(&s).unwrap();
+        outs.push(p.matmul(&vh.contiguous().unwrap()).unwrap());
+    }
+    Tensor::stack(&outs, 1)
+        .unwrap()
+        .reshape((t, hq * d))
+        .unwrap()
+}
+
+#[test]
+fn a_sharded_attention_block_equals_the_whole_one() {
+    let mut rng = rng("tp_attention");
+    // Qwen3-style heads of 128: 8 query heads over 4 key/value heads, hidden 1024
+    let (hidden, hq, hkv, d, t) = (1024, 8, 4, 128, 9);
+    let (wq, wk, wv, wo) = (
+        weight(&mut rng, hq * d, hidden),
+        weight(&mut rng, hkv * d, hidden),
+        weight(&mut rng, hkv * d, hidden),
+        weight(&mut rng, hidden, hq * d),
+    );
+    let bias_o = tensor(gaussian(&mut rng, hidden), &[hidden]);
+    let x = tensor(gaussian(&mut rng, t * hidden), &[t, hidden]);
+    let act = ActQuant::Group;
+    let lin = |w: &Fp8BlockWeight| Fp8Linear::new(w.clone(), None, act).unwrap();
+    let o = gqa(
+        &lin(&wq).forward_t(&x).unwrap(),
+        &lin(&wk).forward_t(&x).unwrap(),
+        &lin(&wv).forward_t(&x).unwrap(),
+        hq,
+        hkv,
+        d,
+    );
+    let want = Fp8Linear::new(wo.clone(), Some(bias_o.clone()), act)
+        .unwrap()
+        .forward_t(&o)
+        .unwrap();
+    for world in [1, 2, 4] {
+        let got = on_ranks(world, |c| {
+            let shard = Shard {
+                rank: c.rank(),
+                world_size: world,
+            };
+            let heads = shard.heads(hq, hkv, d, BLOCK[0]).unwrap();
+            let col = |w: &Fp8BlockWeight, rows| {
+                ColumnParallel::with_outputs(w, None, act, rows).unwrap()
+            };
+            let (q, k, v) = (
+                col(&wq, heads.q_rows(d)),
+                col(&wk, heads.kv_rows(d)),
+                col(&wv, heads.kv_rows(d)),
+            );
+            let bias = (c.rank() == 0).then_some(&bias_o);
+            let out = RowParallel::with_inputs(&wo, bias, act, heads.q_rows(d)).unwrap();
+            let o_r = gqa(
+                &q.forward(&x).unwrap(),
+                &k.forward(&x).unwrap(),
+                &v.forward(&x).unwrap(),
+                heads.q_heads.len(),
+                heads.kv_heads.len(),
+                d,
+            );
+            out.forward(&o_r, c).unwrap()
+        });
+        for y in &got {
+            let err = rel_frobenius(y, &want);
+            assert!(err < 1e-5, "world {world}: {err:e}");
+        }
+    }
+    // 3 ranks cannot take 4 key/value heads whole; 8 would give each a half block of rows
+    for world in [3, 8] {
+        let e = Shard {
+            rank: 0,
+            world_size: world,
+        }
+        .heads(hq, hkv, d, BLOCK[0])
+        .unwrap_err();
+        assert!(
+            matches!(&e, Error::Invalid { arg: "shard", msg } if msg.contains("world sizes [1, 2, 4]")),
+            "{e}"
+        );
+    }
+    // SmolLM2's heads of 64 in blocks of 128: pairs of heads per block
+    let e = Shard {
+        rank: 0,
+        world_size: 3,
+    }
+    .heads(9, 3, 64, 128)
+    .unwrap_err();
+    assert!(
+        matches!(&e, Error::Invalid { arg: "shard", msg } if msg.contains("[1]")),
+        "{e}"
+    );
+    // a range off the blocks is refused by the slice itself
+    let e = wq.slice(Split::Column, 64..192).map(|_| ()).unwrap_err();
+    assert!(matches!(&e, Error::Invalid { arg: "range", .. }), "{e}");
+}
+
+#[test]
+fn expert_parallel_equals_the_whole_moe_block() {
+    let mut rng = rng("tp_experts");
+    let (e, h, i, top_k, t) = (8, 256, 384, 2, 11);
+    let mk = |rng: &mut rand::rngs::StdRng, n, k| -> Vec<Fp8BlockWeight> {
+        (0..e).map(|_| weight(rng, n, k)).collect()
+    };
+    let (gate, up, down) = (mk(&mut rng, i, h), mk(&mut rng, i, h), mk(&mut rng, h, i));
+    let router_w = tensor(gaussian(&mut rng, e * h), &[e, h]);
+    let act = ActQuant::Group;
+    let stack = |ws: &[Fp8BlockWeight]| Fp8Experts::new(ws, act).unwrap();
+    let whole = Fp8Moe::new(
+        router_w.clone(),
+        stack(&gate),
+        stack(&up),
+        stack(&down),
+        top_k,
+        true,
+    )
+    .unwrap();
+    let x = tensor(gaussian(&mut rng, t * h), &[t, h]);
+    let want = whole.forward(&x).unwrap();
+    for world in 1..=4 {
+        let got = on_ranks(world, |c| {
+            let mine = Shard {
+                rank: c.rank(),
+                world_size: world,
+            }
+            .experts(e)
+            .unwrap();
+            let router = MoeRouter::new(router_w.clone(), top_k, true).unwrap();
+            let ep = ExpertParallel::new(
+                router,
+                stack(&gate[mine.clone()]),
+                stack(&up[mine.clone()]),
+                stack(&down[mine.clone()]),
+                mine,
+            )
+            .unwrap();
+            ep.forward(&x, c).unwrap()
+        });
+        for y in &got {
+            let err = rel_frobenius(y, &want);
+            assert!(err < 1e-5, "world {world}: {err:e}");
+        }
+    }
+    // a rank whose experts no token picked contributes zeros, not an error
+    let router = MoeRouter::new(router_w.clone(), 1, true).unwrap();
+    let (picked, _) = router.route(&x.narrow(0, 0, 1).unwrap()).unwrap();
+    let other = (picked[0] + 1) % e;
+    let ep = ExpertParallel::new(
+        router,
+        stack(&gate[other..other + 1]),
+        stack(&up[other..other + 1]),
+        stack(&down[other..other + 1]),
+        other..other + 1,
+    )
+    .unwrap();
+    let y = ep.forward_partial(&x.narrow(0, 0, 1).unwrap()).unwrap();
+    assert!(y
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap()
+        .iter()
+        .all(|&v| v == 0.0));
+    // experts that do not match the range are refused
+    let router = MoeRouter::new(router_w, top_k, true).unwrap();
+    let e2 = ExpertParallel::new(
+        router,
+        stack(&gate[..2]),
+        stack(&up[..2]),
+        stack(&down[..2]),
+        0..3,
+    )
+    .map(|_| ())
+    .unwrap_err();
+    assert!(matches!(&e2, Error::Shape { arg: "gate", .. }), "{e2}");
+    let e3 = Shard {
+        rank: 0,
+        world_size: 9,
+    }
+    .experts(e)
+    .unwrap_err();
+    assert!(matches!(&e3, Error::Invalid { arg: "shard", .. }), "{e3}");
 }

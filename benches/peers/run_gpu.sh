@@ -2,11 +2,13 @@
 # One device command for the GPU checks and benchmarks, on the GPU machine (device tool):
 #   .device/ staged by ../shared/gpu/stage.sh with the test and bench binaries,
 #   .whl/ holding the fla-core, einops and packaging wheels (the machine has no network).
-# Usage there: bash benches/peers/run_gpu.sh TEST_FP8 TEST_NSA BENCH_FP8 BENCH_NSA [BENCH_MOE]
-# (the staged binary names). Logs and tables land in $OUT.
+# Usage there:
+#   bash benches/peers/run_gpu.sh TEST_FP8 TEST_NSA BENCH_FP8 BENCH_NSA [BENCH_MOE [TEST_NCCL]]
+# (the staged binary names; TEST_NCCL is the `cuda_nccl` test, built with `--features nccl`).
+# Logs and tables land in $OUT.
 set -uo pipefail
-if [ $# -ne 4 ] && [ $# -ne 5 ]; then
-  echo "usage: bash benches/peers/run_gpu.sh TEST_FP8 TEST_NSA BENCH_FP8 BENCH_NSA [BENCH_MOE]" >&2
+if [ $# -lt 4 ] || [ $# -gt 6 ]; then
+  echo "usage: bash benches/peers/run_gpu.sh TEST_FP8 TEST_NSA BENCH_FP8 BENCH_NSA [BENCH_MOE [TEST_NCCL]]" >&2
   exit 2
 fi
 out=$(realpath -m "${OUT:-/tmp/fp8nsa-out}")
@@ -21,8 +23,14 @@ export FP8NSA_REQUIRE_GPU=1
 python3 benches/peers/fp8_gemm.py --json "$out/fp8_peers.jsonl" > "$out/peers_fp8.log" 2>&1
 .device/run.sh "$4" --json "$out/nsa_ours.jsonl" 2>&1 | tee "$out/bench_nsa.log"
 # the grouped expert GEMM vs per-expert fp8 and bf16 loops (its peers run in the same binary)
-if [ $# -eq 5 ]; then
+if [ $# -ge 5 ]; then
   .device/run.sh "$5" --json "$out/moe_ours.jsonl" 2>&1 | tee "$out/bench_moe.log"
+fi
+# a one-rank NCCL group; libnccl.so.2 comes from the machine's nvidia-nccl-cu13 (PyTorch's)
+if [ $# -ge 6 ]; then
+  nccl_dir=$(find / -xdev -name 'libnccl.so.2' -printf '%h\n' 2>/dev/null | head -1)
+  LD_LIBRARY_PATH="${nccl_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+    .device/run.sh "$6" --test-threads=1 2>&1 | tee "$out/test_nccl.log" | grep -E "^test |test result|panicked"
 fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"

@@ -141,6 +141,9 @@ struct BlockState {
     int alive = 0;
     int bar_arrived = 0;
     unsigned bar_gen = 0;
+    // __syncthreads_or: the predicates of the barrier being filled, and the last one's result
+    // (read by the waiters after the release, before any thread can complete another barrier)
+    int bar_or = 0, bar_or_result = 0;
     Guarded dyn;
     std::map<const void*, Guarded> statics;
     std::string error;
@@ -322,6 +325,8 @@ void trampoline() {
     if (w.arrived > 0) fail("a lane exited while its warp waits in a collective");
     if (B->bar_arrived > 0 && B->bar_arrived == B->alive) {
         B->bar_arrived = 0;
+        B->bar_or_result = B->bar_or;
+        B->bar_or = 0;
         ++B->bar_gen;
     }
     swapcontext(&F->ctx, &sched);
@@ -385,16 +390,22 @@ const Dim3& block_idx() { return B->idx; }
 const Dim3& block_dim() { return L->block; }
 const Dim3& grid_dim() { return L->grid; }
 
-void syncthreads() {
+void syncthreads() { syncthreads_or(0); }
+
+int syncthreads_or(int pred) {
     for (auto& w : B->warps)
         if (w.arrived > 0 && &w == &B->warps[F->warp]) fail("__syncthreads while the warp is in a collective");
+    B->bar_or |= pred != 0;
     ++B->bar_arrived;
     if (B->bar_arrived == B->alive) {
         B->bar_arrived = 0;
+        B->bar_or_result = B->bar_or;
+        B->bar_or = 0;
         ++B->bar_gen;
-        return;
+        return B->bar_or_result;
     }
     wait(&B->bar_gen, "__syncthreads");
+    return B->bar_or_result;
 }
 
 void syncwarp() {

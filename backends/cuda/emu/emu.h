@@ -50,6 +50,7 @@ const Dim3& block_dim();
 const Dim3& grid_dim();
 
 void syncthreads();
+int syncthreads_or(int pred);
 void syncwarp();
 float shfl_xor(float v, int lane_mask);
 
@@ -91,6 +92,7 @@ struct Registrar {
 #define gridDim (fp8nsa_emu::grid_dim())
 
 inline void __syncthreads() { fp8nsa_emu::syncthreads(); }
+inline int __syncthreads_or(int pred) { return fp8nsa_emu::syncthreads_or(pred); }
 inline void __syncwarp(unsigned = 0xffffffffu) { fp8nsa_emu::syncwarp(); }
 inline float __shfl_xor_sync(unsigned, float v, int lane_mask) { return fp8nsa_emu::shfl_xor(v, lane_mask); }
 template <typename T> inline T __ldg(const T* p) { return *p; }

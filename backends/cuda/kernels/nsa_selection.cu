@@ -39,13 +39,21 @@ template <> struct Mma<__nv_bfloat16> {
         mma_bf16_16816(d, a, b);
     }
     static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return pack_bf16x2(lo, hi); }
+    static constexpr uint32_t EXP = 0x7F80u;  // exponent bits: all ones for NaN and Inf
 };
 template <> struct Mma<__half> {
     static __device__ __forceinline__ void run(float d[4], const uint32_t a[4], const uint32_t b[2]) {
         mma_f16_16816(d, a, b);
     }
     static __device__ __forceinline__ uint32_t pack(float lo, float hi) { return pack_f16x2(lo, hi); }
+    static constexpr uint32_t EXP = 0x7C00u;
 };
+
+// Whether either 16-bit float of `w` is NaN or Inf.
+template <typename T> __device__ __forceinline__ bool non_finite2(uint32_t w) {
+    constexpr uint32_t E = Mma<T>::EXP;
+    return (w & E) == E || ((w >> 16) & E) == E;
+}
 
 // Byte offset of 16-byte chunk c of row r in a tile with `chunks` chunks per row; XOR swizzle
 // on the low three chunk bits (ldmatrix reads 8 rows of one chunk column conflict-free).
@@ -218,12 +226,26 @@ template <typename T, int D, int DV, int NW> __device__ void nsa_selection(const
         if (t + 1 < t_end) load_tile(t + 1, stage ^ 1);
         cp_async_commit();
         cp_async_wait<1>();
-        __syncthreads();
+        const uint8_t* ks = kv + stage * (K_TILE + V_TILE);
+        const uint8_t* vs = ks + K_TILE;
+        // A non-finite element in an attended key makes the row NaN (docs/nsa.md): a score of
+        // -inf would otherwise vanish as exp2(-inf) = 0. Every row of the tile is attended
+        // (rows past the span are zero-filled), and so by every head of the CTA: each thread
+        // checks the key chunks it copied (visible to it after its wait), and the barrier the
+        // tile needs anyway ORs the answers. Off the score loop, where registers are tight.
+        bool bad_key = false;
+        for (int i = tid; i < KT * DC; i += THREADS) {
+            const uint4 w = *reinterpret_cast<const uint4*>(ks + tswz(i / DC, i % DC, DC));
+            bad_key |= non_finite2<T>(w.x) | non_finite2<T>(w.y) | non_finite2<T>(w.z) |
+                       non_finite2<T>(w.w);
+        }
+        if (__syncthreads_or(bad_key)) {
+            l_run[0] = CUDART_NAN_F;
+            l_run[1] = CUDART_NAN_F;
+        }
 
         int start, len;
         tile_keys(t, start, len);
-        const uint8_t* ks = kv + stage * (K_TILE + V_TILE);
-        const uint8_t* vs = ks + K_TILE;
 
         // S = Q K^T: 16 heads x KT keys
         float s[KT / 8][4];
@@ -251,11 +273,6 @@ template <typename T, int D, int DV, int NW> __device__ void nsa_selection(const
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int key = j * 8 + t4 * 2 + (e & 1);
-                // Known gap (docs/nsa.md, non-finite values): an attended key holding an Inf
-                // whose score comes out -inf vanishes here as exp2(-inf) = 0 instead of making
-                // the row NaN. Turning such a score into NaN (a select, or sc + 0 * sc) made
-                // several sm_80 / sm_90 instantiations spill; left for the GPU bring-up, where
-                // its cost can be measured.
                 const float x = key < len ? s[j][e] * p.scale_log2 : -CUDART_INF_F;
                 s[j][e] = x;
                 mx[e >> 1] = fmaxf(mx[e >> 1], x);

@@ -440,7 +440,7 @@ fn adversarial_selections() {
     check(&[s], hq, hkv, 4, false, "adversarial ranges");
 }
 
-/// docs/nsa.md "Non-finite values": a NaN query, a NaN key or a NaN / Inf value reaches the
+/// docs/nsa.md "Non-finite values": a NaN query, a NaN / Inf key or a NaN / Inf value reaches the
 /// queries that attend it (NaN) and no other (bit-exact with the same inputs made finite),
 /// in one-pass prefill and in split decode merged by lse; the CPU kernel gives the pattern.
 #[test]
@@ -476,10 +476,16 @@ fn non_finite_inputs_reach_only_the_queries_that_attend_them() {
             sel,
             q_offset: tk - tq,
         };
-        // NaN keys only: an Inf key whose score is -inf is a known gap of the CUDA kernel
-        // (nsa_selection.cu, docs/nsa.md)
-        // every poke in kv head 0, so kv head 1's queries are always the clean control
-        let mut keys = vec![(0, 0, nan), (tk / 2, 0, nan), (tk - 1, 0, nan)];
+        // NaN and +-Inf keys (an Inf element gives a score of +-inf or NaN; -inf must not
+        // vanish as a zero weight); every poke in kv head 0, so kv head 1's queries are always
+        // the clean control
+        let mut keys = vec![
+            (0, 0, nan),
+            (tk / 2, 0, nan),
+            (tk - 1, 0, nan),
+            (tk / 3, 0, -inf),
+            (tk / 4, 0, inf),
+        ];
         keys.extend((0..tk).step_by(37).map(|j| (j, 0, nan)));
         let bad = SeqData {
             q: poke(&base.q, &[(tq - 1, 3, nan)]),

@@ -20,5 +20,7 @@ pub use moe::{Fp8Moe, MoeRouter, Routing};
 #[cfg(feature = "nccl")]
 pub use nccl::NcclGroup;
 pub use op::Fp8Path;
-pub use parallel::{ColumnParallel, Communicator, HostGroup, RowParallel, Shard, Split};
+pub use parallel::{
+    ColumnParallel, Communicator, ExpertParallel, HeadShard, HostGroup, RowParallel, Shard, Split,
+};
 pub use weight::Fp8BlockWeight;

@@ -124,19 +124,52 @@ impl Communicator for NcclGroup {
     fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
         let t = self.f32_on_device(t)?;
         let world = self.world_size();
-        // NCCL gathers whole buffers rank after rank: gather along dim 0 of a copy with `dim`
-        // moved to the front, then move it back
+        if dim >= t.rank() {
+            return Err(invalid(
+                "dim",
+                format!("{dim} is past the rank of {:?}", t.dims()),
+            ));
+        }
+        // NCCL gathers equal buffers: first every rank's shape (small integers, exact in f32;
+        // the ranks' tensors must have the same rank), then the tensors moved to put `dim`
+        // first and padded to the longest, then each rank's rows cut back out
+        let dims_here: Vec<f32> = t.dims().iter().map(|&d| d as f32).collect();
+        let dims_here = Tensor::new(dims_here.as_slice(), t.device())?;
+        let shapes: Vec<f32> = self.gather_flat(&dims_here)?.to_vec1()?;
+        let shapes: Vec<Vec<usize>> = shapes
+            .chunks(t.rank())
+            .map(|c| c.iter().map(|&d| d as usize).collect())
+            .collect();
+        super::parallel::check_gather(&shapes, dim)?;
+        let lens: Vec<usize> = shapes.iter().map(|s| s[dim]).collect();
+        let longest = lens.iter().copied().max().unwrap_or(0);
         let moved = t.transpose(0, dim)?.contiguous()?;
-        let n = moved.elem_count();
+        let padded = moved.pad_with_zeros(0, 0, longest - lens[self.rank()])?;
+        let mut dims = padded.dims().to_vec();
+        let gathered = self.gather_flat(&padded.flatten_all()?)?;
+        dims[0] = longest * world;
+        let gathered = gathered.reshape(dims)?;
+        let parts: Vec<Tensor> = lens
+            .iter()
+            .enumerate()
+            .map(|(r, &len)| gathered.narrow(0, r * longest, len))
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Tensor::cat(&parts, 0)?.transpose(0, dim)?.contiguous()?)
+    }
+}
+
+impl NcclGroup {
+    /// NCCL's all-gather of a contiguous 1-D f32 tensor of the same length on every rank.
+    fn gather_flat(&self, t: &Tensor) -> Result<Tensor> {
+        let n = t.elem_count();
+        let world = self.world_size();
         let stream = self.device.cuda_stream();
         let mut out = stream.alloc_zeros::<f32>(n * world).map_err(alloc_err)?;
-        with_storage("t", &moved, |s, l| {
+        with_storage("t", t, |s, l| {
             let src = view::<f32>("t", s, l)?;
             self.comm.all_gather(&src, &mut out).map_err(nccl_err)?;
             Ok(())
         })?;
-        let mut dims = moved.dims().to_vec();
-        dims[0] *= world;
-        Ok(self.wrap(out, &dims).transpose(0, dim)?.contiguous()?)
+        Ok(self.wrap(out, &[n * world]))
     }
 }

@@ -73,6 +73,134 @@ impl Shard {
         let count = base + usize::from(rank < extra);
         Ok(first * block..((first + count) * block).min(len))
     }
+
+    /// The experts `[start, end)` this rank holds for expert parallelism (dealt out as evenly
+    /// as they go; any world size up to the number of experts).
+    ///
+    /// ```
+    /// use fp8nsa_ops::fp8::Shard;
+    /// assert_eq!(Shard { rank: 1, world_size: 3 }.experts(8).unwrap(), 3..6);
+    /// assert!(Shard { rank: 0, world_size: 9 }.experts(8).is_err());
+    /// ```
+    pub fn experts(&self, num_experts: usize) -> Result<Range<usize>> {
+        if self.world_size > num_experts && num_experts > 0 {
+            return Err(invalid(
+                "shard",
+                format!(
+                    "{num_experts} experts over {} ranks would leave a rank without one: \
+                     world sizes 1..={num_experts} work",
+                    self.world_size
+                ),
+            ));
+        }
+        self.range(num_experts, 1)
+    }
+
+    /// The attention heads this rank holds for tensor-parallel attention, as Megatron and
+    /// vLLM shard it: whole key/value heads with the query heads that read them, so each rank
+    /// attends on its own. The world size must divide the number of key/value heads, and every
+    /// rank's rows of the q and k/v projections (`heads x head_dim`) must start on a block of
+    /// `block_n` rows, or the per-block scales would be cut; the error lists the world sizes
+    /// that work.
+    ///
+    /// ```
+    /// use fp8nsa_ops::fp8::Shard;
+    /// // 16 query heads, 4 key/value heads of 128, weight blocks of 128 rows
+    /// let h = Shard { rank: 1, world_size: 2 }.heads(16, 4, 128, 128).unwrap();
+    /// assert_eq!((h.q_heads.clone(), h.kv_heads.clone()), (8..16, 2..4));
+    /// assert_eq!((h.q_rows(128), h.kv_rows(128)), (1024..2048, 256..512));
+    /// let e = Shard { rank: 0, world_size: 3 }.heads(16, 4, 128, 128).unwrap_err();
+    /// assert!(e.to_string().contains("world sizes [1, 2, 4]"));
+    /// ```
+    pub fn heads(
+        &self,
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        block_n: usize,
+    ) -> Result<HeadShard> {
+        let Shard { rank, world_size } = *self;
+        if world_size == 0 || rank >= world_size {
+            return Err(invalid(
+                "shard",
+                format!("rank {rank} of world size {world_size}: need rank < world size"),
+            ));
+        }
+        if num_kv_heads == 0
+            || head_dim == 0
+            || block_n == 0
+            || !num_heads.is_multiple_of(num_kv_heads)
+        {
+            return Err(invalid(
+                "heads",
+                format!(
+                    "{num_heads} query heads over {num_kv_heads} key/value heads of \
+                     {head_dim} in blocks of {block_n}: need whole query groups and non-zero sizes"
+                ),
+            ));
+        }
+        let works = |w: usize| {
+            num_kv_heads.is_multiple_of(w)
+                && (w == 1
+                    || (((num_kv_heads / w) * head_dim).is_multiple_of(block_n)
+                        && ((num_heads / w) * head_dim).is_multiple_of(block_n)))
+        };
+        if !works(world_size) {
+            let ok: Vec<usize> = (1..=num_kv_heads).filter(|&w| works(w)).collect();
+            return Err(invalid(
+                "shard",
+                format!(
+                    "{num_heads} query / {num_kv_heads} key-value heads of {head_dim} in weight \
+                     blocks of {block_n} rows cannot be split over {world_size} ranks on whole \
+                     heads and blocks: world sizes {ok:?} work"
+                ),
+            ));
+        }
+        let (kv, q) = (num_kv_heads / world_size, num_heads / world_size);
+        Ok(HeadShard {
+            q_heads: rank * q..(rank + 1) * q,
+            kv_heads: rank * kv..(rank + 1) * kv,
+        })
+    }
+}
+
+/// One rank's attention heads (from [`Shard::heads`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeadShard {
+    pub q_heads: Range<usize>,
+    pub kv_heads: Range<usize>,
+}
+
+impl HeadShard {
+    /// The rows of the q projection (the columns of the output projection) of these heads.
+    pub fn q_rows(&self, head_dim: usize) -> Range<usize> {
+        self.q_heads.start * head_dim..self.q_heads.end * head_dim
+    }
+
+    /// The rows of the k and v projections of these heads.
+    pub fn kv_rows(&self, head_dim: usize) -> Range<usize> {
+        self.kv_heads.start * head_dim..self.kv_heads.end * head_dim
+    }
+}
+
+/// `range` of a dimension of `len` elements in blocks of `block` must start on a block and end
+/// on one or at `len`, or the slice's scales would not line up.
+fn check_on_blocks(
+    what: &'static str,
+    range: &Range<usize>,
+    len: usize,
+    block: usize,
+) -> Result<()> {
+    let on = |i: usize| i.is_multiple_of(block) || i == len;
+    if range.start >= range.end || range.end > len || !on(range.start) || !on(range.end) {
+        return Err(invalid(
+            what,
+            format!(
+                "{range:?} of {len} must be non-empty and fall on blocks of {block} (or end at {len})"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 impl Fp8BlockWeight {
@@ -86,6 +214,32 @@ impl Fp8BlockWeight {
         block: [usize; 2],
         split: Split,
         shard: Shard,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::load_slice(st, prefix, block, split, Slice::Shard(shard), device)
+    }
+
+    /// Rows (`Split::Column`) or columns (`Split::Row`) `range` of `{prefix}.weight` and the
+    /// matching scales, as [`Self::load_shard`] reads them: for splits that are not an even
+    /// deal of blocks, such as a rank's attention heads ([`Shard::heads`]). The range must
+    /// fall on blocks.
+    pub fn load_range(
+        st: &MmapedSafetensors,
+        prefix: &str,
+        block: [usize; 2],
+        split: Split,
+        range: Range<usize>,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::load_slice(st, prefix, block, split, Slice::Range(range), device)
+    }
+
+    fn load_slice(
+        st: &MmapedSafetensors,
+        prefix: &str,
+        block: [usize; 2],
+        split: Split,
+        slice: Slice,
         device: &Device,
     ) -> Result<Self> {
         use safetensors::Dtype;
@@ -110,9 +264,12 @@ impl Fp8BlockWeight {
             }
         };
         let bytes = view.data();
+        if block[0] == 0 || block[1] == 0 {
+            return Err(invalid("block", format!("{block:?} has a zero side")));
+        }
         let (rows, cols) = match split {
-            Split::Column => (shard.range(n, block[0])?, 0..k),
-            Split::Row => (0..n, shard.range(k, block[1])?),
+            Split::Column => (slice.resolve(n, block[0])?, 0..k),
+            Split::Row => (0..n, slice.resolve(k, block[1])?),
         };
         let mut codes = Vec::with_capacity(rows.len() * cols.len());
         for r in rows.clone() {
@@ -150,25 +307,46 @@ impl Fp8BlockWeight {
     pub fn shard(&self, split: Split, shard: Shard) -> Result<Self> {
         let [n, k] = self.shape();
         let block = self.block();
-        let (data, scales) = match split {
-            Split::Column => {
-                let r = shard.range(n, block[0])?;
-                (
-                    self.data().narrow(0, r.start, r.len())?,
-                    self.scales()
-                        .narrow(0, r.start / block[0], r.len().div_ceil(block[0]))?,
-                )
-            }
-            Split::Row => {
-                let c = shard.range(k, block[1])?;
-                (
-                    self.data().narrow(1, c.start, c.len())?,
-                    self.scales()
-                        .narrow(1, c.start / block[1], c.len().div_ceil(block[1]))?,
-                )
-            }
+        let range = match split {
+            Split::Column => shard.range(n, block[0])?,
+            Split::Row => shard.range(k, block[1])?,
         };
+        self.slice(split, range)
+    }
+
+    /// Rows (`Split::Column`) or columns (`Split::Row`) `range` of a weight in memory, with
+    /// the matching scales; the range must fall on blocks.
+    pub fn slice(&self, split: Split, range: Range<usize>) -> Result<Self> {
+        let [n, k] = self.shape();
+        let block = self.block();
+        let (dim, len, b) = match split {
+            Split::Column => (0, n, block[0]),
+            Split::Row => (1, k, block[1]),
+        };
+        check_on_blocks("range", &range, len, b)?;
+        let data = self.data().narrow(dim, range.start, range.len())?;
+        let scales = self
+            .scales()
+            .narrow(dim, range.start / b, range.len().div_ceil(b))?;
         Self::from_parts(data.contiguous()?, scales.contiguous()?, block)
+    }
+}
+
+/// What part of the split dimension a load takes.
+enum Slice {
+    Shard(Shard),
+    Range(Range<usize>),
+}
+
+impl Slice {
+    fn resolve(self, len: usize, block: usize) -> Result<Range<usize>> {
+        match self {
+            Slice::Shard(s) => s.range(len, block),
+            Slice::Range(r) => {
+                check_on_blocks("range", &r, len, block)?;
+                Ok(r)
+            }
+        }
     }
 }
 
@@ -179,7 +357,8 @@ pub trait Communicator: Send + Sync {
     fn world_size(&self) -> usize;
     /// The elementwise sum over the ranks of `t` (same shape everywhere), on every rank.
     fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor>;
-    /// The ranks' tensors concatenated along `dim`, in rank order, on every rank.
+    /// The ranks' tensors concatenated along `dim`, in rank order, on every rank. The ranks'
+    /// tensors may differ in size along `dim` (a column split that is not even), nowhere else.
     fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor>;
 }
 
@@ -275,8 +454,40 @@ impl Communicator for HostGroup {
     }
 
     fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        Ok(Tensor::cat(&self.exchange(t)?, dim)?)
+        let all = self.exchange(t)?;
+        check_gather(
+            &all.iter().map(|x| x.dims().to_vec()).collect::<Vec<_>>(),
+            dim,
+        )?;
+        Ok(Tensor::cat(&all, dim)?)
     }
+}
+
+/// Every communicator's rule for an all-gather: the ranks' shapes (in rank order) agree
+/// except along `dim`. Every rank sees the same shapes, so all refuse together.
+pub(crate) fn check_gather(shapes: &[Vec<usize>], dim: usize) -> Result<()> {
+    let first = &shapes[0];
+    if dim >= first.len() {
+        return Err(invalid(
+            "dim",
+            format!("{dim} is past the rank of {first:?}"),
+        ));
+    }
+    for (r, s) in shapes.iter().enumerate() {
+        let same_elsewhere = s.len() == first.len()
+            && s.iter()
+                .zip(first)
+                .enumerate()
+                .all(|(d, (a, b))| d == dim || a == b);
+        if !same_elsewhere {
+            return Err(Error::Shape {
+                arg: "t",
+                expected: format!("{first:?} (rank 0's) except along dim {dim}, on rank {r}"),
+                got: s.clone(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// A column-parallel fp8 linear: this rank's rows of the weight (and of the bias), so
@@ -298,10 +509,22 @@ impl ColumnParallel {
         shard: Shard,
     ) -> Result<Self> {
         let outputs = shard.range(weight.shape()[0], weight.block()[0])?;
+        Self::with_outputs(weight, bias, act, outputs)
+    }
+
+    /// From the full weight and bias, keeping the output features `outputs` (on blocks), such
+    /// as a rank's attention heads ([`HeadShard::q_rows`]).
+    pub fn with_outputs(
+        weight: &Fp8BlockWeight,
+        bias: Option<&Tensor>,
+        act: ActQuant,
+        outputs: Range<usize>,
+    ) -> Result<Self> {
+        let linear = weight.slice(Split::Column, outputs.clone())?;
         let bias = bias
             .map(|b| b.narrow(0, outputs.start, outputs.len()))
             .transpose()?;
-        let linear = Fp8Linear::new(weight.shard(Split::Column, shard)?, bias, act)?;
+        let linear = Fp8Linear::new(linear, bias, act)?;
         Ok(Self { linear, outputs })
     }
 
@@ -328,8 +551,23 @@ impl RowParallel {
         shard: Shard,
     ) -> Result<Self> {
         let inputs = shard.range(weight.shape()[1], weight.block()[1])?;
-        let bias = if shard.rank == 0 { bias.cloned() } else { None };
-        let linear = Fp8Linear::new(weight.shard(Split::Row, shard)?, bias, act)?;
+        Self::with_inputs(weight, bias.filter(|_| shard.rank == 0), act, inputs)
+    }
+
+    /// From the full weight, keeping the input features `inputs` (on blocks), such as the
+    /// outputs of a rank's attention heads. `bias` is added by this rank's partial sum: pass
+    /// it on one rank only.
+    pub fn with_inputs(
+        weight: &Fp8BlockWeight,
+        bias: Option<&Tensor>,
+        act: ActQuant,
+        inputs: Range<usize>,
+    ) -> Result<Self> {
+        let linear = Fp8Linear::new(
+            weight.slice(Split::Row, inputs.clone())?,
+            bias.cloned(),
+            act,
+        )?;
         Ok(Self { linear, inputs })
     }
 
@@ -341,5 +579,132 @@ impl RowParallel {
     /// The full output: the partial sum reduced over the group.
     pub fn forward(&self, x_r: &Tensor, comm: &dyn Communicator) -> Result<Tensor> {
         comm.all_reduce_sum(&self.forward_partial(x_r)?)
+    }
+}
+
+/// Expert parallelism for a mixture-of-experts block: this rank holds the experts
+/// `experts` (all three projections, whole) and the full router. Every rank routes every
+/// token the same way; [`Self::forward_partial`] computes the weighted outputs of the tokens'
+/// picks that fall on this rank's experts, and the all-reduce of [`Self::forward`] sums the
+/// ranks' parts into the [`Fp8Moe`](super::Fp8Moe) output. A server loads only its experts'
+/// weights ([`Shard::experts`] says which).
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use fp8nsa_ops::fp8::{ExpertParallel, Shard};
+/// use fp8nsa_ops::{ActQuant, Fp8BlockWeight, Fp8Experts, MoeRouter};
+///
+/// let (e, h, i, dev) = (4, 8, 16, Device::Cpu);
+/// let shard = Shard { rank: 1, world_size: 2 };
+/// let mine = shard.experts(e)?; // 2..4
+/// let stack = |n: usize, k: usize| -> Result<Fp8Experts, fp8nsa_ops::Error> {
+///     let ws: Vec<Fp8BlockWeight> = mine
+///         .clone()
+///         .map(|_| Fp8BlockWeight::quantize(&Tensor::randn(0f32, 0.1, (n, k), &dev)?, [128, 128]))
+///         .collect::<Result<_, _>>()?;
+///     Fp8Experts::new(&ws, ActQuant::Group)
+/// };
+/// let router = MoeRouter::new(Tensor::randn(0f32, 1.0, (e, h), &dev)?, 2, true)?;
+/// let ep = ExpertParallel::new(router, stack(i, h)?, stack(i, h)?, stack(h, i)?, mine)?;
+/// let x = Tensor::randn(0f32, 1.0, (3, h), &dev)?;
+/// assert_eq!(ep.forward_partial(&x)?.dims(), &[3, h]); // this rank's part of the sum
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Debug)]
+pub struct ExpertParallel {
+    router: super::MoeRouter,
+    gate: super::Fp8Experts,
+    up: super::Fp8Experts,
+    down: super::Fp8Experts,
+    experts: Range<usize>,
+}
+
+impl ExpertParallel {
+    /// `router` over all `E` experts; `gate` and `up` `[E_r, I, H]`, `down` `[E_r, H, I]` for
+    /// the experts `experts` (`E_r` of them) of this rank.
+    pub fn new(
+        router: super::MoeRouter,
+        gate: super::Fp8Experts,
+        up: super::Fp8Experts,
+        down: super::Fp8Experts,
+        experts: Range<usize>,
+    ) -> Result<Self> {
+        let e = router.num_experts();
+        if experts.is_empty() || experts.end > e {
+            return Err(invalid(
+                "experts",
+                format!("{experts:?} is not a non-empty range of the router's {e} experts"),
+            ));
+        }
+        let [er, i, h] = gate.shape();
+        if er != experts.len() {
+            return Err(crate::error::shape_err(
+                "gate",
+                format!("[{}, I, H] (one per expert of {experts:?})", experts.len()),
+                &gate.shape(),
+            ));
+        }
+        if up.shape() != [er, i, h] {
+            return Err(crate::error::shape_err(
+                "up",
+                format!("[{er}, {i}, {h}]"),
+                &up.shape(),
+            ));
+        }
+        if down.shape() != [er, h, i] {
+            return Err(crate::error::shape_err(
+                "down",
+                format!("[{er}, {h}, {i}]"),
+                &down.shape(),
+            ));
+        }
+        // the router's hidden size is checked by its own `route` on every call
+        Ok(Self {
+            router,
+            gate,
+            up,
+            down,
+            experts,
+        })
+    }
+
+    /// The experts this rank holds.
+    pub fn experts(&self) -> Range<usize> {
+        self.experts.clone()
+    }
+
+    /// `[.., H]` f32: the part of the block's output for `x [.., H]` that this rank's experts
+    /// contribute (zeros where no token picked one of them).
+    pub fn forward_partial(&self, x: &Tensor) -> Result<Tensor> {
+        let (x2, r) = self.router.group(x)?;
+        let h = x2.dims()[1];
+        // rows are grouped by expert, so this rank's are one contiguous run of them
+        let skip: usize = r.counts[..self.experts.start].iter().sum();
+        let counts = r.counts[self.experts.clone()].to_vec();
+        let take: usize = counts.iter().sum();
+        let out_dims = [&x.dims()[..x.rank() - 1], &[h]].concat();
+        if take == 0 {
+            return Ok(Tensor::zeros(out_dims, DType::F32, x.device())?);
+        }
+        let local = super::Routing {
+            counts,
+            rows: r.rows.narrow(0, skip, take)?,
+            weights: r.weights[skip..skip + take].to_vec(),
+            tokens: r.tokens,
+        };
+        let xp = x2.index_select(&local.rows, 0)?;
+        let g = self.gate.forward_contiguous(&xp, &local.counts)?;
+        let u = self.up.forward_contiguous(&xp, &local.counts)?;
+        let a = (g.silu()? * u)?;
+        let d = self.down.forward_contiguous(&a, &local.counts)?;
+        Ok(local.combine(&d)?.reshape(out_dims)?)
+    }
+
+    /// The block's output `[.., H]` in x's dtype: the partial parts reduced (in f32) over
+    /// the group.
+    pub fn forward(&self, x: &Tensor, comm: &dyn Communicator) -> Result<Tensor> {
+        Ok(comm
+            .all_reduce_sum(&self.forward_partial(x)?)?
+            .to_dtype(x.dtype())?)
     }
 }
