@@ -427,3 +427,55 @@ pub fn nsa_selection(s: AttnShape, scale: f32) -> String {
         f32t(&[tq, hq]),
     )
 }
+
+/// How [`sharded_matmul`] splits `y [m, n] = x [m, k] · w [k, n]` over its partitions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatmulSplit {
+    /// Column parallel: `w` split over `n`, `x` on every partition, each partition holds its
+    /// `[m, n / parts]` slice of `y`. No communication.
+    Columns,
+    /// Row parallel: `x` split over `k` (columns) and `w` over `k` (rows); each partition's
+    /// partial product is summed by the all-reduce the SPMD partitioner inserts, and every
+    /// partition holds all of `y`.
+    Rows,
+}
+
+/// `x f32[m, k] · w f32[k, n] -> y f32[m, n]` with `mhlo.sharding` on arguments and result,
+/// for XLA's SPMD partitioner over `parts` partitions (compile with
+/// [`crate::proto::spmd_compile_options`]). The shapes here are global; each partition is fed,
+/// and returns, its shard (see [`MatmulSplit`]).
+pub fn sharded_matmul(
+    m: usize,
+    k: usize,
+    n: usize,
+    parts: usize,
+    split: MatmulSplit,
+) -> crate::Result<String> {
+    let split_dim = match split {
+        MatmulSplit::Columns => n,
+        MatmulSplit::Rows => k,
+    };
+    if m == 0 || k == 0 || n == 0 || parts == 0 || split_dim % parts != 0 {
+        return Err(crate::error::invalid(
+            "sharded_matmul",
+            format!("needs m, k, n >= 1 and the split side divisible by parts; got m = {m}, k = {k}, n = {n}, parts = {parts}, {split:?}"),
+        ));
+    }
+    let ids = (0..parts)
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    // `{devices=[a,b]ids}` tiles dim 0 a ways and dim 1 b ways over the listed partitions
+    let tiled = |a: usize, b: usize| format!("\"{{devices=[{a},{b}]{ids}}}\"");
+    let replicated = "\"{replicated}\"".to_string();
+    let (xs, ws, ys) = match split {
+        MatmulSplit::Columns => (replicated, tiled(1, parts), tiled(1, parts)),
+        MatmulSplit::Rows => (tiled(1, parts), tiled(parts, 1), replicated),
+    };
+    Ok(format!(
+        "module @sharded_matmul attributes {{mhlo.num_partitions = {parts} : i32, mhlo.num_replicas = 1 : i32}} {{\n  func.func public @main(%x: {xt} {{mhlo.sharding = {xs}}}, %w: {wt} {{mhlo.sharding = {ws}}}) -> ({yt} {{mhlo.sharding = {ys}}}) {{\n    %y = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0] : ({xt}, {wt}) -> {yt}\n    return %y : {yt}\n  }}\n}}\n",
+        xt = f32t(&[m, k]),
+        wt = f32t(&[k, n]),
+        yt = f32t(&[m, n]),
+    ))
+}

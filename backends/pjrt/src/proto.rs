@@ -41,6 +41,35 @@ pub fn compile_options(device_ordinal: i64, num_replicas: i64, num_partitions: i
     out
 }
 
+/// xla.CompileOptionsProto for one replica split SPMD-style into `device_ids.len()`
+/// partitions, partition `i` on device `device_ids[i]`:
+/// `executable_build_options (3): ExecutableBuildOptionsProto { device_ordinal (1) = -1,
+/// num_replicas (4) = 1, num_partitions (5), use_spmd_partitioning (6) = true,
+/// device_assignment (9): DeviceAssignmentProto { replica_count (1) = 1,
+/// computation_count (2), computation_devices (3) [{ replica_device_ids (1) }] } }`.
+/// The assignment is explicit so that the order of `execute_sharded`'s argument lists (the
+/// executable's addressable devices) is the order given here, not the plugin's default.
+pub fn spmd_compile_options(device_ids: &[i64]) -> Vec<u8> {
+    let mut da = Vec::new();
+    put_int(&mut da, 1, 1);
+    put_int(&mut da, 2, device_ids.len() as i64);
+    for &id in device_ids {
+        let mut cd = Vec::new();
+        put_int(&mut cd, 1, id);
+        put_bytes(&mut da, 3, &cd);
+    }
+    let mut ebo = Vec::new();
+    // -1: no single device; the assignment below places the partitions
+    put_int(&mut ebo, 1, -1);
+    put_int(&mut ebo, 4, 1);
+    put_int(&mut ebo, 5, device_ids.len() as i64);
+    put_int(&mut ebo, 6, 1);
+    put_bytes(&mut ebo, 9, &da);
+    let mut out = Vec::new();
+    put_bytes(&mut out, 3, &ebo);
+    out
+}
+
 // ---- decoding -------------------------------------------------------------
 #[derive(Clone, Copy, Debug)]
 #[allow(dead_code)] // Fixed64 payloads are skipped, never read

@@ -165,10 +165,28 @@ impl Api {
         }
     }
 
-    /// A new client on this plugin.
+    /// A new client on this plugin, with the plugin's default options.
     pub fn client(&'static self) -> Result<Client> {
+        self.client_with(&ClientOptions::default())
+    }
+
+    /// A new client with `PJRT_Client_Create` options.
+    pub fn client_with(&'static self, options: &ClientOptions) -> Result<Client> {
+        let mut named = Vec::new();
+        if let Some(n) = options.cpu_device_count {
+            // 0 (or a negative count) gives a client without devices on the XLA CPU plugin
+            let n = i64::try_from(n).ok().filter(|&n| n >= 1).ok_or_else(|| {
+                crate::error::invalid("cpu_device_count", format!("must be >= 1, got {n}"))
+            })?;
+            named.push(int64_option(CPU_DEVICE_COUNT, n));
+        }
         let mut a = PJRT_Client_Create_Args::new();
-        // SAFETY: no options (null, 0) and no key-value callbacks.
+        if !named.is_empty() {
+            a.create_options = named.as_ptr();
+            a.num_options = named.len();
+        }
+        // SAFETY: `named` outlives the call and its names are 'static (the plugin copies what
+        // it keeps); each value has the type the option is read as; no key-value callbacks.
         unsafe { self.call("PJRT_Client_Create", self.t().PJRT_Client_Create, &mut a)? };
         if a.client.is_null() {
             return Err(local("PJRT_Client_Create", "returned a null client"));
@@ -181,6 +199,32 @@ impl Api {
             }),
         })
     }
+}
+
+/// Options for [`Api::client_with`]; `None` leaves the plugin's default.
+///
+/// Typed rather than free-form name/value pairs on purpose: the XLA CPU plugin reads an
+/// option's value as the type it expects without checking, and a value of another type
+/// throws a C++ exception through the C API, which aborts the process. Names a plugin does
+/// not know are ignored by this wheel's CPU plugin and refused (an error) by newer ones.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClientOptions {
+    /// `cpu_device_count` (int64): how many host devices the XLA CPU plugin exposes (its
+    /// default is 4; `XLA_FLAGS=--xla_force_host_platform_device_count` does not change it).
+    pub cpu_device_count: Option<usize>,
+}
+
+const CPU_DEVICE_COUNT: &str = "cpu_device_count";
+
+fn int64_option(name: &'static str, value: i64) -> PJRT_NamedValue {
+    let mut v = PJRT_NamedValue::new();
+    v.name = name.as_ptr().cast::<c_char>();
+    v.name_size = name.len();
+    v.type_ = PJRT_NamedValue_kInt64;
+    v.value.int64_value = value;
+    // a scalar counts as one value
+    v.value_size = 1;
+    v
 }
 
 struct ClientInner {
@@ -256,6 +300,14 @@ impl Client {
 
     /// The first addressable device.
     pub fn device(&self) -> Result<Device> {
+        self.devices()?
+            .into_iter()
+            .next()
+            .ok_or_else(|| local("PJRT_Client_AddressableDevices", "the client has no device"))
+    }
+
+    /// Every addressable device, in the plugin's order.
+    pub fn devices(&self) -> Result<Vec<Device>> {
         let mut a = PJRT_Client_AddressableDevices_Args::new();
         a.client = self.inner.raw;
         // SAFETY: live client.
@@ -267,17 +319,18 @@ impl Client {
             )?
         };
         if a.addressable_devices.is_null() || a.num_addressable_devices == 0 {
-            return Err(local(
-                "PJRT_Client_AddressableDevices",
-                "the client has no device",
-            ));
+            return Ok(Vec::new());
         }
-        // SAFETY: an array of `num_addressable_devices` pointers owned by the client.
-        let raw = unsafe { *a.addressable_devices };
-        Ok(Device {
-            _client: self.inner.clone(),
-            raw,
-        })
+        // SAFETY: an array of `num_addressable_devices` pointers owned by the live client.
+        let raw =
+            unsafe { std::slice::from_raw_parts(a.addressable_devices, a.num_addressable_devices) };
+        Ok(raw
+            .iter()
+            .map(|&raw| Device {
+                client: self.inner.clone(),
+                raw,
+            })
+            .collect())
     }
 
     /// Compiles `code` (`format` "mlir" for StableHLO text) with `options` (a serialized
@@ -315,6 +368,23 @@ impl Client {
         Ok(exe)
     }
 
+    /// Compiles StableHLO text carrying `mhlo.sharding` annotations for XLA's SPMD
+    /// partitioner: one replica, partition `i` on `devices[i]`. Run the result with
+    /// [`Executable::execute_sharded`], argument list `i` holding the shards of `devices[i]`.
+    pub fn compile_spmd(&self, code: &str, devices: &[Device]) -> Result<Executable> {
+        if devices.is_empty() {
+            return Err(crate::error::invalid(
+                "devices",
+                "an SPMD program needs at least one device",
+            ));
+        }
+        let ids = devices
+            .iter()
+            .map(|d| d.id().map(i64::from))
+            .collect::<Result<Vec<i64>>>()?;
+        self.compile(code, "mlir", &crate::proto::spmd_compile_options(&ids))
+    }
+
     /// Uploads a dense row-major host array to `device`; returns once the host data is no
     /// longer needed.
     pub fn upload(
@@ -328,6 +398,13 @@ impl Client {
             ElementType::U8 => 1,
             ElementType::F32 => 4,
         };
+        // a device handle of another client would reach into that client's state
+        if !Arc::ptr_eq(&device.client, &self.inner) {
+            return Err(crate::error::invalid(
+                "device",
+                "belongs to another PJRT client",
+            ));
+        }
         // the plugin reads exactly prod(dims) * width bytes: that must be `data`, no more
         let bytes = dims.iter().try_fold(
             width,
@@ -377,8 +454,39 @@ impl Client {
 /// A device of a client (owned by the client).
 #[derive(Clone)]
 pub struct Device {
-    _client: Arc<ClientInner>,
+    client: Arc<ClientInner>,
     raw: *mut PJRT_Device,
+}
+
+impl Device {
+    /// The device's global id: what a `DeviceAssignmentProto` names it by.
+    pub fn id(&self) -> Result<i32> {
+        let api = self.client.api;
+        let mut d = PJRT_Device_GetDescription_Args::new();
+        d.device = self.raw;
+        // SAFETY: a device of the live client this handle keeps alive.
+        unsafe {
+            api.call(
+                "PJRT_Device_GetDescription",
+                api.t().PJRT_Device_GetDescription,
+                &mut d,
+            )?
+        };
+        if d.device_description.is_null() {
+            return Err(local("PJRT_Device_GetDescription", "returned null"));
+        }
+        let mut a = PJRT_DeviceDescription_Id_Args::new();
+        a.device_description = d.device_description;
+        // SAFETY: the description is owned by the live device.
+        unsafe {
+            api.call(
+                "PJRT_DeviceDescription_Id",
+                api.t().PJRT_DeviceDescription_Id,
+                &mut a,
+            )?
+        };
+        Ok(a.id)
+    }
 }
 
 // SAFETY: a device handle is an immutable pointer into a thread-safe client.
@@ -520,23 +628,61 @@ impl Executable {
 
     /// Runs on one device and waits for completion; returns the outputs.
     pub fn execute(&self, args: &[&Buffer]) -> Result<Vec<Buffer>> {
-        let arg_ptrs: Vec<*mut PJRT_Buffer> = args.iter().map(|b| b.raw).collect();
-        let arg_lists: [*const *mut PJRT_Buffer; 1] = [arg_ptrs.as_ptr()];
-        let mut outs: Vec<*mut PJRT_Buffer> = vec![null_mut(); self.num_outputs];
-        let out_lists: [*mut *mut PJRT_Buffer; 1] = [outs.as_mut_ptr()];
-        let mut done: [*mut PJRT_Event; 1] = [null_mut()];
+        let mut outs = self.execute_sharded(&[args])?;
+        Ok(outs.pop().unwrap_or_default())
+    }
+
+    /// Runs one program on several devices at once (an SPMD executable compiled for
+    /// `args.len()` partitions) and waits for all of them. `args[i]` are the buffers of the
+    /// executable's `i`-th addressable device, which for an explicit device assignment is its
+    /// `i`-th partition; every list holds the same number of buffers. Returns the outputs per
+    /// device, in the same order.
+    pub fn execute_sharded(&self, args: &[&[&Buffer]]) -> Result<Vec<Vec<Buffer>>> {
+        let num_args = args.first().map_or(0, |a| a.len());
+        if args.is_empty() || args.iter().any(|a| a.len() != num_args) {
+            return Err(crate::error::invalid(
+                "args",
+                format!(
+                    "needs one equally long argument list per device, got lengths {:?}",
+                    args.iter().map(|a| a.len()).collect::<Vec<_>>()
+                ),
+            ));
+        }
+        // a buffer of another client would be read as this client's
+        if args
+            .iter()
+            .flat_map(|l| l.iter())
+            .any(|b| !Arc::ptr_eq(&b.client, &self.client))
+        {
+            return Err(crate::error::invalid(
+                "args",
+                "a buffer belongs to another PJRT client",
+            ));
+        }
+        let arg_ptrs: Vec<Vec<*mut PJRT_Buffer>> = args
+            .iter()
+            .map(|list| list.iter().map(|b| b.raw).collect())
+            .collect();
+        let arg_lists: Vec<*const *mut PJRT_Buffer> = arg_ptrs.iter().map(|l| l.as_ptr()).collect();
+        let mut outs: Vec<Vec<*mut PJRT_Buffer>> =
+            vec![vec![null_mut(); self.num_outputs]; args.len()];
+        let out_lists: Vec<*mut *mut PJRT_Buffer> =
+            outs.iter_mut().map(|l| l.as_mut_ptr()).collect();
+        let mut done: Vec<*mut PJRT_Event> = vec![null_mut(); args.len()];
         let mut opts = PJRT_ExecuteOptions::new();
         let mut a = PJRT_LoadedExecutable_Execute_Args::new();
         a.executable = self.raw;
         a.options = &mut opts;
         a.argument_lists = arg_lists.as_ptr();
-        a.num_devices = 1;
-        a.num_args = arg_ptrs.len();
+        a.num_devices = args.len();
+        a.num_args = num_args;
         a.output_lists = out_lists.as_ptr();
         a.device_complete_events = done.as_mut_ptr();
         a.execute_device = null_mut();
-        // SAFETY: executable and argument buffers are live; arguments are [1][num_args], the
-        // outputs [1][num_outputs] as the executable reports, events [1]; all outlive the call.
+        // SAFETY: executable and argument buffers are live; arguments are
+        // [num_devices][num_args], outputs [num_devices][num_outputs] as the executable
+        // reports, events [num_devices]; all outlive the call. A device count the executable
+        // was not compiled for is the plugin's to refuse, with an error.
         unsafe {
             self.api().call(
                 "PJRT_LoadedExecutable_Execute",
@@ -544,15 +690,23 @@ impl Executable {
                 &mut a,
             )?
         };
-        let event = Event::adopt(self.api(), done[0]);
-        let buffers: Vec<Buffer> = outs
+        // adopt everything first, so an error below still frees what the plugin handed us
+        let events: Vec<Event> = done
             .iter()
-            .filter_map(|&raw| Buffer::adopt(&self.client, raw))
+            .filter_map(|&raw| Event::adopt(self.api(), raw))
             .collect();
-        if let Some(ev) = event {
+        let buffers: Vec<Vec<Buffer>> = outs
+            .iter()
+            .map(|list| {
+                list.iter()
+                    .filter_map(|&raw| Buffer::adopt(&self.client, raw))
+                    .collect()
+            })
+            .collect();
+        for ev in &events {
             ev.wait("PJRT_Event_Await(execute)")?;
         }
-        if buffers.len() != self.num_outputs {
+        if buffers.iter().any(|l| l.len() != self.num_outputs) {
             return Err(local(
                 "PJRT_LoadedExecutable_Execute",
                 "some outputs were null",
