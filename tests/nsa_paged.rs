@@ -2,7 +2,11 @@
 //! of different lengths, their keys scattered over a shuffled page pool, against the same
 //! sequences called one by one on contiguous keys. Bit for bit on the CPU kernel and on the
 //! dense fallback, for page sizes 1, 16, 64 and 24 (which does not divide the 32-key blocks),
-//! blocks, ranges and tokens, decode (Tq = 1) and speculative decode (Tq = 3).
+//! blocks, ranges and tokens, decode (Tq = 1) and speculative decode (Tq = 3). And the full
+//! NSA layer with its decode state on server-owned pages (item 3): the same outputs as the
+//! layer's own `NsaCache`, step for step, through forks (prefix sharing, copy on write) and
+//! rollbacks, with every page back in the pool at the end; an exhausted pool is an error that
+//! leaves the state as it was.
 
 use candle_core::{DType, Device, Tensor};
 use fp8nsa::nsa::{
@@ -292,4 +296,300 @@ fn run_ok(
         seq_lens: lens,
     };
     attn.forward_paged(q, &kv, sel).unwrap();
+}
+
+mod layer_on_pages {
+    use super::*;
+    use fp8nsa::nsa::{
+        Compressor, Gates, NativeSparseAttention, NsaCache, NsaConfig, NsaDims, NsaPages, NsaPool,
+        NsaSeqState, PagePool,
+    };
+
+    const DIMS: NsaDims = NsaDims {
+        hq: 4,
+        hkv: 2,
+        d: 32,
+        dv: 32,
+    };
+
+    fn layer() -> NativeSparseAttention {
+        let cfg = NsaConfig {
+            compress_block: 16,
+            compress_stride: 8,
+            select_block: 32,
+            num_selected: 4,
+            num_initial: 1,
+            num_local: 2,
+            window: 48,
+            ..NsaConfig::default()
+        };
+        NativeSparseAttention::new(
+            cfg,
+            DIMS,
+            Compressor::MeanPool,
+            Gates::Fixed([0.5, 0.3, 0.2]),
+        )
+        .unwrap()
+    }
+
+    /// A sequence's tokens: gate input, q, k, v `[1, T, ..]`.
+    struct Tokens {
+        x: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+    }
+
+    fn tokens(rng: &mut StdRng, t: usize) -> Tokens {
+        let mk = |rng: &mut StdRng, h: usize| tensor(gaussian(rng, t * h * D), &[1, t, h, D]);
+        Tokens {
+            x: Tensor::zeros((1, t, 4), DType::F32, &Device::Cpu).unwrap(),
+            q: mk(rng, DIMS.hq),
+            k: mk(rng, DIMS.hkv),
+            v: mk(rng, DIMS.hkv),
+        }
+    }
+
+    fn flat(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// Feeds `tok[from..to]` in chunks of `chunk` tokens to both the paged state and the cache,
+    /// asserting equal outputs at every step.
+    #[allow(clippy::too_many_arguments)]
+    fn feed(
+        nsa: &NativeSparseAttention,
+        tok: &Tokens,
+        (from, to, chunk): (usize, usize, usize),
+        pages: &NsaPages,
+        state: &mut NsaSeqState,
+        alloc: &mut PagePool,
+        cache: &mut NsaCache,
+        what: &str,
+    ) {
+        let mut pos = from;
+        while pos < to {
+            let n = chunk.min(to - pos);
+            let c = |t: &Tensor| t.narrow(1, pos, n).unwrap();
+            let got = nsa
+                .forward_step_paged(
+                    &c(&tok.x),
+                    &c(&tok.q),
+                    &c(&tok.k),
+                    &c(&tok.v),
+                    pages,
+                    state,
+                    alloc,
+                )
+                .unwrap();
+            let want = nsa
+                .forward_step(&c(&tok.x), &c(&tok.q), &c(&tok.k), &c(&tok.v), cache)
+                .unwrap();
+            assert_eq!(flat(&got), flat(&want), "{what}: tokens {pos}..{}", pos + n);
+            assert_eq!(
+                (state.len(), state.compressed_len()),
+                (cache.len(), cache.compressed_len())
+            );
+            pos += n;
+        }
+    }
+
+    #[test]
+    fn the_layer_on_server_pages_equals_its_cache() {
+        let mut rng = rng("nsa_layer_pages");
+        let nsa = layer();
+        let t = 200;
+        let tok = tokens(&mut rng, t);
+        // 50 does not divide the 32-key selection blocks
+        for page in [1, 16, 50] {
+            let raw = t.div_ceil(page) + 2;
+            let cmp = nsa.config().compressed_len(t).div_ceil(page) + 2;
+            let pages = NsaPages::new(DIMS, page, raw, cmp, DType::F32, &Device::Cpu).unwrap();
+            let mut alloc = PagePool::new(raw, cmp);
+            let mut state = NsaSeqState::new();
+            let mut cache = NsaCache::new();
+            let what = format!("page {page}");
+            // a 37-token prefill chunk, single steps, then speculative chunks of 5
+            feed(
+                &nsa,
+                &tok,
+                (0, 37, 37),
+                &pages,
+                &mut state,
+                &mut alloc,
+                &mut cache,
+                &what,
+            );
+            feed(
+                &nsa,
+                &tok,
+                (37, 120, 1),
+                &pages,
+                &mut state,
+                &mut alloc,
+                &mut cache,
+                &what,
+            );
+            feed(
+                &nsa,
+                &tok,
+                (120, t, 5),
+                &pages,
+                &mut state,
+                &mut alloc,
+                &mut cache,
+                &what,
+            );
+            assert_eq!(state.pages(NsaPool::Raw).len(), t.div_ceil(page));
+            state.truncate(0, nsa.config(), &pages, &mut alloc);
+            assert_eq!(alloc.free_pages(NsaPool::Raw), raw, "{what}");
+            assert_eq!(alloc.free_pages(NsaPool::Compressed), cmp, "{what}");
+        }
+    }
+
+    #[test]
+    fn forks_and_rollbacks_keep_each_sequence_its_own() {
+        let mut rng = rng("nsa_layer_pages_fork");
+        let nsa = layer();
+        let cfg = nsa.config().clone();
+        let (prefix, more) = (
+            tokens(&mut rng, 90),
+            [tokens(&mut rng, 40), tokens(&mut rng, 40)],
+        );
+        let (page, raw, cmp) = (16, 24, 6);
+        let pages = NsaPages::new(DIMS, page, raw, cmp, DType::F32, &Device::Cpu).unwrap();
+        let mut alloc = PagePool::new(raw, cmp);
+        let (mut a, mut cache_a) = (NsaSeqState::new(), NsaCache::new());
+        feed(
+            &nsa,
+            &prefix,
+            (0, 90, 7),
+            &pages,
+            &mut a,
+            &mut alloc,
+            &mut cache_a,
+            "prefix",
+        );
+        // B shares A's 6 raw pages, the last one (90 = 5 x 16 + 10) half full
+        let mut b = a.fork(&mut alloc);
+        let mut cache_b = cache_a.clone();
+        assert_eq!(b.pages(NsaPool::Raw), a.pages(NsaPool::Raw));
+        assert_eq!(alloc.holders(NsaPool::Raw, a.pages(NsaPool::Raw)[5]), 2);
+        // both write into the shared half page: each gets its own copy
+        feed(
+            &nsa,
+            &more[0],
+            (0, 40, 3),
+            &pages,
+            &mut a,
+            &mut alloc,
+            &mut cache_a,
+            "A after fork",
+        );
+        feed(
+            &nsa,
+            &more[1],
+            (0, 40, 1),
+            &pages,
+            &mut b,
+            &mut alloc,
+            &mut cache_b,
+            "B after fork",
+        );
+        assert_eq!(a.pages(NsaPool::Raw)[..5], b.pages(NsaPool::Raw)[..5]);
+        assert_ne!(a.pages(NsaPool::Raw)[5], b.pages(NsaPool::Raw)[5]);
+        // roll A back into the shared prefix, then continue it differently
+        a.truncate(70, &cfg, &pages, &mut alloc);
+        cache_a.truncate(70, &cfg);
+        let other = tokens(&mut rng, 30);
+        feed(
+            &nsa,
+            &other,
+            (0, 30, 4),
+            &pages,
+            &mut a,
+            &mut alloc,
+            &mut cache_a,
+            "A rolled back",
+        );
+        // B still reads its own history
+        let last = tokens(&mut rng, 3);
+        feed(
+            &nsa,
+            &last,
+            (0, 3, 1),
+            &pages,
+            &mut b,
+            &mut alloc,
+            &mut cache_b,
+            "B at the end",
+        );
+        a.truncate(0, &cfg, &pages, &mut alloc);
+        b.truncate(0, &cfg, &pages, &mut alloc);
+        assert_eq!(alloc.free_pages(NsaPool::Raw), raw);
+        assert_eq!(alloc.free_pages(NsaPool::Compressed), cmp);
+    }
+
+    #[test]
+    fn an_exhausted_pool_is_an_error_that_changes_nothing() {
+        let mut rng = rng("nsa_layer_pages_full");
+        let nsa = layer();
+        let tok = tokens(&mut rng, 64);
+        let (page, raw, cmp) = (16, 3, 4);
+        let pages = NsaPages::new(DIMS, page, raw, cmp, DType::F32, &Device::Cpu).unwrap();
+        let mut alloc = PagePool::new(raw, cmp);
+        let (mut s, mut cache) = (NsaSeqState::new(), NsaCache::new());
+        feed(
+            &nsa,
+            &tok,
+            (0, 40, 40),
+            &pages,
+            &mut s,
+            &mut alloc,
+            &mut cache,
+            "fill",
+        );
+        let c = |t: &Tensor| t.narrow(1, 40, 20).unwrap();
+        // 60 tokens need a fourth page of 16
+        let e = nsa
+            .forward_step_paged(
+                &c(&tok.x),
+                &c(&tok.q),
+                &c(&tok.k),
+                &c(&tok.v),
+                &pages,
+                &mut s,
+                &mut alloc,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::Invalid { arg: "pages", msg } if msg.contains("no free page")),
+            "{e}"
+        );
+        assert_eq!((s.len(), s.pages(NsaPool::Raw).len()), (40, 3));
+        assert_eq!(alloc.free_pages(NsaPool::Raw), 0);
+        // what still fits goes on as if the failed step had not happened
+        feed(
+            &nsa,
+            &tok,
+            (40, 48, 8),
+            &pages,
+            &mut s,
+            &mut alloc,
+            &mut cache,
+            "after the error",
+        );
+        // one sequence per state, and the pages' dtype
+        let two = Tensor::zeros((2, 1, DIMS.hkv, D), DType::F32, &Device::Cpu).unwrap();
+        let e = nsa
+            .append_kv_paged(&two, &two, &pages, &mut s, &mut alloc)
+            .unwrap_err();
+        assert!(matches!(&e, Error::Shape { arg: "k_new", .. }), "{e}");
+        let half = Tensor::zeros((1, 1, DIMS.hkv, D), DType::F16, &Device::Cpu).unwrap();
+        let e = nsa
+            .append_kv_paged(&half, &half, &pages, &mut s, &mut alloc)
+            .unwrap_err();
+        assert!(matches!(&e, Error::DType { arg: "k_new", .. }), "{e}");
+        assert_eq!(s.len(), 48);
+    }
 }

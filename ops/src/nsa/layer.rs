@@ -154,6 +154,12 @@ impl NsaCache {
     }
 }
 
+/// Where the selection and window branches read keys and values.
+pub(crate) enum Kv<'a> {
+    Dense { k: &'a Tensor, v: &'a Tensor },
+    Paged(super::PagedKv<'a>),
+}
+
 /// Queries per chunk of the compressed branch (bounds its `[G, chunk, n_c]` score matrices).
 const CMP_CHUNK: usize = 256;
 
@@ -268,6 +274,10 @@ impl NativeSparseAttention {
     pub fn with_attention(mut self, attention: SelectionAttention) -> Self {
         self.attention = attention;
         self
+    }
+
+    pub(crate) fn compressor(&self) -> &Compressor {
+        &self.compressor
     }
 
     pub fn config(&self) -> &NsaConfig {
@@ -419,7 +429,7 @@ impl NativeSparseAttention {
         Ok(())
     }
 
-    fn check_kv(&self, k: &Tensor, v: &Tensor) -> Result<usize> {
+    pub(crate) fn check_kv(&self, k: &Tensor, v: &Tensor) -> Result<usize> {
         let NsaDims { hkv, d, dv, .. } = self.dims;
         let (b, tk, h, dk) = k
             .dims4()
@@ -472,11 +482,25 @@ impl NativeSparseAttention {
         ck: &Tensor,
         cv: &Tensor,
     ) -> Result<NsaOutput> {
+        let (bk, tk, _, _) = k.dims4()?;
+        self.core_on(gate_input, q, Kv::Dense { k, v }, (bk, tk), ck, cv)
+    }
+
+    /// [`Self::core`] over keys and values held contiguously or in pages (`bk` sequences of
+    /// `tk` keys).
+    pub(crate) fn core_on(
+        &self,
+        gate_input: &Tensor,
+        q: &Tensor,
+        kv: Kv<'_>,
+        (bk, tk): (usize, usize),
+        ck: &Tensor,
+        cv: &Tensor,
+    ) -> Result<NsaOutput> {
         let NsaDims { hq, hkv, d, .. } = self.dims;
         let (b, tq, hq2, d2) = q
             .dims4()
             .map_err(|_| shape_err("q", "[B, Tq, Hq, D]", q.dims()))?;
-        let (bk, tk, _, _) = k.dims4()?;
         if (hq2, d2, b) != (hq, d, bk) {
             return Err(shape_err("q", format!("[{bk}, Tq, {hq}, {d}]"), q.dims()));
         }
@@ -499,20 +523,18 @@ impl NativeSparseAttention {
 
         // compressed branch and block importance
         let (o_cmp, importance, selection) = self.compressed_branch(q, ck, cv, q_offset, tk)?;
-        let o_slc = self
-            .attention
-            .clone()
-            .q_offset(q_offset)
-            .with_lse(false)
-            .forward(q, k, v, &selection)?
-            .0;
-        let o_win = self
-            .attention
-            .clone()
-            .q_offset(q_offset)
-            .with_lse(false)
-            .forward(q, k, v, &self.window_ranges(b, tq, q_offset, q.device())?)?
-            .0;
+        let attn = self.attention.clone().q_offset(q_offset).with_lse(false);
+        let window = self.window_ranges(b, tq, q_offset, q.device())?;
+        let (o_slc, o_win) = match &kv {
+            Kv::Dense { k, v } => (
+                attn.forward(q, k, v, &selection)?.0,
+                attn.forward(q, k, v, &window)?.0,
+            ),
+            Kv::Paged(paged) => (
+                attn.forward_paged(q, paged, &selection)?.0,
+                attn.forward_paged(q, paged, &window)?.0,
+            ),
+        };
         let o_slc = o_slc.to_dtype(DType::F32)?;
         let o_win = o_win.to_dtype(DType::F32)?;
         let g = |i: usize| gates.narrow(3, i, 1);

@@ -26,6 +26,7 @@ mod config;
 mod cuda;
 mod layer;
 mod op;
+mod paged;
 mod pjrt;
 mod sdpa;
 mod selection;
@@ -36,4 +37,5 @@ pub use attention::{
 pub use compress::{Compressor, MlpCompressor};
 pub use config::{CompressorKind, NsaConfig};
 pub use layer::{AttnDims, Gates, NativeSparseAttention, NsaCache, NsaDims, NsaOutput};
+pub use paged::{NsaPages, NsaPool, NsaSeqState, PageAllocator, PagePool};
 pub use selection::{BlockSelection, Selection, SelectionRanges, TokenSelection};
