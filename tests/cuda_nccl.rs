@@ -2,7 +2,8 @@
 //! the GPU machine has from its `nvidia-nccl-cu13` wheel; without a GPU every test says so and
 //! returns, or fails when `FP8NSA_REQUIRE_GPU=1`). A one-rank group is all one GPU can hold
 //! (NCCL refuses two ranks on one device), so this checks the plumbing: collectives return
-//! their input, uneven all-gathers come back whole, and the tensor-parallel layers of world
+//! their input (the uneven all-gather's header, pad and cut run, with one rank; their logic for
+//! several ranks is tested on the CPU in `ops/src/fp8/gather.rs`), and the tensor-parallel layers of world
 //! size 1 over NCCL equal the plain layer on the same GPU. Groups of several GPUs await a
 //! machine with them.
 //!

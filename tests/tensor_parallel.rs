@@ -78,6 +78,16 @@ fn column_and_row_parallel_equal_the_whole_layer() {
             }
         }
     }
+    // a bias that is not [N] is refused before it is sliced
+    let shard = Shard {
+        rank: 1,
+        world_size: 2,
+    };
+    let short = bias.narrow(0, 0, n - 1).unwrap();
+    let e = ColumnParallel::new(&w, Some(&short), ActQuant::Group, shard)
+        .map(|_| ())
+        .unwrap_err();
+    assert!(matches!(&e, Error::Shape { arg: "bias", .. }), "{e}");
 }
 
 #[test]
@@ -413,7 +423,7 @@ fn expert_parallel_equals_the_whole_moe_block() {
         .iter()
         .all(|&v| v == 0.0));
     // experts that do not match the range are refused
-    let router = MoeRouter::new(router_w, top_k, true).unwrap();
+    let router = MoeRouter::new(router_w.clone(), top_k, true).unwrap();
     let e2 = ExpertParallel::new(
         router,
         stack(&gate[..2]),
@@ -424,6 +434,19 @@ fn expert_parallel_equals_the_whole_moe_block() {
     .map(|_| ())
     .unwrap_err();
     assert!(matches!(&e2, Error::Shape { arg: "gate", .. }), "{e2}");
+    // a router for another hidden size is refused when the layer is built, not on a call
+    // (where one rank refusing would leave the others in the all-reduce)
+    let narrow_router = MoeRouter::new(router_w.narrow(1, 0, h - 1).unwrap(), top_k, true).unwrap();
+    let e4 = ExpertParallel::new(
+        narrow_router,
+        stack(&gate[..2]),
+        stack(&up[..2]),
+        stack(&down[..2]),
+        0..2,
+    )
+    .map(|_| ())
+    .unwrap_err();
+    assert!(matches!(&e4, Error::Shape { arg: "router", .. }), "{e4}");
     let e3 = Shard {
         rank: 0,
         world_size: 9,

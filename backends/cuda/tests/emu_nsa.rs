@@ -467,7 +467,11 @@ fn non_finite_inputs_reach_only_the_queries_that_attend_them() {
     };
     let (nan, inf) = (f32::NAN, f32::INFINITY);
     // prefill of 80 with blocks of 16, and one decode query over 900 keys (split)
-    for (tq, tk, sms, split) in [(80, 80, 4, false), (1, 900, 132, true)] {
+    let cases = [(80, 80, 4, false), (1, 900, 132, true)];
+    for (inf_only, (tq, tk, sms, split)) in [true, false]
+        .into_iter()
+        .flat_map(|i| cases.map(|c| (i, c)))
+    {
         let sel = blocks(&mut rng, tq, hkv, tk, 16, 3);
         let base = SeqData {
             q: gaussian(&mut rng, &[1, tq, hq, d], DType::BF16),
@@ -487,17 +491,36 @@ fn non_finite_inputs_reach_only_the_queries_that_attend_them() {
             (tk / 4, 0, inf),
         ];
         keys.extend((0..tk).step_by(37).map(|j| (j, 0, nan)));
+        let (q_pokes, v_pokes) = if inf_only {
+            // one +Inf key element, in a block the last query's kv head 0 selected (it sees
+            // every key): the heads whose q is negative there score it -inf, which without the
+            // kernel's check would vanish as a zero weight instead of making the row NaN
+            let Sel::Blocks(b) = &base.sel else {
+                unreachable!()
+            };
+            let ids: Vec<i32> = b.indices().flatten_all().unwrap().to_vec1().unwrap();
+            let mine = &ids[(tq - 1) * hkv * 3..(tq - 1) * hkv * 3 + 3];
+            let picked: Vec<usize> = mine
+                .iter()
+                .filter(|&&i| i >= 0)
+                .map(|&i| i as usize)
+                .collect();
+            keys = vec![(picked[0] * 16 + 1, 0, inf)];
+            (vec![], vec![])
+        } else {
+            (vec![(tq - 1, 3, nan)], vec![(3, 0, nan), (tk - 20, 0, inf)])
+        };
         let bad = SeqData {
-            q: poke(&base.q, &[(tq - 1, 3, nan)]),
+            q: poke(&base.q, &q_pokes),
             k: poke(&base.k, &keys),
-            v: poke(&base.v, &[(3, 0, nan), (tk - 20, 0, inf)]),
+            v: poke(&base.v, &v_pokes),
             sel: match &base.sel {
                 Sel::Blocks(b) => Sel::Blocks(b.clone()),
                 Sel::Ranges(r) => Sel::Ranges(r.clone()),
             },
             q_offset: base.q_offset,
         };
-        let what = format!("tq={tq} tk={tk}");
+        let what = format!("tq={tq} tk={tk} inf_only={inf_only}");
         let (o, lse) = run_plan(std::slice::from_ref(&bad), hq, hkv, sms, split, &what);
         let (o0, lse0) = run_plan(std::slice::from_ref(&base), hq, hkv, sms, split, &what);
         let Sel::Blocks(b) = &bad.sel else {
@@ -524,5 +547,16 @@ fn non_finite_inputs_reach_only_the_queries_that_attend_them() {
             }
         }
         assert!(seen[0] > 0 && seen[1] > 0, "{what}: {seen:?}");
+        if inf_only {
+            // the last query's kv-head-0 rows attend an Inf key and nothing else non-finite
+            for h in 0..hq / hkv {
+                let r = (tq - 1) * hq + h;
+                assert!(
+                    o[r * d..(r + 1) * d].iter().all(|x| x.is_nan()),
+                    "{what}: head {h}"
+                );
+                assert!(lse[r].is_nan(), "{what}: lse, head {h}");
+            }
+        }
     }
 }

@@ -378,10 +378,23 @@ impl Client {
                 "an SPMD program needs at least one device",
             ));
         }
+        if devices.iter().any(|d| !Arc::ptr_eq(&d.client, &self.inner)) {
+            return Err(crate::error::invalid(
+                "devices",
+                "a device belongs to another PJRT client",
+            ));
+        }
         let ids = devices
             .iter()
             .map(|d| d.id().map(i64::from))
             .collect::<Result<Vec<i64>>>()?;
+        // each partition runs on its own device; refused here rather than left to XLA
+        if let Some(i) = (1..ids.len()).find(|&i| ids[..i].contains(&ids[i])) {
+            return Err(crate::error::invalid(
+                "devices",
+                format!("device {} is listed twice", ids[i]),
+            ));
+        }
         self.compile(code, "mlir", &crate::proto::spmd_compile_options(&ids))
     }
 

@@ -613,6 +613,18 @@ fn misuse_is_an_error_and_nothing_leaks() {
             .map(|_| ())
             .unwrap_err();
         assert!(matches!(e, Error::Invalid { arg: "device", .. }), "{e}");
+        // an SPMD program over another client's device, or over one device twice
+        let code = sharded_matmul(2, 4, 4, 2, MatmulSplit::Columns).unwrap();
+        let others = other_client.devices().unwrap();
+        for (twice, list) in [
+            (false, [&devices[0], &others[0]]),
+            (true, [&devices[1], &devices[1]]),
+        ] {
+            let list: Vec<Device> = list.into_iter().cloned().collect();
+            let e = client.compile_spmd(&code, &list).map(|_| ()).unwrap_err();
+            assert!(matches!(e, Error::Invalid { arg: "devices", .. }), "{e}");
+            assert_eq!(e.to_string().contains("twice"), twice, "{e}");
+        }
         let foreign = upload(&other_client, &[1.0; 8], [4, 2], &other);
         let e = exe
             .execute_sharded(&[&[&x0, &w0], &[&x1, &foreign]])

@@ -3,6 +3,7 @@
 mod cuda;
 mod experts;
 mod experts_cuda;
+mod gather;
 mod linear;
 mod moe;
 #[cfg(feature = "nccl")]

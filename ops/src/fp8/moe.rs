@@ -176,6 +176,11 @@ impl MoeRouter {
         self.weight.dims()[0]
     }
 
+    /// The hidden size `H` the router scores.
+    pub fn hidden(&self) -> usize {
+        self.weight.dims()[1]
+    }
+
     pub fn top_k(&self) -> usize {
         self.top_k
     }

@@ -122,39 +122,17 @@ impl Communicator for NcclGroup {
     }
 
     fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        use super::gather::{gather_cut, gather_header, gather_send, read_gather_headers};
         let t = self.f32_on_device(t)?;
-        let world = self.world_size();
-        if dim >= t.rank() {
-            return Err(invalid(
-                "dim",
-                format!("{dim} is past the rank of {:?}", t.dims()),
-            ));
-        }
-        // NCCL gathers equal buffers: first every rank's shape (small integers, exact in f32;
-        // the ranks' tensors must have the same rank), then the tensors moved to put `dim`
-        // first and padded to the longest, then each rank's rows cut back out
-        let dims_here: Vec<f32> = t.dims().iter().map(|&d| d as f32).collect();
-        let dims_here = Tensor::new(dims_here.as_slice(), t.device())?;
-        let shapes: Vec<f32> = self.gather_flat(&dims_here)?.to_vec1()?;
-        let shapes: Vec<Vec<usize>> = shapes
-            .chunks(t.rank())
-            .map(|c| c.iter().map(|&d| d as usize).collect())
-            .collect();
-        super::parallel::check_gather(&shapes, dim)?;
-        let lens: Vec<usize> = shapes.iter().map(|s| s[dim]).collect();
-        let longest = lens.iter().copied().max().unwrap_or(0);
-        let moved = t.transpose(0, dim)?.contiguous()?;
-        let padded = moved.pad_with_zeros(0, 0, longest - lens[self.rank()])?;
-        let mut dims = padded.dims().to_vec();
-        let gathered = self.gather_flat(&padded.flatten_all()?)?;
-        dims[0] = longest * world;
-        let gathered = gathered.reshape(dims)?;
-        let parts: Vec<Tensor> = lens
-            .iter()
-            .enumerate()
-            .map(|(r, &len)| gathered.narrow(0, r * longest, len))
-            .collect::<candle_core::Result<_>>()?;
-        Ok(Tensor::cat(&parts, 0)?.transpose(0, dim)?.contiguous()?)
+        // NCCL gathers equal buffers: first every rank's fixed-size header (its shape and the
+        // dim asked for, checked only once all ranks hold all headers, so they refuse
+        // together), then the tensors padded to the longest along `dim`, cut back apart
+        let header = Tensor::new(&gather_header(t.dims(), dim)[..], t.device())?;
+        let words: Vec<f32> = self.gather_flat(&header)?.to_vec1()?;
+        let (shapes, dim) = read_gather_headers(&words)?;
+        let longest = shapes.iter().map(|s| s[dim]).max().unwrap_or(0);
+        let gathered = self.gather_flat(&gather_send(&t, dim, longest)?)?;
+        gather_cut(&gathered, &shapes, dim)
     }
 }
 

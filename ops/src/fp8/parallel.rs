@@ -521,9 +521,15 @@ impl ColumnParallel {
         outputs: Range<usize>,
     ) -> Result<Self> {
         let linear = weight.slice(Split::Column, outputs.clone())?;
-        let bias = bias
-            .map(|b| b.narrow(0, outputs.start, outputs.len()))
-            .transpose()?;
+        let n = weight.shape()[0];
+        let bias = match bias {
+            Some(b) if b.dims() != [n] => {
+                return Err(crate::error::shape_err("bias", format!("[{n}]"), b.dims()))
+            }
+            b => b
+                .map(|b| b.narrow(0, outputs.start, outputs.len()))
+                .transpose()?,
+        };
         let linear = Fp8Linear::new(linear, bias, act)?;
         Ok(Self { linear, outputs })
     }
@@ -658,7 +664,15 @@ impl ExpertParallel {
                 &down.shape(),
             ));
         }
-        // the router's hidden size is checked by its own `route` on every call
+        // checked here, not left to `route`: a rank that refused a call after its peers had
+        // entered the all-reduce would leave them waiting
+        if router.hidden() != h {
+            return Err(crate::error::shape_err(
+                "router",
+                format!("[{e}, {h}] (the experts' hidden size)"),
+                &[e, router.hidden()],
+            ));
+        }
         Ok(Self {
             router,
             gate,
