@@ -9,7 +9,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use fp8nsa::nsa::{
-    BlockSelection, NsaPath, SdpaReason, Selection, SelectionAttention, SelectionRanges,
+    BlockSelection, NsaPath, PagedKv, SdpaReason, Selection, SelectionAttention, SelectionRanges,
+    TokenSelection,
 };
 use fp8nsa::reference;
 use fp8nsa_test_support::*;
@@ -779,4 +780,116 @@ fn backend_writes_every_element() {
     let lse = stream.clone_dtoh(&lse).unwrap();
     assert!(o.iter().all(|x| !x.is_nan()), "unwritten o");
     assert!(lse.iter().all(|x| !x.is_nan()), "unwritten lse");
+}
+
+/// `n` distinct random tokens below `len` per row, `-1` past them.
+fn token_rows(rng: &mut StdRng, rows: usize, len: usize, n: usize) -> Vec<i32> {
+    (0..rows)
+        .flat_map(|_| {
+            let mut t: Vec<i32> = (0..len as i32).collect();
+            t.shuffle(rng);
+            t.truncate(n);
+            t.resize(n, -1);
+            t
+        })
+        .collect()
+}
+
+/// A server's decode step on the GPU (issue 19): sequences of mixed lengths whose keys lie in
+/// a shuffled page pool (pages of 16, and of 7, which divides no block), one and three queries
+/// each, blocks and tokens: the kernel reads the pages in place (`NsaPath::CudaKernel`) and
+/// matches the CPU kernel on the same pool. Then DSA-sized token selection (2048 of 6000
+/// keys per query) against the reference.
+#[test]
+fn paged_kv_and_token_selection() {
+    let Some(dev) = gpu("paged_kv_and_token_selection") else {
+        return;
+    };
+    let mut rng = rng("cuda_paged");
+    let (hq, hkv, d) = (16, 2, 64);
+    let lens = [300usize, 33, 5, 129];
+    let b = lens.len();
+    let host = Device::Cpu;
+    for (ps, tq) in [(16, 1), (7, 3)] {
+        let need: Vec<usize> = lens.iter().map(|l| l.div_ceil(ps)).collect();
+        let max_pages = need.iter().max().unwrap() + 1;
+        let total = need.iter().sum::<usize>() + 2;
+        let mut ids: Vec<i32> = (0..total as i32).collect();
+        ids.shuffle(&mut rng);
+        let mut table = Vec::new();
+        let mut next = 0;
+        for &n in &need {
+            let mut r = ids[next..next + n].to_vec();
+            next += n;
+            r.resize(max_pages, -1);
+            table.extend(r);
+        }
+        let table = Tensor::from_vec(table, (b, max_pages), &host).unwrap();
+        let pool = |rng: &mut StdRng| {
+            tensor(gaussian(rng, total * ps * hkv * d), &[total, ps, hkv, d])
+                .to_dtype(DType::BF16)
+                .unwrap()
+        };
+        let (kp, vp) = (pool(&mut rng), pool(&mut rng));
+        let q = tensor(gaussian(&mut rng, b * tq * hq * d), &[b, tq, hq, d])
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let mut blocks = Vec::new();
+        let mut toks = Vec::new();
+        for &l in &lens {
+            for _ in 0..tq * hkv {
+                let mut bl: Vec<i32> = (0..l.div_ceil(32) as i32).collect();
+                bl.shuffle(&mut rng);
+                bl.resize(3.min(bl.len()), -1);
+                bl.resize(3, -1);
+                blocks.extend(bl);
+            }
+            toks.extend(token_rows(&mut rng, tq * hkv, l, 40));
+        }
+        let bsel = BlockSelection::new(
+            Tensor::from_vec(blocks, (b, tq, hkv, 3), &host).unwrap(),
+            32,
+        )
+        .unwrap();
+        let tsel =
+            TokenSelection::new(Tensor::from_vec(toks, (b, tq, hkv, 40), &host).unwrap()).unwrap();
+        let (gk, gv, gt, gq) = (
+            kp.to_device(&dev).unwrap(),
+            vp.to_device(&dev).unwrap(),
+            table.to_device(&dev).unwrap(),
+            q.to_device(&dev).unwrap(),
+        );
+        for (kind, sel) in [
+            ("blocks", Selection::from(&bsel)),
+            ("tokens", Selection::from(&tsel)),
+        ] {
+            let what = format!("pages of {ps}, tq {tq}, {kind}");
+            let att = SelectionAttention::new().min_len(0).with_lse(true);
+            let on_cpu = PagedKv {
+                k_pages: &kp,
+                v_pages: &vp,
+                block_table: &table,
+                seq_lens: &lens,
+            };
+            let (want, want_lse, _) = att.forward_paged_with_path(&q, &on_cpu, sel).unwrap();
+            let on_gpu = PagedKv {
+                k_pages: &gk,
+                v_pages: &gv,
+                block_table: &gt,
+                seq_lens: &lens,
+            };
+            let (o, lse, path) = att
+                .forward_paged_with_path(&gq, &on_gpu, sel)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(path, NsaPath::CudaKernel, "{what}");
+            let err = rms_ratio(&o, &want);
+            assert!(err < 5e-3, "{what}: rms ratio {err:e}");
+            check_lse(&lse.unwrap(), &want_lse.unwrap(), &what);
+        }
+    }
+    let x = qkv(&mut rng, 2, 1, 6000, 16, 1, 128, 128, DType::BF16);
+    let rows = token_rows(&mut rng, 2, 6000, 2048);
+    let tsel =
+        TokenSelection::new(Tensor::from_vec(rows, (2, 1, 1, 2048), &host).unwrap()).unwrap();
+    check(&dev, &x, &tsel, None, "2048 tokens of 6000");
 }

@@ -2,11 +2,15 @@
 //
 // One CTA per (query token, kv head, split). Its warps own 16 query heads each: the G heads of
 // the kv head, padded to 16, form the MMA rows, so every key loaded is shared by all G heads.
-// The CTA first turns its selection row into spans: block ids or [start, end) ranges, clamped
-// to the keys the query may see ([0, min(k_len, pos + 1))), sorted and merged, so whatever the
-// indices say nothing is read out of bounds and every key counts once. The spans are walked in
-// order in tiles of KT keys (any alignment: tile rows past the span end are zero-filled and
-// masked), K/V tiles double-buffered with cp.async, online softmax in f32 (base 2).
+// The CTA first turns its selection row into spans: block ids (a token is a block of one) or
+// [start, end) ranges, clamped to the keys the query may see ([0, min(k_len, pos + 1))),
+// sorted (bitonic, all threads) and merged (warp 0), so whatever the indices say nothing is
+// read out of bounds and every key counts once. The spans' keys are then packed end to end
+// and walked in tiles of KT keys, a tile taking keys of several spans where they are short
+// (2048 single tokens are 64 full tiles, not 2048 mostly empty ones); K/V tiles are
+// double-buffered with cp.async, online softmax in f32 (base 2). Keys are read from a
+// token-packed k / v, or from a page pool through a block table (pages of any size; a page id
+// outside the pool is clamped into it, never read past it: the host checks tables).
 // With splits > 1 (decode) each split takes a share of the tiles and writes f32 partials
 // (normalized o and lse) that fp8nsa_nsa_merge_* combines with the log-sum-exp.
 
@@ -28,10 +32,23 @@ struct NsaParams {
     float* ws_lse;      // [splits, total_q, hq] (splits > 1)
     float scale_log2;   // softmax scale * log2(e)
     int total_q, batch, hq, hkv, per_row, block_size /* 0: ranges */, splits;
+    // page_size > 0: k and v are page pools [num_pages * page_size, hkv, *] and key j of
+    // sequence b is row table[b * max_pages + j / page_size] * page_size + j % page_size
+    // (cu_k then only gives each sequence's length)
+    const int* table;
+    int max_pages, page_size, num_pages;
 };
 
-constexpr int KT = 32;           // keys per tile
-constexpr int MAX_PER_ROW = 512; // selection entries per row the CTA can normalize
+constexpr int KT = 32;            // keys per tile
+constexpr int MAX_PER_ROW = 2048; // selection entries per row the CTA can normalize
+
+// Span slots for `per_row` entries: a power of two (the bitonic sort), at least 32 (the merge
+// gives each lane of a warp an equal share).
+__device__ __forceinline__ int span_cap(int per_row) {
+    int cap = 32;
+    while (cap < per_row && cap < MAX_PER_ROW) cap <<= 1;
+    return cap;
+}
 
 template <typename T> struct Mma;
 template <> struct Mma<__nv_bfloat16> {
@@ -67,14 +84,19 @@ template <typename T, int D, int DV, int NW> __device__ void nsa_selection(const
 
     FP8NSA_DYNAMIC_SMEM(uint4, smem_raw);
     uint8_t* smem = reinterpret_cast<uint8_t*>(smem_raw);
-    // The row's spans and their inclusive tile-count prefix, sized for this call's entries per
-    // row (rounded up to 32), then 2 x (K tile, V tile) at a 16-byte-aligned offset. (Spans
-    // after the tiles made sm_90's ptxas spill.)
-    const int cap = (min(p.per_row, MAX_PER_ROW) + 31) / 32 * 32;
+    // The row's spans and the packed key count up to each (inclusive), span_cap(per_row)
+    // slots, then 2 x (K tile, V tile) at a 16-byte-aligned offset. (Spans after the tiles
+    // made sm_90's ptxas spill.)
+    const int cap = span_cap(p.per_row);
     int2* spans = reinterpret_cast<int2*>(smem);                // [cap]
-    int* tile_end = reinterpret_cast<int*>(spans + cap);        // [cap]
+    int* key_end = reinterpret_cast<int*>(spans + cap);         // [cap]
     uint8_t* kv = smem + cap * 12;                              // cap * 12 is a multiple of 16
+    // the merge's scratch, before any tile is loaded
+    static_assert(2 * (K_TILE + V_TILE) >= MAX_PER_ROW * 8, "merge scratch fits the tiles");
     FP8NSA_SHARED(int, n_spans);
+    FP8NSA_SHARED(int, n_keys);
+    FP8NSA_SHARED(int, lane_acc, [32]);
+    FP8NSA_SHARED(int64_t, tile_rows, [2][KT]);  // each stage's key rows in k / v, -1 past the end
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t4 = lane & 3;
@@ -95,105 +117,138 @@ template <typename T, int D, int DV, int NW> __device__ void nsa_selection(const
     const int64_t pos = (int64_t)p.q_off[seq] + (tok - p.cu_q[seq]);
     const int limit = (int)min((int64_t)k_len, pos + 1);  // keys [0, limit) are visible
 
-    // ---- selection row -> sorted, merged spans (warp 0)
-    if (warp == 0) {
+    // ---- selection row -> clamped spans (empty ones INT_MAX, sorted to the end)
+    {
         const int* row = p.sel + (int64_t)item * p.per_row * (p.block_size > 0 ? 1 : 2);
         const int n = min(p.per_row, MAX_PER_ROW);
-        // clamped spans, empty ones pushed to the end
-        for (int e = lane; e < n; e += 32) {
-            int64_t a, b;
-            if (p.block_size > 0) {
-                const int idx = row[e];
-                a = (int64_t)idx * p.block_size;
-                b = a + p.block_size;
-                if (idx < 0) a = b = 0;
-            } else {
-                a = row[2 * e];
-                b = row[2 * e + 1];
-            }
-            a = max(a, (int64_t)0);
-            b = min(b, (int64_t)limit);
-            spans[e] = a < b ? make_int2((int)a, (int)b) : make_int2(INT_MAX, INT_MAX);
-        }
-        __syncwarp();
-        // rank sort by (start, entry) into tile_end as scratch, then copy back
-        int2 mine[MAX_PER_ROW / 32];
-        int rank[MAX_PER_ROW / 32];
-#pragma unroll
-        for (int s = 0; s < MAX_PER_ROW / 32; ++s) {
-            const int e = lane + 32 * s;
-            if (e >= n) break;
-            mine[s] = spans[e];
-            int r = 0;
-            for (int j = 0; j < n; ++j) {
-                const int sj = spans[j].x;
-                r += (sj < mine[s].x) || (sj == mine[s].x && j < e);
-            }
-            rank[s] = r;
-        }
-        __syncwarp();
-#pragma unroll
-        for (int s = 0; s < MAX_PER_ROW / 32; ++s) {
-            const int e = lane + 32 * s;
-            if (e >= n) break;
-            spans[rank[s]] = mine[s];
-        }
-        __syncwarp();
-        if (lane == 0) {
-            // merge overlapping or touching spans; count KT-key tiles
-            int out = 0, tiles = 0;
-            for (int e = 0; e < n && spans[e].x != INT_MAX; ++e) {
-                const int2 s = spans[e];
-                if (out > 0 && s.x <= spans[out - 1].y) {
-                    if (s.y > spans[out - 1].y) {
-                        tiles -= (spans[out - 1].y - spans[out - 1].x + KT - 1) / KT;
-                        spans[out - 1].y = s.y;
-                        tiles += (spans[out - 1].y - spans[out - 1].x + KT - 1) / KT;
-                        tile_end[out - 1] = tiles;
-                    }
+        for (int e = tid; e < cap; e += THREADS) {
+            int2 span = make_int2(INT_MAX, INT_MAX);
+            if (e < n) {
+                int64_t a, b;
+                if (p.block_size > 0) {
+                    const int idx = row[e];
+                    a = (int64_t)idx * p.block_size;
+                    b = a + p.block_size;
+                    if (idx < 0) a = b = 0;
                 } else {
-                    spans[out] = s;
-                    tiles += (s.y - s.x + KT - 1) / KT;
-                    tile_end[out] = tiles;
-                    ++out;
+                    a = row[2 * e];
+                    b = row[2 * e + 1];
                 }
+                a = max(a, (int64_t)0);
+                b = min(b, (int64_t)limit);
+                if (a < b) span = make_int2((int)a, (int)b);
             }
-            n_spans = out;
+            spans[e] = span;
+        }
+        __syncthreads();
+        // bitonic sort by start
+        for (int k = 2; k <= cap; k <<= 1)
+            for (int j = k >> 1; j > 0; j >>= 1) {
+                for (int i = tid; i < cap; i += THREADS) {
+                    const int l = i ^ j;
+                    if (l > i) {
+                        const int2 x = spans[i], y = spans[l];
+                        if ((x.x > y.x) == ((i & k) == 0)) {
+                            spans[i] = y;
+                            spans[l] = x;
+                        }
+                    }
+                }
+                __syncthreads();
+            }
+    }
+    // ---- merge overlapping or touching spans (warp 0, each lane `c` consecutive slots): a
+    // span starts a merged one when it begins past every earlier span's end
+    if (warp == 0) {
+        const int c = cap / 32, e0 = lane * c;
+        int2* merged = reinterpret_cast<int2*>(kv);
+        // the furthest end of this lane's spans, then of all earlier lanes'
+        int reach = -1;
+        for (int e = e0; e < e0 + c && spans[e].x != INT_MAX; ++e) reach = max(reach, spans[e].y);
+        lane_acc[lane] = reach;
+        __syncwarp();
+        int before = -1;
+        for (int l = 0; l < lane; ++l) before = max(before, lane_acc[l]);
+        // merged spans starting in this lane's slots, then the count before this lane
+        int starts = 0;
+        reach = before;
+        for (int e = e0; e < e0 + c && spans[e].x != INT_MAX; ++e) {
+            starts += spans[e].x > reach;
+            reach = max(reach, spans[e].y);
+        }
+        __syncwarp();
+        lane_acc[lane] = starts;
+        __syncwarp();
+        int out = 0;
+        for (int l = 0; l < lane; ++l) out += lane_acc[l];
+        reach = before;
+        out -= 1;  // index of the merged span being extended
+        for (int e = e0; e < e0 + c && spans[e].x != INT_MAX; ++e) {
+            if (spans[e].x > reach) merged[++out].x = spans[e].x;
+            reach = max(reach, spans[e].y);
+            // the merged span ends here when the next slot is empty or starts a new one
+            if (e + 1 == cap || spans[e + 1].x > reach) merged[out].y = reach;
+        }
+        __syncwarp();
+        int ns = 0;
+        for (int l = 0; l < 32; ++l) ns += lane_acc[l];
+        // copy back with the packed key count up to each merged span
+        int keys = 0;
+        for (int i = e0; i < min(e0 + c, ns); ++i) keys += merged[i].y - merged[i].x;
+        __syncwarp();
+        lane_acc[lane] = keys;
+        __syncwarp();
+        int run = 0;
+        for (int l = 0; l < lane; ++l) run += lane_acc[l];
+        for (int i = e0; i < min(e0 + c, ns); ++i) {
+            spans[i] = merged[i];
+            run += merged[i].y - merged[i].x;
+            key_end[i] = run;
+        }
+        if (lane == 31) {
+            n_spans = ns;
+            n_keys = run;
         }
     }
     __syncthreads();
-    const int ns = n_spans;
-    const int total_tiles = ns > 0 ? tile_end[ns - 1] : 0;
+    const int ns = n_spans, total_keys = n_keys;
+    const int total_tiles = (total_keys + KT - 1) / KT;
     const int t_begin = (int)((int64_t)total_tiles * split / p.splits);
     const int t_end = (int)((int64_t)total_tiles * (split + 1) / p.splits);
 
-    // tile -> (first key, keys in tile); spans are walked in order
-    auto tile_keys = [&](int t, int& start, int& len) {
-        int s = 0;
-        while (tile_end[s] <= t) ++s;
-        const int first_tile = s > 0 ? tile_end[s - 1] : 0;
-        start = spans[s].x + (t - first_tile) * KT;
-        len = min(KT, spans[s].y - start);
+    // packed key pk (pk < total_keys) -> its row in k / v
+    auto key_row = [&](int pk) -> int64_t {
+        int a = 0, b = ns - 1;
+        while (a < b) {
+            const int mid = (a + b) >> 1;
+            if (key_end[mid] <= pk) a = mid + 1; else b = mid;
+        }
+        const int key = spans[a].y - (key_end[a] - pk);
+        if (p.page_size == 0) return k_start + key;
+        const int slot = min(key / p.page_size, p.max_pages - 1);
+        const int page = min(max(p.table[(int64_t)seq * p.max_pages + slot], 0), p.num_pages - 1);
+        return (int64_t)page * p.page_size + key % p.page_size;
     };
 
     const T* kg = reinterpret_cast<const T*>(p.k);
     const T* vg = reinterpret_cast<const T*>(p.v);
     auto load_tile = [&](int t, int stage) {
-        int start, len;
-        tile_keys(t, start, len);
+        const int first = t * KT, len = min(KT, total_keys - first);
+        if (tid < KT) tile_rows[stage][tid] = tid < len ? key_row(first + tid) : -1;
+        __syncthreads();
         uint8_t* ks = kv + stage * (K_TILE + V_TILE);
         uint8_t* vs = ks + K_TILE;
         for (int i = tid; i < KT * DC; i += THREADS) {
             const int r = i / DC, c = i % DC;
-            const bool ok = r < len;
-            const T* src = kg + ((k_start + (ok ? start + r : 0)) * p.hkv + h) * D + c * 8;
-            cp_async_16(ks + tswz(r, c, DC), src, ok);
+            const int64_t kr = tile_rows[stage][r];
+            const T* src = kg + ((kr >= 0 ? kr : 0) * p.hkv + h) * D + c * 8;
+            cp_async_16(ks + tswz(r, c, DC), src, kr >= 0);
         }
         for (int i = tid; i < KT * VC; i += THREADS) {
             const int r = i / VC, c = i % VC;
-            const bool ok = r < len;
-            const T* src = vg + ((k_start + (ok ? start + r : 0)) * p.hkv + h) * DV + c * 8;
-            cp_async_16(vs + tswz(r, c, VC), src, ok);
+            const int64_t kr = tile_rows[stage][r];
+            const T* src = vg + ((kr >= 0 ? kr : 0) * p.hkv + h) * DV + c * 8;
+            cp_async_16(vs + tswz(r, c, VC), src, kr >= 0);
         }
     };
 
@@ -244,8 +299,7 @@ template <typename T, int D, int DV, int NW> __device__ void nsa_selection(const
             l_run[1] = CUDART_NAN_F;
         }
 
-        int start, len;
-        tile_keys(t, start, len);
+        const int len = min(KT, total_keys - t * KT);  // keys in this tile; the rest masked
 
         // S = Q K^T: 16 heads x KT keys
         float s[KT / 8][4];

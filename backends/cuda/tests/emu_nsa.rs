@@ -6,7 +6,7 @@
 use candle_core::{DType, Device, Tensor};
 use fp8nsa_cuda::emu::{execute, HostBuf};
 use fp8nsa_cuda::fp8::device_info_for;
-use fp8nsa_cuda::nsa::{plan_selection, SelKind, SeqArrays};
+use fp8nsa_cuda::nsa::{plan_selection, PageLayout, SelKind, SeqArrays};
 use fp8nsa_cuda::step::Dtype;
 use fp8nsa_ops::nsa::{BlockSelection, SelectionRanges};
 use fp8nsa_ops::reference;
@@ -100,6 +100,21 @@ fn run_plan(
     expect_split: bool,
     what: &str,
 ) -> (Vec<f64>, Vec<f32>) {
+    run_plan_with(seqs, hq, hkv, sms, expect_split, what, None)
+}
+
+/// [`run_plan`]; with `pages` (a page size and a shuffle), each sequence's keys and values
+/// are scattered over the pages of a pool in random order, the table's unused entries hold
+/// ids the pool does not have, and the kernel reads them through the table.
+fn run_plan_with(
+    seqs: &[SeqData],
+    hq: usize,
+    hkv: usize,
+    sms: u32,
+    expect_split: bool,
+    what: &str,
+    pages: Option<(usize, &mut StdRng)>,
+) -> (Vec<f64>, Vec<f32>) {
     let (d, dv) = (seqs[0].q.dims()[3], seqs[0].v.dims()[3]);
     let dtype = match seqs[0].q.dtype() {
         DType::BF16 => Dtype::Bf16,
@@ -125,16 +140,68 @@ fn run_plan(
         sels.push(s.sel.host().to_vec::<i32>());
     }
     let cat = |v: &[Tensor]| bytes_of(&Tensor::cat(v, 0).unwrap());
-    let arrays = SeqArrays::new(&ks).unwrap();
+    let (mut k_arg, mut v_arg) = (cat(&kk), cat(&vs));
+    let mut table_arg = None;
+    let layout = pages.map(|(ps, rng)| {
+        let counts: Vec<usize> = ks.iter().map(|s| s.k_len.div_ceil(ps)).collect();
+        let max_pages = counts.iter().max().unwrap() + 1;
+        let num_pages = counts.iter().sum::<usize>() + 3;
+        let mut ids: Vec<usize> = (0..num_pages).collect();
+        ids.shuffle(rng);
+        // pool row -> row of the packed keys, or the filler row past them
+        let mut src = vec![tk as u32; num_pages * ps];
+        let mut table = Vec::new();
+        let mut next = ids.into_iter();
+        for (s, &n) in ks.iter().zip(&counts) {
+            for slot in 0..max_pages {
+                if slot < n {
+                    let page = next.next().unwrap();
+                    for j in slot * ps..((slot + 1) * ps).min(s.k_len) {
+                        src[page * ps + j % ps] = (s.k_start + j) as u32;
+                    }
+                    table.push(page as i32);
+                } else {
+                    table.push([-1, i32::MAX, num_pages as i32][slot % 3]);
+                }
+            }
+        }
+        let src = Tensor::from_vec(src, num_pages * ps, &Device::Cpu).unwrap();
+        let pool = |parts: &[Tensor]| {
+            let mut all = parts.to_vec();
+            all.push(parts[0].narrow(0, 0, 1).unwrap()); // the filler: any finite row
+            bytes_of(&Tensor::cat(&all, 0).unwrap().index_select(&src, 0).unwrap())
+        };
+        (k_arg, v_arg) = (pool(&kk), pool(&vs));
+        table_arg = Some(HostBuf::from_slice(&table));
+        PageLayout {
+            num_pages,
+            page_size: ps,
+            max_pages,
+        }
+    });
+    let arrays = if layout.is_some() {
+        SeqArrays::paged(&ks).unwrap()
+    } else {
+        SeqArrays::new(&ks).unwrap()
+    };
     let info = device_info_for((9, 0), sms, 227 * 1024).unwrap();
     let dims = AttnDims { hq, hkv, d, dv };
     let scale = 1.0 / (d as f32).sqrt();
-    let (p, plan) = plan_selection(&info, dims, &arrays, seqs[0].sel.kind(), dtype, scale).unwrap();
+    let (p, plan) = plan_selection(
+        &info,
+        dims,
+        &arrays,
+        seqs[0].sel.kind(),
+        dtype,
+        scale,
+        layout,
+    )
+    .unwrap();
     assert_eq!(p.splits > 1, expect_split, "{what}: {p:?}");
-    let mut args = [
+    let mut args = vec![
         cat(&qs),
-        cat(&kk),
-        cat(&vs),
+        k_arg,
+        v_arg,
         HostBuf::from_slice(&sels.concat()),
         HostBuf::from_slice(&arrays.cu_q),
         HostBuf::from_slice(&arrays.cu_k),
@@ -142,6 +209,7 @@ fn run_plan(
         HostBuf::new(tq * hq * dv * 2),
         HostBuf::new(tq * hq * 4),
     ];
+    args.extend(table_arg);
     let mut refs: Vec<&mut HostBuf> = args.iter_mut().collect();
     execute(&plan, &mut refs).unwrap_or_else(|e| panic!("{what}: {e}"));
     let o: Vec<f64> = match dtype {
@@ -558,5 +626,130 @@ fn non_finite_inputs_reach_only_the_queries_that_attend_them() {
                 assert!(lse[r].is_nan(), "{what}: lse, head {h}");
             }
         }
+    }
+}
+
+fn clone_sel(s: &Sel) -> Sel {
+    match s {
+        Sel::Blocks(b) => Sel::Blocks(b.clone()),
+        Sel::Ranges(r) => Sel::Ranges(r.clone()),
+    }
+}
+
+/// `n` distinct random tokens of `tk` per row, some rows padded with -1 or holding a
+/// duplicate, as a block selection of one-token blocks (what `TokenSelection` is).
+fn tokens(rng: &mut StdRng, tq: usize, hkv: usize, tk: usize, n: usize) -> Sel {
+    let v: Vec<i32> = (0..tq * hkv)
+        .flat_map(|r| {
+            let mut ids: Vec<i32> = (0..tk as i32).collect();
+            ids.shuffle(rng);
+            let mut row = ids[..n.min(tk)].to_vec();
+            row.resize(n, -1);
+            match r % 3 {
+                0 => row[n / 2] = -1,
+                1 => row[n - 1] = row[0],
+                _ => {}
+            }
+            row.shuffle(rng);
+            row
+        })
+        .collect();
+    Sel::Blocks(
+        BlockSelection::new(
+            Tensor::from_vec(v, (1, tq, hkv, n), &Device::Cpu).unwrap(),
+            1,
+        )
+        .unwrap(),
+    )
+}
+
+/// Token-level selection (DeepSeek-V3.2's DSA: one-token blocks, up to 2048 per row): decode
+/// of 2048 tokens of 5000 keys (split) and prefill with 64 per row, against the reference.
+#[test]
+fn token_selection_up_to_2048_per_row() {
+    let mut rng = rng("emu_nsa_tokens");
+    let (hq, hkv, d) = (16, 1, 128);
+    let tk = 5000;
+    let sel = tokens(&mut rng, 1, hkv, tk, 2048);
+    let s = SeqData {
+        q: gaussian(&mut rng, &[1, 1, hq, d], DType::BF16),
+        k: gaussian(&mut rng, &[1, tk, hkv, d], DType::BF16),
+        v: gaussian(&mut rng, &[1, tk, hkv, d], DType::BF16),
+        sel,
+        q_offset: tk - 1,
+    };
+    check(&[s], hq, hkv, 132, true, "2048 tokens, decode");
+    let t = 70;
+    let sel = tokens(&mut rng, t, 2, t, 64);
+    let s = prefill(&mut rng, t, (8, 2), (64, 64), DType::F16, sel);
+    check(&[s], 8, 2, 4, false, "64 tokens per row, prefill");
+}
+
+/// Paged KV (docs/nsa.md): keys and values scattered over a shuffled page pool, pages of 1,
+/// 16, 64 and 7 (which does not divide the blocks of 16), garbage in the table's unused
+/// entries: o and lse are bit for bit those of the same call on packed keys, for blocks,
+/// ranges and tokens, varlen prefill and split decode.
+#[test]
+fn paged_keys_equal_packed_keys_bit_for_bit() {
+    let mut rng = rng("emu_nsa_paged");
+    let (hq, hkv, d) = (16, 2, 64);
+    let mk = |rng: &mut StdRng, tq: usize, tk: usize, sel: Sel| SeqData {
+        q: gaussian(rng, &[1, tq, hq, d], DType::BF16),
+        k: gaussian(rng, &[1, tk, hkv, d], DType::BF16),
+        v: gaussian(rng, &[1, tk, hkv, d], DType::BF16),
+        sel,
+        q_offset: tk - tq,
+    };
+    let mut cases: Vec<(Vec<SeqData>, u32, bool, &str)> = Vec::new();
+    let varlen = [(30, 30), (1, 300), (5, 77)]
+        .map(|(tq, tk)| {
+            let sel = blocks(&mut rng, tq, hkv, tk, 16, 5);
+            mk(&mut rng, tq, tk, sel)
+        })
+        .into();
+    cases.push((varlen, 4, false, "blocks, varlen"));
+    let decode = [700, 129, 64]
+        .map(|tk| {
+            let sel = tokens(&mut rng, 1, hkv, tk, 40);
+            mk(&mut rng, 1, tk, sel)
+        })
+        .into();
+    cases.push((decode, 132, true, "tokens, decode x3"));
+    let rows = (0..20 * hkv)
+        .map(|_| random_ranges(&mut rng, 90, 4))
+        .collect();
+    let ranged = vec![mk(&mut rng, 20, 90, ranges(rows, 20, hkv))];
+    cases.push((ranged, 4, false, "ranges, chunked prefill"));
+    for (seqs, sms, split, what) in &cases {
+        let (o, lse) = run_plan(seqs, hq, hkv, *sms, *split, what);
+        for ps in [1, 16, 64, 7] {
+            let what = format!("{what}, pages of {ps}");
+            let (po, plse) =
+                run_plan_with(seqs, hq, hkv, *sms, *split, &what, Some((ps, &mut rng)));
+            assert!(
+                o.iter().zip(&po).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "o, {what}"
+            );
+            assert!(
+                lse.iter()
+                    .zip(&plse)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "lse, {what}"
+            );
+        }
+    }
+    // the packed calls themselves against the reference
+    for (seqs, sms, split, what) in &cases {
+        let seqs: Vec<SeqData> = seqs
+            .iter()
+            .map(|s| SeqData {
+                q: s.q.clone(),
+                k: s.k.clone(),
+                v: s.v.clone(),
+                sel: clone_sel(&s.sel),
+                q_offset: s.q_offset,
+            })
+            .collect();
+        check(&seqs, hq, hkv, *sms, *split, what);
     }
 }

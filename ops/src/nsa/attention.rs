@@ -77,6 +77,39 @@ pub struct PagedKv<'a> {
 /// `(o, lse, the path that ran)`.
 pub type PathOutput = (Tensor, Option<Tensor>, NsaPath);
 
+/// A page pool a kernel reads in place: the table checked on the host, and the table tensor
+/// as the caller gave it (the CUDA kernel reads it on the device).
+#[derive(Clone, Copy)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct PoolRef<'a> {
+    pub(crate) host: Pages<'a>,
+    pub(crate) table: &'a Tensor,
+    pub(crate) num_pages: usize,
+}
+
+/// Each sequence's keys and values gathered out of the pools `[num_pages * page_size, Hkv, *]`,
+/// packed one after another, with `seqs` pointed at them: for the paths that do not read pages.
+fn gather_pages(
+    pool_k: &Tensor,
+    pool_v: &Tensor,
+    seqs: &[Seq],
+    pages: Pages<'_>,
+) -> Result<(Tensor, Tensor, Vec<Seq>)> {
+    let mut rows = Vec::new();
+    let mut packed = seqs.to_vec();
+    for (i, s) in packed.iter_mut().enumerate() {
+        s.k_start = rows.len();
+        rows.extend((0..s.k_len).map(|j| pages.row(i, j) as u32));
+    }
+    let n = rows.len();
+    let rows = Tensor::from_vec(rows, n, pool_k.device())?;
+    Ok((
+        pool_k.index_select(&rows, 0)?,
+        pool_v.index_select(&rows, 0)?,
+        packed,
+    ))
+}
+
 /// NSA selection attention: each query attends to the keys its selection names (shared by the G
 /// query heads of a kv head), causally, with an f32 softmax.
 ///
@@ -300,8 +333,9 @@ impl SelectionAttention {
     /// selection `[B, Tq, Hkv, ..]` names logical key positions, as for [`Self::forward`].
     /// Output `o [B, Tq, Hq, Dv]`, `lse [B, Tq, Hq]`.
     ///
-    /// The CPU kernel reads the pages in place; the other paths (the dense fallback, CUDA,
-    /// PJRT) gather each sequence's keys first. On the CPU the result is bit for bit that of
+    /// The CPU and CUDA kernels read the pages in place (any page size; the kernels' outputs
+    /// equal their contiguous calls'); the other paths (the dense fallback, PJRT) gather each
+    /// sequence's keys first. On the CPU the result is bit for bit that of
     /// [`Self::forward_varlen`] on the gathered keys. A wrong table shape, a page id outside
     /// the pool in a used entry, a `seq_len` past what the table row covers, or a selection
     /// past `seq_len` is an error naming the argument and the sequence.
@@ -427,6 +461,11 @@ impl SelectionAttention {
         let pool_k = kv.k_pages.reshape((np * ps, hkv, d))?;
         let pool_v = kv.v_pages.reshape((np * ps, hkv, dv))?;
         let max_tk = kv.seq_lens.iter().copied().max().unwrap_or(0);
+        let pool = PoolRef {
+            host: pages,
+            table: kv.block_table,
+            num_pages: np,
+        };
         let (o, lse, path) = if self.reads_pages(&self.backend.resolve()?, q, max_tk)? {
             self.run(
                 &q_packed,
@@ -435,24 +474,10 @@ impl SelectionAttention {
                 &seqs,
                 sel,
                 [b, tq, hkv],
-                Some(pages),
+                Some(pool),
             )?
         } else {
-            // gather each sequence's keys, packed one after another
-            let mut rows = Vec::new();
-            for (i, s) in seqs.iter_mut().enumerate() {
-                s.k_start = rows.len();
-                rows.extend((0..s.k_len).map(|j| pages.row(i, j) as u32));
-            }
-            let rows = Tensor::from_vec(
-                rows,
-                seqs.iter().map(|s| s.k_len).sum::<usize>(),
-                q.device(),
-            )?;
-            let (k, v) = (
-                pool_k.index_select(&rows, 0)?,
-                pool_v.index_select(&rows, 0)?,
-            );
+            let (k, v, seqs) = gather_pages(&pool_k, &pool_v, &seqs, pages)?;
             self.run(&q_packed, &k, &v, &seqs, sel, [b, tq, hkv], None)?
         };
         let lse = match lse {
@@ -462,16 +487,16 @@ impl SelectionAttention {
         Ok((o.reshape((b, tq, hq, dv))?, lse, path))
     }
 
-    /// Whether the CPU selection kernel takes a call (and so can read a page pool in place):
-    /// CPU tensors, no CUDA or PJRT backend, at least `min_len` keys.
+    /// Whether a selection kernel that reads a page pool in place gets the call: the CPU
+    /// kernel (CPU tensors, no CUDA or PJRT backend) or the CUDA one, at least `min_len` keys.
+    /// (The CUDA kernel may still refuse the call; it then gathers and falls back.)
     fn reads_pages(&self, backend: &Backend, q: &Tensor, max_tk: usize) -> Result<bool> {
-        Ok(q.device().is_cpu()
-            && !use_cuda(backend, q.device(), "SelectionAttention")?
-            && !matches!(backend, Backend::Pjrt(_))
-            && max_tk >= self.resolved_min_len()?)
+        let cuda = use_cuda(backend, q.device(), "SelectionAttention")?;
+        let cpu = q.device().is_cpu() && !cuda && !matches!(backend, Backend::Pjrt(_));
+        Ok((cpu || cuda) && max_tk >= self.resolved_min_len()?)
     }
 
-    /// Token-packed core shared by the entry points; `pages` (only where the CPU kernel runs)
+    /// Token-packed core shared by the entry points; `pages` (only where a kernel reads them)
     /// means `k` / `v` are a page pool read through the block table.
     #[allow(clippy::too_many_arguments)]
     fn run(
@@ -482,7 +507,7 @@ impl SelectionAttention {
         seqs: &[Seq],
         sel: Selection<'_>,
         sel_dims: [usize; 3],
-        pages: Option<Pages<'_>>,
+        pages: Option<PoolRef<'_>>,
     ) -> Result<PathOutput> {
         let (tq, hq, d) = q.dims3()?;
         let (_, hkv, _) = k.dims3()?;
@@ -536,7 +561,7 @@ impl SelectionAttention {
             ));
         }
         if use_cuda(&backend, q.device(), "SelectionAttention")? {
-            return self.run_cuda(q, k, v, seqs, sel, scale, max_tk);
+            return self.run_cuda(q, k, v, seqs, sel, scale, max_tk, pages);
         }
         let host = host_selection(sel)?;
         let mut seq_of = vec![0usize; tq];
@@ -591,7 +616,7 @@ impl SelectionAttention {
         };
         let plan = match pages {
             None => fp8nsa_cpu::nsa::plan(dims, seqs, k.dims()[0], block_size)?,
-            Some(p) => fp8nsa_cpu::nsa::plan_paged(dims, seqs, k.dims()[0], block_size, p)?,
+            Some(p) => fp8nsa_cpu::nsa::plan_paged(dims, seqs, k.dims()[0], block_size, p.host)?,
         };
         let op = SelectionOp::new(dims, scale, SelPlan::Cpu(plan, &host));
         let (o, lse) = op.apply(q, k, v)?;
@@ -605,6 +630,8 @@ impl SelectionAttention {
     /// and for what the kernel does not take (logged with the reason). The selection is not
     /// validated here: kernel and fallback both clamp, sort and merge each row, as the
     /// reference does, so an invalid selection computes the attention of its valid part.
+    /// With `pages`, `k` and `v` are page pools: the kernel reads them in place, and the
+    /// fallback gathers each sequence's keys first.
     #[allow(clippy::too_many_arguments)]
     fn run_cuda(
         &self,
@@ -615,6 +642,7 @@ impl SelectionAttention {
         sel: Selection<'_>,
         scale: f32,
         max_tk: usize,
+        pages: Option<PoolRef<'_>>,
     ) -> Result<PathOutput> {
         let (tq, hq, d) = q.dims3()?;
         let (_, hkv, _) = k.dims3()?;
@@ -644,14 +672,21 @@ impl SelectionAttention {
                 min_len,
             })
         } else {
-            super::cuda::plan(&q, &k, &v, seqs, sel, scale)?.map_err(SdpaReason::NoKernel)
+            super::cuda::plan(&q, &k, &v, seqs, sel, scale, pages.as_ref())?
+                .map_err(SdpaReason::NoKernel)
         };
         let call = match planned {
             Ok(call) => call,
             Err(reason) => {
                 tracing::debug!(op = "nsa_selection", backend = "cuda-sdpa-fallback", %reason, tq, hq, hkv, d, dv);
                 let host = host_selection(sel)?;
-                let (o, lse) = masked_sdpa(&q, &k, &v, seqs, &host, scale)?;
+                let (o, lse) = match pages {
+                    None => masked_sdpa(&q, &k, &v, seqs, &host, scale)?,
+                    Some(p) => {
+                        let (k, v, seqs) = gather_pages(&k, &v, seqs, p.host)?;
+                        masked_sdpa(&q, &k, &v, &seqs, &host, scale)?
+                    }
+                };
                 return Ok((
                     o.to_dtype(q.dtype())?,
                     self.with_lse.then_some(lse),

@@ -8,6 +8,7 @@
 use candle_core::Tensor;
 use fp8nsa_types::Seq;
 
+use super::attention::PoolRef;
 use super::selection::Selection;
 use crate::error::Result;
 
@@ -19,7 +20,7 @@ mod imp {
     use candle_core::backend::BackendStorage;
     use candle_core::cuda::CudaDType;
     use candle_core::{CudaStorage, DType, Layout};
-    use fp8nsa_cuda::nsa::{self as kernels, NsaCall, SelKind};
+    use fp8nsa_cuda::nsa::{self as kernels, NsaCall, PageLayout, SelKind};
     use fp8nsa_types::AttnDims;
 
     use super::*;
@@ -30,6 +31,8 @@ mod imp {
     pub(crate) struct CudaSel {
         call: NsaCall,
         sel: Tensor,
+        /// The block table on the device, for a call over a page pool.
+        table: Option<Tensor>,
     }
 
     impl CudaSel {
@@ -40,8 +43,9 @@ mod imp {
         }
     }
 
-    /// Plans the kernel for contiguous token-packed `q`, `k`, `v`, or says why it does not
-    /// take them. Arguments no path could take are errors.
+    /// Plans the kernel for contiguous token-packed `q`, `k`, `v` (with `pages`, `k` and `v`
+    /// are the page pools `[num_pages * page_size, Hkv, *]`), or says why it does not take
+    /// them. Arguments no path could take are errors.
     pub(crate) fn plan(
         q: &Tensor,
         k: &Tensor,
@@ -49,6 +53,7 @@ mod imp {
         seqs: &[Seq],
         sel: Selection<'_>,
         scale: f32,
+        pages: Option<&PoolRef<'_>>,
     ) -> Result<Planned> {
         let (_, hq, d) = q.dims3()?;
         let (_, hkv, _) = k.dims3()?;
@@ -82,14 +87,30 @@ mod imp {
         }
         let stream = q.device().as_cuda_device()?.cuda_stream();
         // from here an `Unsupported` also covers a device below sm_80 (no PTX family for it)
-        let planned = match q.dtype() {
-            DType::BF16 => kernels::plan_call::<half::bf16>(&stream, dims, seqs, kind, scale),
-            _ => kernels::plan_call::<half::f16>(&stream, dims, seqs, kind, scale),
+        let layout = pages.map(|p| PageLayout {
+            num_pages: p.num_pages,
+            page_size: p.host.page_size,
+            max_pages: p.host.max_pages,
+        });
+        let planned = match (q.dtype(), layout) {
+            (DType::BF16, None) => {
+                kernels::plan_call::<half::bf16>(&stream, dims, seqs, kind, scale)
+            }
+            (_, None) => kernels::plan_call::<half::f16>(&stream, dims, seqs, kind, scale),
+            (DType::BF16, Some(l)) => {
+                kernels::plan_call_paged::<half::bf16>(&stream, dims, seqs, kind, scale, l)
+            }
+            (_, Some(l)) => {
+                kernels::plan_call_paged::<half::f16>(&stream, dims, seqs, kind, scale, l)
+            }
         };
         match planned {
             Ok(call) => Ok(Ok(CudaSel {
                 call,
                 sel: entries.to_device(q.device())?.contiguous()?,
+                table: pages
+                    .map(|p| p.table.to_device(q.device())?.flatten_all()?.contiguous())
+                    .transpose()?,
             })),
             Err(fp8nsa_cuda::Error::Unsupported { reason, .. }) => Ok(Err(reason)),
             Err(e) => Err(e.into()),
@@ -118,16 +139,32 @@ mod imp {
             // SAFETY: as above.
             let mut lse =
                 unsafe { stream.alloc::<f32>(tq * hq) }.map_err(fp8nsa_cuda::Error::from)?;
-            kernels::execute(
-                &stream,
-                &c.call,
-                &q,
-                &k,
-                &v,
-                &sel,
-                &mut o.as_view_mut(),
-                &mut lse.as_view_mut(),
-            )?;
+            match &c.table {
+                None => kernels::execute(
+                    &stream,
+                    &c.call,
+                    &q,
+                    &k,
+                    &v,
+                    &sel,
+                    &mut o.as_view_mut(),
+                    &mut lse.as_view_mut(),
+                )?,
+                Some(table) => with_storage("block_table", table, |ts, tl| {
+                    let table = view::<i32>("block_table", ts, tl)?;
+                    Ok(kernels::execute_paged(
+                        &stream,
+                        &c.call,
+                        &q,
+                        &k,
+                        &v,
+                        &table,
+                        &sel,
+                        &mut o.as_view_mut(),
+                        &mut lse.as_view_mut(),
+                    )?)
+                })?,
+            };
             let dev = qs.device().clone();
             Ok((
                 CudaStorage::wrap_cuda_slice(o, dev.clone()),
@@ -176,6 +213,7 @@ mod imp {
         _: &[Seq],
         _: Selection<'_>,
         _: f32,
+        _: Option<&PoolRef<'_>>,
     ) -> Result<Planned> {
         Ok(Err("fp8nsa was built without the `cuda` feature".into()))
     }

@@ -79,11 +79,22 @@ pub struct SeqArrays {
 }
 
 impl SeqArrays {
+    /// Sequences whose queries and keys are token-packed one after another.
     pub fn new(seqs: &[Seq]) -> Result<Self> {
+        Self::build(seqs, true)
+    }
+
+    /// Sequences whose keys live in pages ([`PageLayout`]): `k_start` is not read, and `cu_k`
+    /// only tells the kernel each sequence's length.
+    pub fn paged(seqs: &[Seq]) -> Result<Self> {
+        Self::build(seqs, false)
+    }
+
+    fn build(seqs: &[Seq], packed_keys: bool) -> Result<Self> {
         let (mut tq, mut tk) = (0usize, 0usize);
         let (mut cu_q, mut cu_k, mut q_off) = (vec![0i32], vec![0i32], Vec::new());
         for (i, s) in seqs.iter().enumerate() {
-            if s.q_start != tq || s.k_start != tk {
+            if s.q_start != tq || (packed_keys && s.k_start != tk) {
                 return Err(invalid(
                     "seqs",
                     format!("sequence {i} does not follow the previous one"),
@@ -116,6 +127,50 @@ impl SeqArrays {
     }
 }
 
+/// A page pool as the kernel reads it: keys `[num_pages * page_size, hkv, d]` (values alike)
+/// and a block table `[B, max_pages]` i32 whose row `b` lists sequence `b`'s pages in order
+/// (the NHD layout of vLLM v1 / FlashInfer). The host checks the table; on the device a page
+/// id outside the pool is clamped into it, so no table makes the kernel read past the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PageLayout {
+    pub num_pages: usize,
+    pub page_size: usize,
+    pub max_pages: usize,
+}
+
+impl PageLayout {
+    fn check(&self, seqs: &SeqArrays) -> Result<()> {
+        let PageLayout {
+            num_pages,
+            page_size,
+            max_pages,
+        } = *self;
+        let fits = |x: usize| (1..=i32::MAX as usize).contains(&x);
+        if !fits(num_pages) || !fits(page_size) || !fits(max_pages) {
+            return Err(invalid(
+                "pages",
+                format!("{self:?}: every size must be in 1..={}", i32::MAX),
+            ));
+        }
+        if max_pages
+            .checked_mul(page_size)
+            .is_none_or(|c| c < seqs.max_k)
+        {
+            return Err(invalid(
+                "pages",
+                format!(
+                    "{max_pages} pages of {page_size} per sequence do not cover its {} keys",
+                    seqs.max_k
+                ),
+            ));
+        }
+        if num_pages.checked_mul(page_size).is_none() {
+            return Err(invalid("pages", "the pool's token count overflows"));
+        }
+        Ok(())
+    }
+}
+
 /// What the selection names: block ids of `block_size` keys, or ranges.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SelKind {
@@ -142,7 +197,9 @@ impl SelKind {
 /// The plan of one call. Arguments: 0 `q [total_q, hq, d]`, 1 `k [total_k, hkv, d]`,
 /// 2 `v [total_k, hkv, dv]` (all in `dtype`), 3 the selection (i32, `total_q * hkv` rows of
 /// `kind.width()`), 4 `cu_q`, 5 `cu_k`, 6 `q_off` (i32, as in [`SeqArrays`]), 7 `o` in
-/// `dtype`, 8 `lse` f32. Errors for what the kernel does not take (`Error::Unsupported`).
+/// `dtype`, 8 `lse` f32; with `pages`, 1 and 2 are the page pools
+/// `[num_pages * page_size, hkv, *]` and 9 the block table (i32 `[B, max_pages]`).
+/// Errors for what the kernel does not take (`Error::Unsupported`).
 pub fn plan_selection(
     info: &crate::DeviceInfo,
     dims: AttnDims,
@@ -150,6 +207,7 @@ pub fn plan_selection(
     kind: SelKind,
     dtype: Dtype,
     scale: f32,
+    pages: Option<PageLayout>,
 ) -> Result<(NsaPlan, Plan)> {
     if dtype == Dtype::F32 {
         return Err(unsupported(
@@ -171,6 +229,9 @@ pub fn plan_selection(
                 format!("must be in 1..={}", i32::MAX),
             ));
         }
+    }
+    if let Some(pl) = &pages {
+        pl.check(seqs)?;
     }
     let rows = seqs.total_q * hkv;
     if rows > i32::MAX as usize {
@@ -219,6 +280,10 @@ pub fn plan_selection(
         Val::I32(per_row as i32),
         Val::I32(block_size.unwrap_or(0) as i32),
         Val::I32(p.splits as i32),
+        pages.map_or(Val::Null, |_| ptr(9)),
+        Val::I32(pages.map_or(0, |l| l.max_pages) as i32),
+        Val::I32(pages.map_or(0, |l| l.page_size) as i32),
+        Val::I32(pages.map_or(0, |l| l.num_pages) as i32),
     ];
     out.kernel(Kernel {
         module: names::MODULE,
@@ -260,6 +325,7 @@ pub struct NsaCall {
     kind: SelKind,
     dims: AttnDims,
     dtype: Dtype,
+    pages: Option<PageLayout>,
     launch: NsaPlan,
     steps: Plan,
 }
@@ -282,16 +348,47 @@ pub fn plan_call<T: Element>(
     kind: SelKind,
     scale: f32,
 ) -> Result<NsaCall> {
-    let arrays = SeqArrays::new(seqs)?;
+    plan_any::<T>(stream, dims, SeqArrays::new(seqs)?, kind, scale, None)
+}
+
+/// [`plan_call`] for keys and values in a page pool ([`PageLayout`]); run it with
+/// [`execute_paged`]. `seqs` give each sequence's queries and key count (`k_start` unused).
+pub fn plan_call_paged<T: Element>(
+    stream: &Arc<CudaStream>,
+    dims: AttnDims,
+    seqs: &[Seq],
+    kind: SelKind,
+    scale: f32,
+    pages: PageLayout,
+) -> Result<NsaCall> {
+    plan_any::<T>(
+        stream,
+        dims,
+        SeqArrays::paged(seqs)?,
+        kind,
+        scale,
+        Some(pages),
+    )
+}
+
+fn plan_any<T: Element>(
+    stream: &Arc<CudaStream>,
+    dims: AttnDims,
+    arrays: SeqArrays,
+    kind: SelKind,
+    scale: f32,
+    pages: Option<PageLayout>,
+) -> Result<NsaCall> {
     let dtype = Dtype::of::<T>();
     let g = gpu(stream)?;
-    let (launch, steps) = plan_selection(&g.info, dims, &arrays, kind, dtype, scale)?;
+    let (launch, steps) = plan_selection(&g.info, dims, &arrays, kind, dtype, scale, pages)?;
     Ok(NsaCall {
         context: stream.context().cu_ctx() as usize,
         arrays,
         kind,
         dims,
         dtype,
+        pages,
         launch,
         steps,
     })
@@ -313,6 +410,60 @@ pub fn execute<T: Element>(
     o: &mut CudaViewMut<'_, T>,
     lse: &mut CudaViewMut<'_, f32>,
 ) -> Result<NsaPlan> {
+    if call.pages.is_some() {
+        return Err(invalid(
+            "call",
+            "was planned for pages: run it with execute_paged",
+        ));
+    }
+    run_call(stream, call, q, k, v, None, sel, o, lse)
+}
+
+/// [`execute`] for a call planned by [`plan_call_paged`]: `k_pages [num_pages * page_size,
+/// hkv, d]`, `v_pages [num_pages * page_size, hkv, dv]` and `block_table [B * max_pages]`.
+#[allow(clippy::too_many_arguments)]
+pub fn execute_paged<T: Element>(
+    stream: &Arc<CudaStream>,
+    call: &NsaCall,
+    q: &CudaView<'_, T>,
+    k_pages: &CudaView<'_, T>,
+    v_pages: &CudaView<'_, T>,
+    block_table: &CudaView<'_, i32>,
+    sel: &CudaView<'_, i32>,
+    o: &mut CudaViewMut<'_, T>,
+    lse: &mut CudaViewMut<'_, f32>,
+) -> Result<NsaPlan> {
+    if call.pages.is_none() {
+        return Err(invalid(
+            "call",
+            "was planned for packed keys: run it with execute",
+        ));
+    }
+    run_call(
+        stream,
+        call,
+        q,
+        k_pages,
+        v_pages,
+        Some(block_table),
+        sel,
+        o,
+        lse,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_call<T: Element>(
+    stream: &Arc<CudaStream>,
+    call: &NsaCall,
+    q: &CudaView<'_, T>,
+    k: &CudaView<'_, T>,
+    v: &CudaView<'_, T>,
+    table: Option<&CudaView<'_, i32>>,
+    sel: &CudaView<'_, i32>,
+    o: &mut CudaViewMut<'_, T>,
+    lse: &mut CudaViewMut<'_, f32>,
+) -> Result<NsaPlan> {
     if call.dtype != Dtype::of::<T>() {
         return Err(invalid("q", "element type differs from the planned call's"));
     }
@@ -324,11 +475,16 @@ pub fn execute<T: Element>(
     }
     let arrays = &call.arrays;
     let AttnDims { hq, hkv, d, dv } = call.dims;
-    let (tq, tk) = (arrays.total_q, arrays.total_k);
+    let tq = arrays.total_q;
+    let (tk, table_len) = match call.pages {
+        Some(l) => (l.num_pages * l.page_size, arrays.q_off.len() * l.max_pages),
+        None => (arrays.total_k, 0),
+    };
     for (arg, got, want) in [
         ("q", q.len(), tq * hq * d),
         ("k", k.len(), tk * hkv * d),
         ("v", v.len(), tk * hkv * dv),
+        ("block_table", table.map_or(0, |t| t.len()), table_len),
         ("selection", sel.len(), tq * hkv * call.kind.width()),
         ("o", o.len(), tq * hq * dv),
         ("lse", lse.len(), tq * hq),
@@ -352,6 +508,7 @@ pub fn execute<T: Element>(
     let (qo, _g6) = q_off.device_ptr(stream);
     let (op, _g7) = o.device_ptr_mut(stream);
     let (lp, _g8) = lse.device_ptr_mut(stream);
+    let table = table.map(|t| t.device_ptr(stream));
     // cp.async moves 16-byte rows of K / V; q is read in 4-byte pairs
     if kp % 16 != 0 || vp % 16 != 0 || qp % 4 != 0 {
         return Err(unsupported(
@@ -359,7 +516,7 @@ pub fn execute<T: Element>(
             "q, k or v is not aligned for vector loads",
         ));
     }
-    let args = [
+    let mut args = vec![
         DevBuf {
             ptr: qp,
             bytes: q.len() * size,
@@ -397,6 +554,12 @@ pub fn execute<T: Element>(
             bytes: 4 * lse_len,
         },
     ];
+    if let Some((tp, _)) = &table {
+        args.push(DevBuf {
+            ptr: *tp,
+            bytes: 4 * table_len,
+        });
+    }
     launch::execute(&g, stream, &call.steps, &args)?;
     Ok(call.launch)
 }

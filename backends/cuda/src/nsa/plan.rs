@@ -6,7 +6,7 @@ use crate::error::{unsupported, Result};
 /// Keys per K/V tile (`KT` in nsa_selection.cu).
 pub const KEYS_PER_TILE: usize = 32;
 /// Selection entries per (token, kv head) row the kernel normalizes (`MAX_PER_ROW`).
-pub const MAX_PER_ROW: usize = 512;
+pub const MAX_PER_ROW: usize = 2048;
 /// Query heads per kv head the kernel takes (16 per warp, up to 4 warps).
 pub const MAX_GROUP: usize = 64;
 /// Most splits of a row's tiles (decode).
@@ -26,10 +26,10 @@ pub struct NsaPlan {
     pub smem: u32,
 }
 
-/// The kernel's dynamic shared memory: the row's spans and their tile counts (entries per row
-/// rounded up to 32), then two K/V tile stages.
+/// The kernel's dynamic shared memory: the row's spans and their packed key counts (entries
+/// per row rounded up to a power of two, at least 32: `span_cap`), then two K/V tile stages.
 pub fn smem_bytes(d: usize, dv: usize, per_row: usize) -> u32 {
-    let cap = per_row.min(MAX_PER_ROW).next_multiple_of(32);
+    let cap = per_row.clamp(32, MAX_PER_ROW).next_power_of_two();
     (2 * KEYS_PER_TILE * (d + dv) * 2 + cap * (8 + 4)) as u32
 }
 
@@ -72,6 +72,15 @@ pub fn plan(
 ) -> Result<NsaPlan> {
     supports(d, dv, group, per_row).map_err(|why| unsupported("nsa selection", why))?;
     let smem = smem_bytes(d, dv, per_row);
+    if smem > info.smem_optin {
+        return Err(unsupported(
+            "nsa selection",
+            format!(
+                "{smem} bytes of shared memory for {per_row} entries per row; the device allows {}",
+                info.smem_optin
+            ),
+        ));
+    }
     let want_blocks = 8 * info.sms as usize;
     let splits = if rows >= want_blocks / 2 {
         1
@@ -93,14 +102,14 @@ pub fn plan(
     })
 }
 
-/// Upper bound of key tiles in one row: the selection clamped to `max_tk` keys.
+/// Upper bound of key tiles in one row: the selection clamped to `max_tk` keys, packed end to
+/// end into tiles.
 pub fn max_tiles(per_row: usize, block_size: Option<usize>, max_tk: usize) -> usize {
     let keys = match block_size {
-        Some(bs) => (per_row * bs).min(max_tk),
+        Some(bs) => per_row.saturating_mul(bs).min(max_tk),
         None => max_tk,
     };
-    // each span may start mid-tile: one partial tile per entry at most
-    keys.div_ceil(KEYS_PER_TILE) + per_row
+    keys.div_ceil(KEYS_PER_TILE)
 }
 
 #[cfg(test)]
@@ -144,16 +153,27 @@ mod tests {
         .unwrap();
         assert!(p.splits > 1 && p.splits <= MAX_SPLITS, "{p:?}");
         let p = plan(&h100(), 128, 128, 16, 1, 1, max_tiles(1, Some(32), 32)).unwrap();
-        assert!(p.splits <= 2, "{p:?}");
+        assert_eq!(p.splits, 1, "{p:?}");
+        // DSA decode: 2048 single tokens of 64k pack into 64 tiles, the splits' ceiling
+        assert_eq!(max_tiles(2048, Some(1), 65536), 64);
+        // a device that cannot opt in to the spans' memory is refused, not launched
+        let small = DeviceInfo {
+            smem_optin: 48 * 1024,
+            ..h100()
+        };
+        let e = plan(&small, 192, 128, 16, 2048, 1, 64).unwrap_err();
+        assert!(e.to_string().contains("shared memory"), "{e}");
     }
 
     #[test]
     fn shared_memory_fits_every_family() {
         for d in HEAD_DIMS {
             for dv in VALUE_DIMS {
-                // under the 48 KB default: no opt-in, any sm_80+ device
+                // within the smallest opt-in of the sm_80+ families (99 KB: sm_86, sm_89,
+                // sm_120); the NSA paper's 16 blocks stay under the 48 KB default
                 let b = smem_bytes(d, dv, MAX_PER_ROW);
-                assert!(b <= 48 * 1024, "d={d} dv={dv}: {b}");
+                assert!(b <= 99 * 1024, "d={d} dv={dv}: {b}");
+                assert!(smem_bytes(d, dv, 16) <= 48 * 1024, "d={d} dv={dv}");
             }
         }
     }
@@ -176,7 +196,7 @@ mod tests {
             (96, 128, 16, 16, "D = 96"),
             (128, 192, 16, 16, "Dv = 192"),
             (128, 128, 80, 16, "80 query heads"),
-            (128, 128, 16, 600, "600 selection entries"),
+            (128, 128, 16, 3000, "3000 selection entries"),
         ] {
             let err = plan(&d, dd, dv, g, per_row, 100, 10)
                 .unwrap_err()
