@@ -7,12 +7,19 @@
 //! `parallel_nsa`) run from benches/peers/nsa.py in the same device command
 //! (benches/peers/run_gpu.sh); benches/peers/report.py computes the ratios.
 //!
+//! Then the server's shapes (issue 19): a continuous-batching decode step of 16 sequences of
+//! mixed lengths whose keys lie in a shuffled page pool (pages of 16), against the same step on
+//! packed keys (`forward_varlen`) and as 16 single calls; and DSA's token-level selection
+//! (2048 tokens of a 64k context per query, Hq = 16, Hkv = 1) against dense decode and the
+//! same keys as 2048 one-token ranges.
+//!
 //! `cargo bench --features cuda --bench gpu_nsa -- [--json out.jsonl] [--quick]`
 
 mod gpu;
 
 use candle_core::{DType, Device, Tensor};
-use fp8nsa::nsa::{BlockSelection, SelectionAttention};
+use fp8nsa::nsa::{BlockSelection, PagedKv, SelectionAttention, SelectionRanges, TokenSelection};
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
@@ -59,19 +66,19 @@ fn selection(
     BlockSelection::new(t, BLOCK).unwrap()
 }
 
-/// Dense attention of `q [b, tq, HQ, D]` over `k, v [b, tk, HKV, D]` with candle ops; `mask`
+/// Dense attention of `q [b, tq, Hq, D]` over `k, v [b, tk, Hkv, D]` with candle ops; `mask`
 /// `[tq, tk]` (0 / -inf) for causal prefill. The G query heads of a kv head are stacked so
 /// that each GEMM reads k and v once per kv head, as a GQA kernel would.
 fn candle_dense(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Tensor {
-    let (b, tq, _, _) = q.dims4().unwrap();
-    let tk = k.dims()[1];
-    let g = HQ / HKV;
+    let (b, tq, hq, _) = q.dims4().unwrap();
+    let (tk, hkv) = (k.dims()[1], k.dims()[2]);
+    let g = hq / hkv;
     let q = q
-        .reshape((b, tq, HKV, g, D))
+        .reshape((b, tq, hkv, g, D))
         .unwrap()
         .permute((0, 2, 3, 1, 4))
         .unwrap()
-        .reshape((b, HKV, g * tq, D))
+        .reshape((b, hkv, g * tq, D))
         .unwrap()
         .contiguous()
         .unwrap();
@@ -80,11 +87,11 @@ fn candle_dense(q: &Tensor, k: &Tensor, v: &Tensor, mask: Option<&Tensor>) -> Te
     let s = (q.matmul(&k.t().unwrap()).unwrap() * (1.0 / (D as f64).sqrt())).unwrap();
     let s = match mask {
         Some(m) => s
-            .reshape((b, HKV, g, tq, tk))
+            .reshape((b, hkv, g, tq, tk))
             .unwrap()
             .broadcast_add(m)
             .unwrap()
-            .reshape((b, HKV, g * tq, tk))
+            .reshape((b, hkv, g * tq, tk))
             .unwrap(),
         None => s,
     };
@@ -175,4 +182,169 @@ fn main() {
         &args.json,
         json!({"op": "nsa_decode", "impl": "candle_dense", "b": b, "tk": tk, "ms": dense, "gpu": gpu_name}),
     );
+    server_shapes(&args, &dev, &stream, &gpu_name, &mut rng);
+}
+
+/// Issue 19's shapes: paged batched decode and token-level selection.
+fn server_shapes(
+    args: &gpu::Args,
+    dev: &Device,
+    stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    gpu_name: &str,
+    rng: &mut rand::rngs::StdRng,
+) {
+    let att = SelectionAttention::new().min_len(0);
+    let bf = |dims: &[usize]| {
+        Tensor::randn(0f32, 1.0, dims, dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap()
+    };
+    let host = Device::Cpu;
+    // 16 sequences of 4k .. 64k keys (a quarter of that with --quick), pages of 16
+    let scale = if args.quick { 1024 } else { 4096 };
+    let lens: Vec<usize> = (0..16).map(|i| scale * (1 + (i * 7) % 16)).collect();
+    let ps = 16;
+    let b = lens.len();
+    let need: Vec<usize> = lens.iter().map(|l| l.div_ceil(ps)).collect();
+    let max_pages = *need.iter().max().unwrap();
+    let pages: usize = need.iter().sum();
+    let mut ids: Vec<i32> = (0..pages as i32).collect();
+    ids.shuffle(rng);
+    let (mut table, mut rows, mut next) = (Vec::new(), Vec::new(), 0);
+    for (&n, &l) in need.iter().zip(&lens) {
+        let mine = &ids[next..next + n];
+        next += n;
+        rows.extend((0..l).map(|j| (mine[j / ps] as usize * ps + j % ps) as u32));
+        let mut r = mine.to_vec();
+        r.resize(max_pages, -1);
+        table.extend(r);
+    }
+    let (kp, vp) = (bf(&[pages, ps, HKV, D]), bf(&[pages, ps, HKV, D]));
+    let table = Tensor::from_vec(table, (b, max_pages), dev).unwrap();
+    let q = bf(&[b, 1, HQ, D]);
+    let mut sel = Vec::new();
+    for &l in &lens {
+        sel.push(
+            selection(1, 1, l, &host, rng)
+                .indices()
+                .flatten_all()
+                .unwrap(),
+        );
+    }
+    let sel = BlockSelection::new(
+        Tensor::cat(&sel, 0)
+            .unwrap()
+            .reshape((b, 1, HKV, SELECTED))
+            .unwrap()
+            .to_device(dev)
+            .unwrap(),
+        BLOCK,
+    )
+    .unwrap();
+    let kv = PagedKv {
+        k_pages: &kp,
+        v_pages: &vp,
+        block_table: &table,
+        seq_lens: &lens,
+    };
+    let paged = gpu::time_ms(stream, || drop(att.forward_paged(&q, &kv, &sel).unwrap()));
+    // the same keys packed: gathered once, outside the timing
+    let rows = Tensor::from_vec(rows, lens.iter().sum::<usize>(), dev).unwrap();
+    let flat = |p: &Tensor| {
+        p.reshape((pages * ps, HKV, D))
+            .unwrap()
+            .index_select(&rows, 0)
+            .unwrap()
+    };
+    let (k, v) = (flat(&kp), flat(&vp));
+    let mut cu = vec![0u32];
+    for &l in &lens {
+        cu.push(cu.last().unwrap() + l as u32);
+    }
+    let cu_k = Tensor::new(cu.as_slice(), dev).unwrap();
+    let cu_q = Tensor::new((0..=b as u32).collect::<Vec<_>>().as_slice(), dev).unwrap();
+    let qp = q.reshape((b, HQ, D)).unwrap();
+    let sel_packed =
+        BlockSelection::new(sel.indices().reshape((1, b, HKV, SELECTED)).unwrap(), BLOCK).unwrap();
+    let packed = gpu::time_ms(stream, || {
+        drop(
+            att.forward_varlen(&qp, &k, &v, &cu_q, &cu_k, &sel_packed)
+                .unwrap(),
+        )
+    });
+    let singles: Vec<_> = (0..b)
+        .map(|i| {
+            let (a, l) = (cu[i] as usize, lens[i]);
+            (
+                q.narrow(0, i, 1).unwrap(),
+                k.narrow(0, a, l).unwrap().unsqueeze(0).unwrap(),
+                v.narrow(0, a, l).unwrap().unsqueeze(0).unwrap(),
+                BlockSelection::new(sel.indices().narrow(0, i, 1).unwrap(), BLOCK).unwrap(),
+            )
+        })
+        .collect();
+    let one_by_one = gpu::time_ms(stream, || {
+        for (q, k, v, s) in &singles {
+            drop(att.forward(q, k, v, s).unwrap());
+        }
+    });
+    println!(
+        "paged decode, 16 seqs of {}..{} keys, pages of {ps}: {paged:.4} ms   packed {packed:.4} ms (x{:.2})   16 single calls {one_by_one:.4} ms (x{:.2})",
+        lens.iter().min().unwrap(),
+        lens.iter().max().unwrap(),
+        packed / paged,
+        one_by_one / paged
+    );
+    for (imp, ms) in [
+        ("fp8nsa_paged", paged),
+        ("fp8nsa_packed", packed),
+        ("fp8nsa_16_calls", one_by_one),
+    ] {
+        gpu::emit(
+            &args.json,
+            json!({"op": "nsa_paged_decode", "impl": imp, "b": b, "page": ps, "ms": ms, "gpu": gpu_name}),
+        );
+    }
+
+    // DSA: 2048 tokens of a 64k context per query, 16 query heads on one kv head
+    let (tk, n, hq) = (if args.quick { 16384 } else { 65536 }, 2048, 16);
+    let q = bf(&[1, 1, hq, D]);
+    let (k, v) = (bf(&[1, tk, 1, D]), bf(&[1, tk, 1, D]));
+    let mut toks: Vec<i32> = (0..tk as i32).collect();
+    toks.shuffle(rng);
+    toks.truncate(n);
+    let ranges: Vec<i32> = toks.iter().flat_map(|&t| [t, t + 1]).collect();
+    let tsel = TokenSelection::new(
+        Tensor::from_vec(toks, (1, 1, 1, n), &host)
+            .unwrap()
+            .to_device(dev)
+            .unwrap(),
+    )
+    .unwrap();
+    let rsel = SelectionRanges::new(
+        Tensor::from_vec(ranges, (1, 1, 1, n, 2), &host)
+            .unwrap()
+            .to_device(dev)
+            .unwrap(),
+    )
+    .unwrap();
+    let tokens = gpu::time_ms(stream, || drop(att.forward(&q, &k, &v, &tsel).unwrap()));
+    let as_ranges = gpu::time_ms(stream, || drop(att.forward(&q, &k, &v, &rsel).unwrap()));
+    let dense = gpu::time_ms(stream, || drop(candle_dense(&q, &k, &v, None)));
+    println!(
+        "tokens, {n} of {tk}: {tokens:.4} ms   as {n} ranges {as_ranges:.4} ms (x{:.2})   candle dense {dense:.4} ms (x{:.2})",
+        as_ranges / tokens,
+        dense / tokens
+    );
+    for (imp, ms) in [
+        ("fp8nsa_tokens", tokens),
+        ("fp8nsa_ranges", as_ranges),
+        ("candle_dense", dense),
+    ] {
+        gpu::emit(
+            &args.json,
+            json!({"op": "nsa_tokens_decode", "impl": imp, "tk": tk, "k": n, "ms": ms, "gpu": gpu_name}),
+        );
+    }
 }

@@ -59,6 +59,16 @@ def main(out):
             f = lambda v: f"{v:.3f}" if v else "-"
             g = lambda v: f"{v / r['ms']:.2f}x" if v else "-"
             print(f"| {case} | {r['ms']:.3f} | {f(cdense)} | {g(cdense)} | {f(dense)} | {g(dense)} | {f(fla)} | {g(fla)} |")
+        # the server's shapes (issue 19): each row's time and its ratio to the first (ours)
+        for op, title in (("nsa_paged_decode", "Paged batched decode (16 sequences of mixed lengths)"),
+                          ("nsa_tokens_decode", "Token-level selection, decode (Hq 16, Hkv 1)")):
+            rows = [x for x in nsa if x.get("op") == op and "ms" in x]
+            if rows:
+                print(f"\n## {title}\n")
+                print("| impl | ms | time / first row's |")
+                print("|---|---|---|")
+                for x in rows:
+                    print(f"| {x['impl']} | {x['ms']:.4f} | {x['ms'] / rows[0]['ms']:.2f}x |")
     if not any(r.get("impl") == "fp8nsa" for r in fp8 + nsa):
         print("No fp8nsa rows: see bench_fp8.log / bench_nsa.log.\n")
     errs = [x for x in nsa + fp8 if "error" in x]
