@@ -862,3 +862,82 @@ fn argument_errors_name_the_argument() {
     let c = candle_core::Error::from(e);
     assert!(matches!(&c, candle_core::Error::Wrapped(_)), "{c:?}");
 }
+
+/// `NsaCache` is a convenience over per-sequence paged states on pools it owns: a batch of three
+/// sequences decoded one token at a time, far past its first pools (which grow, doubling),
+/// equals the stateless prefill of each sequence; a clone is independent of the original.
+#[test]
+fn the_cache_grows_keeps_batch_rows_apart_and_clones_deep() {
+    let mut rng = rng("cache_grows");
+    let dims = NsaDims {
+        hq: 4,
+        hkv: 2,
+        d: 32,
+        dv: 32,
+    };
+    let (b, t) = (3, 700);
+    let mk =
+        |rng: &mut StdRng, h: usize, d: usize| tensor(gaussian(rng, b * t * h * d), &[b, t, h, d]);
+    let (q, k, v) = (
+        mk(&mut rng, dims.hq, dims.d),
+        mk(&mut rng, dims.hkv, dims.d),
+        mk(&mut rng, dims.hkv, dims.dv),
+    );
+    let nsa = NativeSparseAttention::new(
+        small_cfg(),
+        dims,
+        Compressor::MeanPool,
+        Gates::Fixed([0.4, 0.4, 0.4]),
+    )
+    .unwrap();
+    let x = Tensor::zeros((b, t, 4), DType::F32, &Device::Cpu).unwrap();
+    let full = rows(&nsa.forward(&x, &q, &k, &v).unwrap());
+    let mut cache = NsaCache::new();
+    let mut snapshot = None;
+    let row = dims.hq * dims.dv;
+    let mut pos = 0;
+    for len in std::iter::once(5).chain(std::iter::repeat_n(1, t - 5)) {
+        let n = |x: &Tensor| x.narrow(1, pos, len).unwrap();
+        let o = rows(
+            &nsa.forward_step(&n(&x), &n(&q), &n(&k), &n(&v), &mut cache)
+                .unwrap(),
+        );
+        for s in 0..b {
+            for i in 0..len {
+                let got = &o[(s * len + i) * row..][..row];
+                let want = &full[(s * t + pos + i) * row..][..row];
+                let err = got
+                    .iter()
+                    .zip(want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(err < 1e-4, "sequence {s} position {}: {err:e}", pos + i);
+            }
+        }
+        pos += len;
+        if pos == 300 {
+            snapshot = Some(cache.clone());
+        }
+    }
+    assert_eq!(cache.keys().unwrap().dims(), &[b, t, dims.hkv, dims.d]);
+    assert_eq!(rows(&cache.keys().unwrap()), rows(&k));
+    assert_eq!(rows(&cache.values().unwrap()), rows(&v));
+    let snapshot = snapshot.unwrap();
+    assert_eq!(snapshot.len(), 300);
+    assert_eq!(
+        rows(&snapshot.keys().unwrap()),
+        rows(&k.narrow(1, 0, 300).unwrap())
+    );
+    // a batch of another size is refused and changes nothing
+    let mut c = cache.clone();
+    let one = |x: &Tensor| x.narrow(0, 0, 1).unwrap().narrow(1, 0, 1).unwrap();
+    let e = nsa
+        .forward_step(&one(&x), &one(&q), &one(&k), &one(&v), &mut c)
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(&e, fp8nsa::Error::Shape { arg: "k_new", .. }),
+        "{e}"
+    );
+    assert_eq!(c.len(), t);
+}

@@ -3,6 +3,7 @@ use candle_nn::{Linear, Module, VarBuilder};
 
 use super::compress::{Compressor, MlpCompressor};
 use super::config::{CompressorKind, NsaConfig};
+use super::paged::NsaCache;
 use super::sdpa::masked_attention;
 use super::{BlockSelection, SelectionAttention, SelectionRanges};
 use crate::error::{invalid, shape_err, Error, Result};
@@ -39,119 +40,6 @@ pub struct NsaOutput {
     /// Selection-block importance `[B, Tq, Hkv, ceil(Tk / select_block)]` f32 (paper eq. 9,
     /// summed over the G heads of the group).
     pub importance: Tensor,
-}
-
-/// A `[B, T, H, D]` tensor that grows along T in place (capacity doubles), so appending a
-/// token costs the token, not the whole history.
-#[derive(Debug, Default)]
-struct GrowBuf {
-    buf: Option<Tensor>,
-    len: usize,
-}
-
-impl Clone for GrowBuf {
-    /// A deep copy: appends write into the buffer, so clones must not share it.
-    fn clone(&self) -> Self {
-        Self {
-            buf: self
-                .view()
-                .map(|v| v.copy().expect("copying a cache buffer")),
-            len: self.len,
-        }
-    }
-}
-
-impl GrowBuf {
-    fn view(&self) -> Option<Tensor> {
-        self.buf
-            .as_ref()
-            .map(|b| b.narrow(1, 0, self.len).expect("len <= capacity"))
-    }
-
-    fn append(&mut self, x: &Tensor) -> Result<()> {
-        let (b, n, h, d) = x.dims4()?;
-        if n == 0 {
-            return Ok(());
-        }
-        let cap = self.buf.as_ref().map_or(0, |t| t.dims()[1]);
-        if self.len + n > cap {
-            let new_cap = (2 * cap).max(self.len + n).max(256);
-            let grown = Tensor::zeros((b, new_cap, h, d), x.dtype(), x.device())?;
-            if let Some(old) = self.view().filter(|_| self.len > 0) {
-                grown.slice_set(&old.contiguous()?, 1, 0)?;
-            }
-            self.buf = Some(grown);
-        }
-        let buf = self.buf.as_ref().expect("allocated above");
-        buf.slice_set(&x.contiguous()?, 1, self.len)?;
-        self.len += n;
-        Ok(())
-    }
-
-    fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
-    }
-}
-
-/// Keys, values and compressed keys / values of a sequence being decoded. Compressed blocks are
-/// appended as they complete (one every `compress_stride` tokens), never recomputed. Buffers
-/// grow in place; `clone` makes an independent copy.
-#[derive(Clone, Debug, Default)]
-pub struct NsaCache {
-    k: GrowBuf,
-    v: GrowBuf,
-    ck: GrowBuf,
-    cv: GrowBuf,
-}
-
-impl NsaCache {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Tokens held.
-    pub fn len(&self) -> usize {
-        self.k.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Compressed blocks held.
-    pub fn compressed_len(&self) -> usize {
-        self.ck.len
-    }
-
-    /// A copy of the `[B, T, Hkv, D]` keys held, if any (copies: the buffers are written in
-    /// place as the cache grows).
-    pub fn keys(&self) -> Option<Tensor> {
-        self.k.view().and_then(|t| t.copy().ok())
-    }
-
-    /// A copy of the `[B, T, Hkv, Dv]` values held, if any.
-    pub fn values(&self) -> Option<Tensor> {
-        self.v.view().and_then(|t| t.copy().ok())
-    }
-
-    /// A copy of the `[B, n_c, Hkv, D]` compressed keys (f32), if any.
-    pub fn compressed_keys(&self) -> Option<Tensor> {
-        self.ck.view().and_then(|t| t.copy().ok())
-    }
-
-    /// Forgets everything after the first `len` tokens (and the compressed blocks that need
-    /// them), e.g. to roll back rejected speculative tokens.
-    pub fn truncate(&mut self, len: usize, cfg: &NsaConfig) {
-        self.k.truncate(len);
-        self.v.truncate(len);
-        let n_c = cfg.compressed_len(self.k.len);
-        self.ck.truncate(n_c);
-        self.cv.truncate(n_c);
-    }
-
-    pub fn reset(&mut self) {
-        *self = Self::default();
-    }
 }
 
 /// Where the selection and window branches read keys and values.
@@ -365,68 +253,10 @@ impl NativeSparseAttention {
         out
     }
 
-    fn attend_cached(
-        &self,
-        gate_input: &Tensor,
-        q: &Tensor,
-        cache: &NsaCache,
-    ) -> Result<NsaOutput> {
-        let (Some(k), Some(v)) = (cache.k.view(), cache.v.view()) else {
-            return Err(invalid(
-                "k_new",
-                "the cache is empty: append at least one token",
-            ));
-        };
-        let (ck, cv) = match (cache.ck.view(), cache.cv.view()) {
-            (Some(ck), Some(cv)) => (ck, cv),
-            _ => {
-                let (b, _, h, _) = k.dims4()?;
-                let z = |d| Tensor::zeros((b, 0, h, d), DType::F32, k.device());
-                (z(self.dims.d)?, z(self.dims.dv)?)
-            }
-        };
-        self.core(gate_input, q, &k, &v, &ck, &cv)
-    }
-
     /// Appends `k_new`/`v_new [B, Tn, Hkv, ..]` and the compressed blocks they complete to
     /// `cache` without attending (e.g. to load a prompt's KV computed elsewhere).
     pub fn append_kv(&self, k_new: &Tensor, v_new: &Tensor, cache: &mut NsaCache) -> Result<()> {
-        self.check_kv(k_new, v_new)?;
-        if let Some(k) = cache.k.view() {
-            let (b, _, h, d) = k.dims4()?;
-            let (b2, _, h2, d2) = k_new.dims4()?;
-            if (b, h, d) != (b2, h2, d2) || k.dtype() != k_new.dtype() || v_new.dtype() != k.dtype()
-            {
-                return Err(shape_err(
-                    "k_new",
-                    format!("[{b}, Tn, {h}, {d}] of {:?}, like the cache", k.dtype()),
-                    k_new.dims(),
-                ));
-            }
-        }
-        let before = cache.len();
-        cache.k.append(k_new)?;
-        if let Err(e) = cache.v.append(v_new) {
-            cache.k.truncate(before);
-            return Err(e);
-        }
-        let (Some(k), Some(v)) = (cache.k.view(), cache.v.view()) else {
-            return Ok(()); // nothing appended to an empty cache
-        };
-        let (old, new) = (cache.compressed_len(), self.cfg.compressed_len(cache.len()));
-        if new > old {
-            cache.ck.append(
-                &self
-                    .compressor
-                    .compress(&self.cfg, &k, old, new - old, true)?,
-            )?;
-            cache.cv.append(
-                &self
-                    .compressor
-                    .compress(&self.cfg, &v, old, new - old, false)?,
-            )?;
-        }
-        Ok(())
+        self.append_cached(k_new, v_new, cache)
     }
 
     pub(crate) fn check_kv(&self, k: &Tensor, v: &Tensor) -> Result<usize> {

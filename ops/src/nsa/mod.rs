@@ -36,6 +36,6 @@ pub use attention::{
 };
 pub use compress::{Compressor, MlpCompressor};
 pub use config::{CompressorKind, NsaConfig};
-pub use layer::{AttnDims, Gates, NativeSparseAttention, NsaCache, NsaDims, NsaOutput};
-pub use paged::{NsaPages, NsaPool, NsaSeqState, PageAllocator, PagePool};
+pub use layer::{AttnDims, Gates, NativeSparseAttention, NsaDims, NsaOutput};
+pub use paged::{NsaCache, NsaPages, NsaPool, NsaSeqState, PageAllocator, PagePool};
 pub use selection::{BlockSelection, Selection, SelectionRanges, TokenSelection};

@@ -4,8 +4,8 @@
 //! ([`PageAllocator`]) hands pages out and takes them back. Forking a state shares every page
 //! (prefix sharing); a shared page is copied on the first write that would change it, so the
 //! copies never see each other's tokens. Rolling back is a truncation that releases the pages
-//! past the new end. [`NsaCache`](super::NsaCache) stays the convenience for a caller that does
-//! not manage pages.
+//! past the new end. [`NsaCache`] is the convenience over these for a caller that does not
+//! manage pages: a state per batch row on pools it owns and grows.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -83,6 +83,16 @@ impl PagePool {
     /// How many holders `page` has (0 when free or unknown).
     pub fn holders(&self, pool: NsaPool, page: usize) -> u32 {
         self.refs[pool.index()].get(page).copied().unwrap_or(0)
+    }
+
+    /// `raw` and `compressed` more free pages (ids after the current ones, handed out after
+    /// the free ones below them), for pools grown by [`NsaPages::grow`].
+    pub(crate) fn grow(&mut self, raw: usize, compressed: usize) {
+        for (i, add) in [(0, raw), (1, compressed)] {
+            let n = self.refs[i].len();
+            self.refs[i].resize(n + add, 0);
+            self.free[i].splice(0..0, (n..n + add).rev());
+        }
     }
 }
 
@@ -175,6 +185,38 @@ impl NsaPages {
     /// The value pool `[P, page_size, Hkv, Dv]`.
     pub fn values(&self) -> &Tensor {
         &self.v
+    }
+
+    /// `raw` and `compressed` more zeroed pages, the pages held kept as they are (the pools
+    /// are copied into larger ones).
+    pub(crate) fn grow(&mut self, raw: usize, compressed: usize) -> Result<()> {
+        let bigger = |t: &Tensor, add: usize| -> Result<Tensor> {
+            let (p, ps, h, d) = t.dims4()?;
+            let out = Tensor::zeros((p + add, ps, h, d), t.dtype(), t.device())?;
+            out.slice_set(t, 0, 0)?;
+            Ok(out)
+        };
+        if raw > 0 {
+            self.k = bigger(&self.k, raw)?;
+            self.v = bigger(&self.v, raw)?;
+        }
+        if compressed > 0 {
+            self.ck = bigger(&self.ck, compressed)?;
+            self.cv = bigger(&self.cv, compressed)?;
+        }
+        Ok(())
+    }
+
+    /// An independent copy of the pools (pages are written in place, so clones must not share
+    /// storage).
+    fn deep_copy(&self) -> Result<Self> {
+        Ok(Self {
+            k: self.k.copy()?,
+            v: self.v.copy()?,
+            ck: self.ck.copy()?,
+            cv: self.cv.copy()?,
+            page_size: self.page_size,
+        })
     }
 
     fn pools(&self, pool: NsaPool) -> [&Tensor; 2] {
@@ -288,8 +330,28 @@ impl NsaSeqState {
 
     /// The block table of this sequence's raw pages, `[1, pages]` i32.
     pub fn block_table(&self, device: &Device) -> Result<Tensor> {
-        let t: Vec<i32> = self.pages[0].iter().map(|&p| p as i32).collect();
-        Ok(Tensor::from_vec(t, (1, self.pages[0].len()), device)?)
+        block_table(std::slice::from_ref(self), device)
+    }
+
+    /// The same page lists and lengths, for a copy of the pools they index (not a fork: the
+    /// allocator is not told).
+    fn duplicate(&self) -> Self {
+        Self {
+            pages: self.pages.clone(),
+            shared: self.shared,
+            len: self.len,
+            compressed_len: self.compressed_len,
+        }
+    }
+
+    /// Pages of each pool this state needs to hold `len` tokens (beyond those it holds).
+    fn pages_short(&self, len: usize, cfg: &NsaConfig, page_size: usize) -> [usize; 2] {
+        [
+            len.div_ceil(page_size).saturating_sub(self.pages[0].len()),
+            cfg.compressed_len(len)
+                .div_ceil(page_size)
+                .saturating_sub(self.pages[1].len()),
+        ]
     }
 
     /// Writes `xs [n, Hkv, ..]` (one per tensor of the pool) at rows `at..at + n` of the
@@ -439,7 +501,7 @@ impl NativeSparseAttention {
         }
         let before = state.len();
         self.append_kv_paged(k_new, v_new, pages, state, alloc)?;
-        let out = self.attend_paged(gate_input, q, pages, state);
+        let out = self.attend_paged(gate_input, q, pages, std::slice::from_ref(state));
         if out.is_err() {
             state.truncate(before, self.config(), pages, alloc);
         }
@@ -527,33 +589,299 @@ impl NativeSparseAttention {
         Ok(())
     }
 
+    /// Attends `q [B, Tq, Hq, D]` over the states of `B` sequences of equal length.
     fn attend_paged(
         &self,
         gate_input: &Tensor,
         q: &Tensor,
         pages: &NsaPages,
-        state: &NsaSeqState,
+        states: &[NsaSeqState],
     ) -> Result<NsaOutput> {
-        if state.is_empty() {
+        let len = states.first().map_or(0, |s| s.len());
+        if len == 0 {
             return Err(invalid(
                 "k_new",
                 "the state is empty: append at least one token",
             ));
         }
-        let [ck, cv] = pages.gather(
-            NsaPool::Compressed,
-            &state.pages[1],
-            0,
-            state.compressed_len,
-        )?;
-        let table = state.block_table(pages.k.device())?;
-        let seq_lens = [state.len];
+        let compressed: Vec<[Tensor; 2]> = states
+            .iter()
+            .map(|s| pages.gather(NsaPool::Compressed, &s.pages[1], 0, s.compressed_len))
+            .collect::<Result<_>>()?;
+        let (ck, cv) = if let [[ck, cv]] = compressed.as_slice() {
+            (ck.clone(), cv.clone())
+        } else {
+            let cat = |i: usize| -> Result<Tensor> {
+                let parts: Vec<&Tensor> = compressed.iter().map(|c| &c[i]).collect();
+                Ok(Tensor::cat(&parts, 0)?)
+            };
+            (cat(0)?, cat(1)?)
+        };
+        let table = block_table(states, pages.k.device())?;
+        let seq_lens: Vec<usize> = states.iter().map(|s| s.len()).collect();
         let paged = PagedKv {
             k_pages: &pages.k,
             v_pages: &pages.v,
             block_table: &table,
             seq_lens: &seq_lens,
         };
-        self.core_on(gate_input, q, Kv::Paged(paged), (1, state.len), &ck, &cv)
+        self.core_on(
+            gate_input,
+            q,
+            Kv::Paged(paged),
+            (states.len(), len),
+            &ck,
+            &cv,
+        )
+    }
+}
+
+/// The block table of the states' raw pages, `[B, max pages]` i32, `-1` past a row's pages.
+fn block_table(states: &[NsaSeqState], device: &Device) -> Result<Tensor> {
+    let width = states.iter().map(|s| s.pages[0].len()).max().unwrap_or(0);
+    let t: Vec<i32> = states
+        .iter()
+        .flat_map(|s| {
+            let mut row: Vec<i32> = s.pages[0].iter().map(|&p| p as i32).collect();
+            row.resize(width, -1);
+            row
+        })
+        .collect();
+    Ok(Tensor::from_vec(t, (states.len(), width), device)?)
+}
+
+/// Rows per page of an [`NsaCache`]'s own pools.
+const CACHE_PAGE: usize = 64;
+
+/// Keys, values and compressed keys / values of a batch of sequences being decoded, for a
+/// caller that does not manage pages: a convenience over one [`NsaSeqState`] per batch row on
+/// [`NsaPages`] the cache owns (pages of 64 rows), which grow (doubling) as the sequences do.
+/// Compressed blocks are appended as they complete, never recomputed. `clone` makes an
+/// independent copy.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use fp8nsa_ops::nsa::*;
+///
+/// let dev = Device::Cpu;
+/// let dims = NsaDims { hq: 4, hkv: 1, d: 32, dv: 32 };
+/// let nsa = NativeSparseAttention::new(NsaConfig::default(), dims, Compressor::MeanPool,
+///                                      Gates::Fixed([1.0, 1.0, 1.0]))?;
+/// let mut cache = NsaCache::new();
+/// let x = Tensor::zeros((2, 1, 8), DType::F32, &dev)?; // gate input (unused here)
+/// for _ in 0..40 {
+///     let (q, k, v) = (Tensor::randn(0f32, 1.0, (2, 1, 4, 32), &dev)?,
+///                      Tensor::randn(0f32, 1.0, (2, 1, 1, 32), &dev)?,
+///                      Tensor::randn(0f32, 1.0, (2, 1, 1, 32), &dev)?);
+///     nsa.forward_step(&x, &q, &k, &v, &mut cache)?; // two sequences, one token each
+/// }
+/// assert_eq!((cache.len(), cache.compressed_len()), (40, 1)); // blocks of 32, stride 16
+/// assert_eq!(cache.keys().unwrap().dims(), &[2, 40, 1, 32]);
+/// cache.truncate(30, nsa.config()); // roll back 10 tokens
+/// assert_eq!((cache.len(), cache.compressed_len()), (30, 0));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Default)]
+pub struct NsaCache {
+    store: Option<CacheStore>,
+}
+
+#[derive(Debug)]
+struct CacheStore {
+    pages: NsaPages,
+    alloc: PagePool,
+    /// One per batch row, all of the same length.
+    seqs: Vec<NsaSeqState>,
+}
+
+impl Clone for NsaCache {
+    /// A deep copy: steps write into the pools, so clones must not share them.
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.as_ref().map(|s| CacheStore {
+                pages: s.pages.deep_copy().expect("copying a cache's pools"),
+                alloc: s.alloc.clone(),
+                seqs: s.seqs.iter().map(NsaSeqState::duplicate).collect(),
+            }),
+        }
+    }
+}
+
+impl NsaCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Tokens held (by each sequence of the batch).
+    pub fn len(&self) -> usize {
+        self.store
+            .as_ref()
+            .and_then(|s| s.seqs.first())
+            .map_or(0, |s| s.len())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Compressed blocks held.
+    pub fn compressed_len(&self) -> usize {
+        self.store
+            .as_ref()
+            .and_then(|s| s.seqs.first())
+            .map_or(0, |s| s.compressed_len())
+    }
+
+    /// A copy of the `[B, T, Hkv, D]` keys held, if any.
+    pub fn keys(&self) -> Option<Tensor> {
+        self.gathered(NsaPool::Raw, 0)
+    }
+
+    /// A copy of the `[B, T, Hkv, Dv]` values held, if any.
+    pub fn values(&self) -> Option<Tensor> {
+        self.gathered(NsaPool::Raw, 1)
+    }
+
+    /// A copy of the `[B, n_c, Hkv, D]` compressed keys (f32), if any.
+    pub fn compressed_keys(&self) -> Option<Tensor> {
+        self.gathered(NsaPool::Compressed, 0)
+    }
+
+    fn gathered(&self, pool: NsaPool, which: usize) -> Option<Tensor> {
+        let s = self.store.as_ref()?;
+        let rows = |q: &NsaSeqState| match pool {
+            NsaPool::Raw => q.len(),
+            NsaPool::Compressed => q.compressed_len(),
+        };
+        if s.seqs.first().is_none_or(|q| rows(q) == 0) {
+            return None;
+        }
+        let parts: Vec<Tensor> = s
+            .seqs
+            .iter()
+            .map(|q| {
+                let [a, b] = s.pages.gather(pool, &q.pages[pool.index()], 0, rows(q))?;
+                Ok([a, b][which].clone())
+            })
+            .collect::<Result<_>>()
+            .ok()?;
+        Tensor::cat(&parts, 0).ok()
+    }
+
+    /// Forgets everything after the first `len` tokens (and the compressed blocks that need
+    /// them), e.g. to roll back rejected speculative tokens.
+    pub fn truncate(&mut self, len: usize, cfg: &NsaConfig) {
+        if let Some(s) = &mut self.store {
+            for q in &mut s.seqs {
+                q.truncate(len, cfg, &s.pages, &mut s.alloc);
+            }
+        }
+    }
+
+    pub fn reset(&mut self) {
+        *self = Self::default();
+    }
+}
+
+impl NativeSparseAttention {
+    /// Appends `k_new` / `v_new [B, Tn, Hkv, ..]` to the cache's states, growing its pools
+    /// first so the append cannot run out of pages. On an error every state holds what it
+    /// held before.
+    pub(crate) fn append_cached(
+        &self,
+        k_new: &Tensor,
+        v_new: &Tensor,
+        cache: &mut NsaCache,
+    ) -> Result<()> {
+        let tn = self.check_kv(k_new, v_new)?;
+        let b = k_new.dims()[0];
+        let cfg = self.config();
+        let store = match &mut cache.store {
+            Some(s) => {
+                let (pd, pdt) = (s.pages.k.dims(), s.pages.k.dtype());
+                if s.seqs.len() != b || k_new.dtype() != pdt || v_new.dtype() != pdt {
+                    return Err(shape_err(
+                        "k_new",
+                        format!(
+                            "[{}, Tn, {}, {}] of {pdt:?}, like the cache",
+                            s.seqs.len(),
+                            pd[2],
+                            pd[3]
+                        ),
+                        k_new.dims(),
+                    ));
+                }
+                s
+            }
+            None if tn == 0 || b == 0 => return Ok(()), // nothing to hold yet
+            None => {
+                let [raw, cmp] = NsaSeqState::new().pages_short(tn, cfg, CACHE_PAGE);
+                let (raw, cmp) = ((raw * b).max(4), (cmp * b).max(4));
+                let pages = NsaPages::new(
+                    self.dims(),
+                    CACHE_PAGE,
+                    raw,
+                    cmp,
+                    k_new.dtype(),
+                    k_new.device(),
+                )?;
+                cache.store.insert(CacheStore {
+                    pages,
+                    alloc: PagePool::new(raw, cmp),
+                    seqs: (0..b).map(|_| NsaSeqState::new()).collect(),
+                })
+            }
+        };
+        let len = store.seqs[0].len();
+        let mut short = [0usize; 2];
+        for q in &store.seqs {
+            let [r, c] = q.pages_short(len + tn, cfg, CACHE_PAGE);
+            short[0] += r;
+            short[1] += c;
+        }
+        let grow = |pool: NsaPool, need: usize| {
+            let (free, have) = (store.alloc.free_pages(pool), store.pages.num_pages(pool));
+            if need > free {
+                (need - free).max(have)
+            } else {
+                0
+            }
+        };
+        let (add_raw, add_cmp) = (
+            grow(NsaPool::Raw, short[0]),
+            grow(NsaPool::Compressed, short[1]),
+        );
+        if add_raw + add_cmp > 0 {
+            store.pages.grow(add_raw, add_cmp)?;
+            store.alloc.grow(add_raw, add_cmp);
+        }
+        for i in 0..b {
+            let (k, v) = (k_new.narrow(0, i, 1)?, v_new.narrow(0, i, 1)?);
+            let out =
+                self.append_kv_paged(&k, &v, &store.pages, &mut store.seqs[i], &mut store.alloc);
+            if let Err(e) = out {
+                for q in &mut store.seqs[..i] {
+                    q.truncate(len, cfg, &store.pages, &mut store.alloc);
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Attends `q [B, Tq, Hq, D]` over everything the cache holds.
+    pub(crate) fn attend_cached(
+        &self,
+        gate_input: &Tensor,
+        q: &Tensor,
+        cache: &NsaCache,
+    ) -> Result<NsaOutput> {
+        match &cache.store {
+            Some(s) => self.attend_paged(gate_input, q, &s.pages, &s.seqs),
+            None => Err(invalid(
+                "k_new",
+                "the cache is empty: append at least one token",
+            )),
+        }
     }
 }
