@@ -890,3 +890,47 @@ fn the_path_taken_is_returned_and_logged() {
         );
     }
 }
+
+/// A `q_offset` whose positions `q_offset + i` would wrap is an error naming it (it had wrapped
+/// in release builds and shifted causality); the largest one that fits sees every key, as a
+/// query past the end does.
+#[test]
+fn q_offset_positions_that_overflow_are_errors() {
+    let mut rng = rng("q_offset_overflow");
+    let (tq, tk) = (3, 200);
+    let x = qkv(&mut rng, 1, tq, tk, 4, 1, 64, 64, DType::F32);
+    let sel = block_selection(&mut rng, 1, tq, 1, tk, 64, 2);
+    for min_len in [0, usize::MAX] {
+        let att = SelectionAttention::new().min_len(min_len).with_lse(true);
+        for q_offset in [usize::MAX, usize::MAX - 2] {
+            let e = err_of(
+                att.clone()
+                    .q_offset(q_offset)
+                    .forward(&x.q, &x.k, &x.v, &sel),
+            );
+            assert!(
+                matches!(
+                    &e,
+                    Error::Invalid {
+                        arg: "q_offset",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+        }
+        let far = att
+            .clone()
+            .q_offset(usize::MAX - 3)
+            .forward(&x.q, &x.k, &x.v, &sel);
+        let end = att.clone().q_offset(tk).forward(&x.q, &x.k, &x.v, &sel);
+        let (far, end) = (far.unwrap(), end.unwrap());
+        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(flat(&far.0), flat(&end.0), "min_len {min_len}");
+        assert_eq!(
+            flat(&far.1.unwrap()),
+            flat(&end.1.unwrap()),
+            "min_len {min_len}"
+        );
+    }
+}

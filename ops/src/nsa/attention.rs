@@ -525,6 +525,20 @@ impl SelectionAttention {
                 "has no query tokens (Tq = 0): nothing to attend",
             ));
         }
+        // every path computes query positions q_offset + i: refuse what would wrap
+        if let Some((i, s)) = seqs
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.q_offset.checked_add(s.q_len).is_none())
+        {
+            return Err(invalid(
+                "q_offset",
+                format!(
+                    "sequence {i}: q_offset {} + {} queries overflows a position",
+                    s.q_offset, s.q_len
+                ),
+            ));
+        }
         if d == 0 {
             return Err(shape_err("q", "head dim D >= 1", q.dims()));
         }
