@@ -940,4 +940,13 @@ fn the_cache_grows_keeps_batch_rows_apart_and_clones_deep() {
         "{e}"
     );
     assert_eq!(c.len(), t);
+    // a first append that fails (values of another dtype) leaves the cache empty and free to
+    // take any batch size
+    let mut fresh = NsaCache::new();
+    let bad_v = one(&v).to_dtype(DType::BF16).unwrap();
+    assert!(nsa.append_kv(&one(&k), &bad_v, &mut fresh).is_err());
+    assert!(fresh.is_empty() && fresh.keys().is_none());
+    let two = |x: &Tensor| x.narrow(0, 0, 2).unwrap().narrow(1, 0, 1).unwrap();
+    nsa.append_kv(&two(&k), &two(&v), &mut fresh).unwrap();
+    assert_eq!(fresh.keys().unwrap().dims(), &[2, 1, dims.hkv, dims.d]);
 }

@@ -10,7 +10,7 @@
 // (2048 single tokens are 64 full tiles, not 2048 mostly empty ones); K/V tiles are
 // double-buffered with cp.async, online softmax in f32 (base 2). Keys are read from a
 // token-packed k / v, or from a page pool through a block table (pages of any size; a page id
-// outside the pool is clamped into it, never read past it: the host checks tables).
+// outside the pool is clamped into it, never read past it; callers check tables on the host).
 // With splits > 1 (decode) each split takes a share of the tiles and writes f32 partials
 // (normalized o and lse) that fp8nsa_nsa_merge_* combines with the log-sum-exp.
 
@@ -285,7 +285,7 @@ template <typename T, int D, int DV, int NW> __device__ void nsa_selection(const
         const uint8_t* vs = ks + K_TILE;
         // A non-finite element in an attended key makes the row NaN (docs/nsa.md): a score of
         // -inf would otherwise vanish as exp2(-inf) = 0. Every row of the tile is attended
-        // (rows past the span are zero-filled), and so by every head of the CTA: each thread
+        // (rows past the row's last key are zero-filled), and so by every head of the CTA: each thread
         // checks the key chunks it copied (visible to it after its wait), and the barrier the
         // tile needs anyway ORs the answers. Off the score loop, where registers are tight.
         bool bad_key = false;

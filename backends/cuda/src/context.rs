@@ -39,8 +39,8 @@ pub(crate) struct Gpu {
     ctx: Arc<CudaContext>,
     pub(crate) info: DeviceInfo,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
-    /// name -> (function, dynamic shared memory it is cleared for)
-    funcs: Mutex<HashMap<String, (CudaFunction, u32)>>,
+    /// name -> (function, dynamic shared memory it is cleared for, its static shared memory)
+    funcs: Mutex<HashMap<String, (CudaFunction, u32, u32)>>,
     streams: Mutex<StreamStates>,
     /// cuBLASLt problems it refused: not tried again.
     lt_refused: Mutex<std::collections::HashSet<LtProblem>>,
@@ -99,6 +99,8 @@ pub fn device_info(stream: &Arc<CudaStream>) -> Result<DeviceInfo> {
 
 impl Gpu {
     /// Kernel `name` of kernel file `module`, cleared for `smem` bytes of dynamic shared memory.
+    /// The kernel's static shared memory counts against the same per-block budget: without
+    /// the opt-in a block gets 48 KB in all, so dynamic memory past `48 KB - static` opts in.
     pub(crate) fn func(&self, module: &'static str, name: &str, smem: u32) -> Result<CudaFunction> {
         if smem > self.info.smem_optin {
             return Err(unsupported(
@@ -110,25 +112,36 @@ impl Gpu {
             ));
         }
         let mut funcs = self.funcs.lock().expect("function cache");
-        if let Some((f, cleared)) = funcs.get_mut(name) {
-            if smem > *cleared {
-                Self::clear_smem(f, smem)?;
-                *cleared = smem;
-            }
-            return Ok(f.clone());
+        if !funcs.contains_key(name) {
+            let module_handle = self.module(module)?;
+            let f = module_handle.load_function(name).map_err(|e| {
+                unsupported(
+                    "fp8nsa-cuda",
+                    format!("kernel {name} not in module {module} ({e})"),
+                )
+            })?;
+            let fixed = f.shared_size_bytes()?.max(0) as u32;
+            funcs.insert(
+                name.to_string(),
+                (f, (48 * 1024u32).saturating_sub(fixed), fixed),
+            );
         }
-        let module_handle = self.module(module)?;
-        let f = module_handle.load_function(name).map_err(|e| {
-            unsupported(
+        let (f, cleared, fixed) = funcs.get_mut(name).expect("inserted above");
+        if smem.saturating_add(*fixed) > self.info.smem_optin {
+            return Err(unsupported(
                 "fp8nsa-cuda",
-                format!("kernel {name} not in module {module} ({e})"),
-            )
-        })?;
-        if smem > 48 * 1024 {
-            Self::clear_smem(&f, smem)?;
+                format!(
+                    "{name} needs {smem} bytes of dynamic and {fixed} of static shared memory, \
+                     the device allows {} in all",
+                    self.info.smem_optin
+                ),
+            ));
         }
-        funcs.insert(name.to_string(), (f.clone(), smem.max(48 * 1024)));
-        Ok(f)
+        if smem > *cleared {
+            Self::clear_smem(f, smem)?;
+            *cleared = smem;
+        }
+        Ok(f.clone())
     }
 
     fn clear_smem(f: &CudaFunction, smem: u32) -> Result<()> {

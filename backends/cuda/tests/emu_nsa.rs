@@ -100,12 +100,14 @@ fn run_plan(
     expect_split: bool,
     what: &str,
 ) -> (Vec<f64>, Vec<f32>) {
-    run_plan_with(seqs, hq, hkv, sms, expect_split, what, None)
+    run_plan_with(seqs, hq, hkv, sms, expect_split, what, None, false)
 }
 
 /// [`run_plan`]; with `pages` (a page size and a shuffle), each sequence's keys and values
 /// are scattered over the pages of a pool in random order, the table's unused entries hold
-/// ids the pool does not have, and the kernel reads them through the table.
+/// ids the pool does not have, and the kernel reads them through the table. `corrupt` also
+/// puts such ids in used entries (what a host check refuses; the kernel must clamp them).
+#[allow(clippy::too_many_arguments)]
 fn run_plan_with(
     seqs: &[SeqData],
     hq: usize,
@@ -114,6 +116,7 @@ fn run_plan_with(
     expect_split: bool,
     what: &str,
     pages: Option<(usize, &mut StdRng)>,
+    corrupt: bool,
 ) -> (Vec<f64>, Vec<f32>) {
     let (d, dv) = (seqs[0].q.dims()[3], seqs[0].v.dims()[3]);
     let dtype = match seqs[0].q.dtype() {
@@ -159,7 +162,12 @@ fn run_plan_with(
                     for j in slot * ps..((slot + 1) * ps).min(s.k_len) {
                         src[page * ps + j % ps] = (s.k_start + j) as u32;
                     }
-                    table.push(page as i32);
+                    let bad = [-3, i32::MAX, num_pages as i32 + 5][slot % 3];
+                    table.push(if corrupt && slot % 2 == 1 {
+                        bad
+                    } else {
+                        page as i32
+                    });
                 } else {
                     table.push([-1, i32::MAX, num_pages as i32][slot % 3]);
                 }
@@ -724,8 +732,16 @@ fn paged_keys_equal_packed_keys_bit_for_bit() {
         let (o, lse) = run_plan(seqs, hq, hkv, *sms, *split, what);
         for ps in [1, 16, 64, 7] {
             let what = format!("{what}, pages of {ps}");
-            let (po, plse) =
-                run_plan_with(seqs, hq, hkv, *sms, *split, &what, Some((ps, &mut rng)));
+            let (po, plse) = run_plan_with(
+                seqs,
+                hq,
+                hkv,
+                *sms,
+                *split,
+                &what,
+                Some((ps, &mut rng)),
+                false,
+            );
             assert!(
                 o.iter().zip(&po).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "o, {what}"
@@ -751,5 +767,32 @@ fn paged_keys_equal_packed_keys_bit_for_bit() {
             })
             .collect();
         check(&seqs, hq, hkv, *sms, *split, what);
+    }
+}
+
+/// Page ids outside the pool in used table entries (negative, past the pool, i32::MAX): the
+/// kernel clamps them into the pool, so it reads nothing out of bounds (the emulator's buffers
+/// end at an inaccessible page) and writes every output finite.
+#[test]
+fn out_of_pool_page_ids_never_read_out_of_bounds() {
+    let mut rng = rng("emu_nsa_bad_pages");
+    let (hq, hkv, d) = (8, 1, 64);
+    let seqs: Vec<SeqData> = [(1, 200), (4, 90)]
+        .map(|(tq, tk)| {
+            let sel = blocks(&mut rng, tq, hkv, tk, 16, 6);
+            SeqData {
+                q: gaussian(&mut rng, &[1, tq, hq, d], DType::BF16),
+                k: gaussian(&mut rng, &[1, tk, hkv, d], DType::BF16),
+                v: gaussian(&mut rng, &[1, tk, hkv, d], DType::BF16),
+                sel,
+                q_offset: tk - tq,
+            }
+        })
+        .into();
+    for ps in [16, 7] {
+        let what = format!("corrupt table, pages of {ps}");
+        let (o, lse) = run_plan_with(&seqs, hq, hkv, 4, true, &what, Some((ps, &mut rng)), true);
+        assert!(o.iter().all(|x| x.is_finite()), "{what}: o");
+        assert!(lse.iter().all(|x| !x.is_nan()), "{what}: lse");
     }
 }

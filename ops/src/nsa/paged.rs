@@ -191,19 +191,18 @@ impl NsaPages {
     /// are copied into larger ones).
     pub(crate) fn grow(&mut self, raw: usize, compressed: usize) -> Result<()> {
         let bigger = |t: &Tensor, add: usize| -> Result<Tensor> {
+            if add == 0 {
+                return Ok(t.clone());
+            }
             let (p, ps, h, d) = t.dims4()?;
             let out = Tensor::zeros((p + add, ps, h, d), t.dtype(), t.device())?;
             out.slice_set(t, 0, 0)?;
             Ok(out)
         };
-        if raw > 0 {
-            self.k = bigger(&self.k, raw)?;
-            self.v = bigger(&self.v, raw)?;
-        }
-        if compressed > 0 {
-            self.ck = bigger(&self.ck, compressed)?;
-            self.cv = bigger(&self.cv, compressed)?;
-        }
+        // all four first: a failed allocation leaves the pools as they were
+        let (k, v) = (bigger(&self.k, raw)?, bigger(&self.v, raw)?);
+        let (ck, cv) = (bigger(&self.ck, compressed)?, bigger(&self.cv, compressed)?);
+        (self.k, self.v, self.ck, self.cv) = (k, v, ck, cv);
         Ok(())
     }
 
@@ -796,6 +795,9 @@ impl NativeSparseAttention {
         let tn = self.check_kv(k_new, v_new)?;
         let b = k_new.dims()[0];
         let cfg = self.config();
+        // a first append builds the store aside, kept only if the append succeeds (so a failed
+        // first call does not fix the batch size)
+        let mut fresh = None;
         let store = match &mut cache.store {
             Some(s) => {
                 let (pd, pdt) = (s.pages.k.dims(), s.pages.k.dtype());
@@ -825,7 +827,7 @@ impl NativeSparseAttention {
                     k_new.dtype(),
                     k_new.device(),
                 )?;
-                cache.store.insert(CacheStore {
+                fresh.insert(CacheStore {
                     pages,
                     alloc: PagePool::new(raw, cmp),
                     seqs: (0..b).map(|_| NsaSeqState::new()).collect(),
@@ -865,6 +867,9 @@ impl NativeSparseAttention {
                 }
                 return Err(e);
             }
+        }
+        if fresh.is_some() {
+            cache.store = fresh;
         }
         Ok(())
     }

@@ -103,6 +103,13 @@ impl SeqArrays {
             tq += s.q_len;
             tk += s.k_len;
             let last = s.q_offset.saturating_add(s.q_len);
+            if !packed_keys && tk > i32::MAX as usize {
+                // the kernel takes each sequence's length as a difference of i32 offsets
+                return Err(unsupported(
+                    "nsa selection",
+                    "paged sequences whose lengths sum past i32::MAX",
+                ));
+            }
             if tq > i32::MAX as usize || tk > i32::MAX as usize || last > i32::MAX as usize {
                 return Err(invalid(
                     "seqs",
@@ -129,8 +136,9 @@ impl SeqArrays {
 
 /// A page pool as the kernel reads it: keys `[num_pages * page_size, hkv, d]` (values alike)
 /// and a block table `[B, max_pages]` i32 whose row `b` lists sequence `b`'s pages in order
-/// (the NHD layout of vLLM v1 / FlashInfer). The host checks the table; on the device a page
-/// id outside the pool is clamped into it, so no table makes the kernel read past the pool.
+/// (the NHD layout of vLLM v1 / FlashInfer). This crate does not read the table: the caller
+/// checks it (fp8nsa-ops' `forward_paged` does, on the host, naming the sequence), and the
+/// kernel clamps a page id outside the pool into it, so no table makes it read past the pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PageLayout {
     pub num_pages: usize,

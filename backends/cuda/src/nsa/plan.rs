@@ -9,6 +9,10 @@ pub const KEYS_PER_TILE: usize = 32;
 pub const MAX_PER_ROW: usize = 2048;
 /// Query heads per kv head the kernel takes (16 per warp, up to 4 warps).
 pub const MAX_GROUP: usize = 64;
+/// An upper bound of the kernel's static shared memory (its per-tile key rows, the merge's
+/// lane sums, two counters: 648 bytes), which counts against the same per-block budget as the
+/// dynamic part.
+pub const STATIC_SMEM: usize = 1024;
 /// Most splits of a row's tiles (decode).
 pub const MAX_SPLITS: usize = 32;
 /// Head dims with a kernel: D and Dv.
@@ -72,7 +76,7 @@ pub fn plan(
 ) -> Result<NsaPlan> {
     supports(d, dv, group, per_row).map_err(|why| unsupported("nsa selection", why))?;
     let smem = smem_bytes(d, dv, per_row);
-    if smem > info.smem_optin {
+    if smem as usize + STATIC_SMEM > info.smem_optin as usize {
         return Err(unsupported(
             "nsa selection",
             format!(
@@ -163,6 +167,11 @@ mod tests {
         };
         let e = plan(&small, 192, 128, 16, 2048, 1, 64).unwrap_err();
         assert!(e.to_string().contains("shared memory"), "{e}");
+        // exactly 48 KB of dynamic memory plus the static part is past the default: refused
+        // on a device that cannot opt in, taken (the launcher opts in) on one that can
+        assert_eq!(smem_bytes(64, 128, 2048), 48 * 1024);
+        assert!(plan(&small, 64, 128, 16, 2048, 1, 64).is_err());
+        assert!(plan(&h100(), 64, 128, 16, 2048, 1, 64).is_ok());
     }
 
     #[test]
