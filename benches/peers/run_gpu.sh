@@ -3,12 +3,14 @@
 #   .device/ staged by ../shared/gpu/stage.sh with the test and bench binaries,
 #   .whl/ holding the fla-core, einops and packaging wheels (the machine has no network).
 # Usage there:
-#   bash benches/peers/run_gpu.sh TEST_FP8 TEST_NSA BENCH_FP8 BENCH_NSA [BENCH_MOE [TEST_NCCL]]
-# (the staged binary names; TEST_NCCL is the `cuda_nccl` test, built with `--features nccl`).
+#   bash benches/peers/run_gpu.sh TEST_FP8 TEST_NSA BENCH_FP8 BENCH_NSA [BENCH_MOE [TEST_NCCL [TEST_PJRT]]]
+# (the staged binary names; TEST_NCCL is the `cuda_nccl` test, built with `--features nccl`;
+# TEST_PJRT the `pjrt` test built with `--features pjrt`, run against the machine's XLA CUDA
+# plugin from jax-cuda13-pjrt). FP8NSA_SANITIZE=0 skips the compute-sanitizer runs.
 # Logs and tables land in $OUT.
 set -uo pipefail
-if [ $# -lt 4 ] || [ $# -gt 6 ]; then
-  echo "usage: bash benches/peers/run_gpu.sh TEST_FP8 TEST_NSA BENCH_FP8 BENCH_NSA [BENCH_MOE [TEST_NCCL]]" >&2
+if [ $# -lt 4 ] || [ $# -gt 7 ]; then
+  echo "usage: bash benches/peers/run_gpu.sh TEST_FP8 TEST_NSA BENCH_FP8 BENCH_NSA [BENCH_MOE [TEST_NCCL [TEST_PJRT]]]" >&2
   exit 2
 fi
 out=$(realpath -m "${OUT:-/tmp/fp8nsa-out}")
@@ -34,6 +36,31 @@ run_test() {
 }
 run_test test_fp8 "$1"
 run_test test_nsa "$2"
+# compute-sanitizer (issue 16, item 1) on a reduced sweep: the tests that reach every fp8 path,
+# the grouped experts, and every NSA kernel path (splits, varlen, adversarial rows, pages,
+# tokens); memcheck, then racecheck for the shared-memory kernels. FP8NSA_SANITIZE=0 skips it.
+if [ "${FP8NSA_SANITIZE:-1}" = 1 ]; then
+  if command -v compute-sanitizer >/dev/null; then
+    sanitize() {
+      local tool=$1 name=$2 bin=$3
+      shift 3
+      timeout 900 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
+        .device/run.sh "$bin" --test-threads=1 "$@" > "$out/sanitize_${tool}_$name.log" 2>&1
+      local rc=$?
+      echo "== compute-sanitizer $tool $name: exit $rc ($(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitize_${tool}_$name.log") clean summaries)"
+      grep -E "ERROR SUMMARY|test result" "$out/sanitize_${tool}_$name.log" | tail -n 4
+      [ $rc -eq 0 ] || failed+=("sanitize_${tool}_$name")
+    }
+    for tool in memcheck racecheck; do
+      sanitize "$tool" fp8 "$1" every_path_writes_every_element bad_input_is_an_error experts_grouped
+      sanitize "$tool" nsa "$2" decode_batch_splits varlen_matches adversarial_selections \
+        paged_kv_and_token_selection backend_writes_every_element
+    done
+  else
+    echo "== no compute-sanitizer on PATH: sanitizer runs skipped"
+    failed+=("sanitizer_missing")
+  fi
+fi
 .device/run.sh "$3" --json "$out/fp8_ours.jsonl" 2>&1 | tee "$out/bench_fp8.log"
 python3 benches/peers/fp8_gemm.py --json "$out/fp8_peers.jsonl" > "$out/peers_fp8.log" 2>&1
 .device/run.sh "$4" --json "$out/nsa_ours.jsonl" 2>&1 | tee "$out/bench_nsa.log"
@@ -50,6 +77,18 @@ if [ $# -ge 6 ]; then
     echo "== libnccl.so.2 from $nccl_dir"
   fi
   LD_LIBRARY_PATH="${nccl_dir}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" run_test test_nccl "$6"
+fi
+# the PJRT suite on the XLA CUDA plugin (issue 16, item 3)
+if [ $# -ge 7 ]; then
+  plugin=$(python3 -c "import jax_plugins.xla_cuda13 as p, os; d = os.path.dirname(p.__file__); print(next(os.path.join(d, f) for f in os.listdir(d) if f.endswith('.so')))" 2>/dev/null)
+  [ -n "$plugin" ] || plugin=$(find / -xdev -path '*jax_plugins*' -name '*.so' 2>/dev/null | grep -i cuda | head -1)
+  if [ -z "$plugin" ]; then
+    echo "== no XLA CUDA PJRT plugin found; the PJRT GPU run is skipped"
+    failed+=("pjrt_plugin_missing")
+  else
+    echo "== XLA CUDA PJRT plugin: $plugin"
+    FP8NSA_PJRT_PLUGIN="$plugin" FP8NSA_REQUIRE_PJRT=1 run_test test_pjrt_gpu "$7"
+  fi
 fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
