@@ -6,7 +6,8 @@
 #   bash benches/peers/run_gpu.sh TEST_FP8 TEST_NSA BENCH_FP8 BENCH_NSA [BENCH_MOE [TEST_NCCL [TEST_PJRT]]]
 # (the staged binary names; TEST_NCCL is the `cuda_nccl` test, built with `--features nccl`;
 # TEST_PJRT the `pjrt` test built with `--features pjrt`, run against the machine's XLA CUDA
-# plugin from jax-cuda13-pjrt). FP8NSA_SANITIZE=0 skips the compute-sanitizer runs.
+# plugin from jax-cuda13-pjrt). FP8NSA_SANITIZE=1 runs the tests and then compute-sanitizer
+# over them instead of the benches (a second device command: each gets 10 minutes).
 # Logs and tables land in $OUT.
 set -uo pipefail
 if [ $# -lt 4 ] || [ $# -gt 7 ]; then
@@ -36,30 +37,35 @@ run_test() {
 }
 run_test test_fp8 "$1"
 run_test test_nsa "$2"
-# compute-sanitizer (issue 16, item 1) on a reduced sweep: the tests that reach every fp8 path,
-# the grouped experts, and every NSA kernel path (splits, varlen, adversarial rows, pages,
-# tokens); memcheck, then racecheck for the shared-memory kernels. FP8NSA_SANITIZE=0 skips it.
-if [ "${FP8NSA_SANITIZE:-1}" = 1 ]; then
-  if command -v compute-sanitizer >/dev/null; then
-    sanitize() {
-      local tool=$1 name=$2 bin=$3
-      shift 3
-      timeout 900 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
-        .device/run.sh "$bin" --test-threads=1 "$@" > "$out/sanitize_${tool}_$name.log" 2>&1
-      local rc=$?
-      echo "== compute-sanitizer $tool $name: exit $rc ($(grep -c 'ERROR SUMMARY: 0 errors' "$out/sanitize_${tool}_$name.log") clean summaries)"
-      grep -E "ERROR SUMMARY|test result" "$out/sanitize_${tool}_$name.log" | tail -n 4
-      [ $rc -eq 0 ] || failed+=("sanitize_${tool}_$name")
-    }
-    for tool in memcheck racecheck; do
-      sanitize "$tool" fp8 "$1" every_path_writes_every_element bad_input_is_an_error experts_grouped
-      sanitize "$tool" nsa "$2" decode_batch_splits varlen_matches adversarial_selections \
-        paged_kv_and_token_selection backend_writes_every_element
-    done
-  else
-    echo "== no compute-sanitizer on PATH: sanitizer runs skipped"
-    failed+=("sanitizer_missing")
+# FP8NSA_SANITIZE=1: compute-sanitizer (issue 16, item 1) instead of the benches, as its own
+# device command (a command gets 10 minutes): memcheck, then racecheck for the shared-memory
+# kernels, on a reduced sweep (the tests that reach every fp8 path, the grouped experts, and
+# every NSA kernel path: splits, varlen, adversarial rows, pages, tokens).
+if [ "${FP8NSA_SANITIZE:-0}" = 1 ]; then
+  if ! command -v compute-sanitizer >/dev/null; then
+    echo "== no compute-sanitizer on PATH"
+    exit 1
   fi
+  sanitize() {
+    local tool=$1 name=$2 bin=$3
+    shift 3
+    timeout 130 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
+      .device/run.sh "$bin" --test-threads=1 "$@" > "$out/sanitize_${tool}_$name.log" 2>&1
+    local rc=$?
+    echo "== compute-sanitizer $tool $name: exit $rc (124: out of time)"
+    grep -E "ERROR SUMMARY|test result" "$out/sanitize_${tool}_$name.log" | tail -n 4
+    [ $rc -eq 0 ] || failed+=("sanitize_${tool}_$name")
+  }
+  for tool in memcheck racecheck; do
+    sanitize "$tool" fp8 "$1" every_path_writes_every_element bad_input_is_an_error experts_grouped
+    sanitize "$tool" nsa "$2" decode_batch_splits varlen_matches adversarial_selections \
+      paged_kv_and_token_selection backend_writes_every_element
+  done
+  if [ ${#failed[@]} -gt 0 ]; then
+    echo "== failed: ${failed[*]}"
+    exit 1
+  fi
+  exit 0
 fi
 .device/run.sh "$3" --json "$out/fp8_ours.jsonl" 2>&1 | tee "$out/bench_fp8.log"
 python3 benches/peers/fp8_gemm.py --json "$out/fp8_peers.jsonl" > "$out/peers_fp8.log" 2>&1
