@@ -476,3 +476,47 @@ fn a_bad_weight_is_named_with_its_file() {
     );
     assert!(std::fs::read_dir(parent.path()).unwrap().next().is_none());
 }
+
+/// A dense weight holding an Inf (or a NaN) is refused end to end through the CLI, naming the
+/// tensor, with nothing written: no Inf scale reaches a file (issue: reliability, item 9).
+#[test]
+fn a_non_finite_weight_is_refused_and_nothing_is_written() {
+    for bad in [f32::INFINITY, f32::NAN] {
+        let src = tempfile::tempdir().unwrap();
+        let mut t = write_checkpoint(src.path(), &mut rng("non_finite_weight"));
+        let name = "model.layers.0.mlp.up_proj.weight";
+        let w = &t[name];
+        let mut v: Vec<f32> = w
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let mid = v.len() / 2;
+        v[mid] = bad;
+        let poisoned = Tensor::from_vec(v, w.dims(), &Device::Cpu)
+            .unwrap()
+            .to_dtype(w.dtype())
+            .unwrap();
+        t.insert(name.into(), poisoned);
+        candle_core::safetensors::save(&t, src.path().join("model.safetensors")).unwrap();
+        let parent = tempfile::tempdir().unwrap();
+        let dst = parent.path().join("out");
+        let out = Command::new(env!("CARGO_BIN_EXE_fp8nsa"))
+            .args(["quantize", src.path().to_str().unwrap(), "-o"])
+            .arg(&dst)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bad}: {err}");
+        assert!(
+            err.contains(name) && !err.contains("panicked"),
+            "{bad}: {err}"
+        );
+        assert!(
+            std::fs::read_dir(parent.path()).unwrap().next().is_none(),
+            "{bad}"
+        );
+    }
+}
