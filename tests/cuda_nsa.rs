@@ -18,17 +18,13 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::Rng;
 
+/// The GPU, or `None` (the test returns) where there is none and `FP8NSA_REQUIRE_GPU` is not 1.
 fn gpu(test: &str) -> Option<Device> {
-    match Device::new_cuda(0) {
-        Ok(d) => Some(d),
-        Err(e) if std::env::var("FP8NSA_REQUIRE_GPU").is_ok_and(|v| v == "1") => {
-            panic!("{test}: FP8NSA_REQUIRE_GPU=1 but no CUDA device: {e}")
-        }
-        Err(e) => {
-            eprintln!("{test}: skipped, no CUDA device ({e})");
-            None
-        }
+    let dev = fp8nsa_test_support::resource::cuda_device();
+    if dev.is_none() {
+        eprintln!("{test}: skipped");
     }
+    dev
 }
 
 struct Qkv {

@@ -65,3 +65,15 @@ pub fn jax() -> bool {
     )
     .is_some()
 }
+
+/// CUDA device 0 for a GPU suite; [`require`]d under [`GPU`] (set by the GPU run), so a
+/// missing device fails there and skips elsewhere.
+pub fn cuda_device() -> Option<candle_core::Device> {
+    let dev = candle_core::Device::new_cuda(0);
+    let why = dev
+        .as_ref()
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    require(dev.ok(), GPU, "a CUDA device", &format!("candle: {why}"))
+}

@@ -232,17 +232,7 @@ impl NativeSparseAttention {
         v_new: &Tensor,
         cache: &mut NsaCache,
     ) -> Result<NsaOutput> {
-        if let (Some(&tq), Some(&tn)) = (q.dims().get(1), k_new.dims().get(1)) {
-            if tq > tn {
-                return Err(invalid(
-                    "q",
-                    format!(
-                        "{tq} query tokens for {tn} new key tokens: a step's queries are its new \
-                         positions (at most as many as k_new)"
-                    ),
-                ));
-            }
-        }
+        check_step_queries(q, k_new)?;
         let before = cache.len();
         self.append_kv(k_new, v_new, cache)?;
         let out = self.attend_cached(gate_input, q, cache);
@@ -508,4 +498,20 @@ impl NativeSparseAttention {
             self.cfg.select_block,
         )
     }
+}
+
+/// A decode step's queries are its new positions: at most as many as the keys it appends.
+pub(crate) fn check_step_queries(q: &Tensor, k_new: &Tensor) -> Result<()> {
+    if let (Some(&tq), Some(&tn)) = (q.dims().get(1), k_new.dims().get(1)) {
+        if tq > tn {
+            return Err(invalid(
+                "q",
+                format!(
+                    "{tq} query tokens for {tn} new key tokens: a step's queries are its new \
+                     positions (at most as many as k_new)"
+                ),
+            ));
+        }
+    }
+    Ok(())
 }

@@ -487,17 +487,7 @@ impl NativeSparseAttention {
         state: &mut NsaSeqState,
         alloc: &mut dyn PageAllocator,
     ) -> Result<NsaOutput> {
-        if let (Some(&tq), Some(&tn)) = (q.dims().get(1), k_new.dims().get(1)) {
-            if tq > tn {
-                return Err(invalid(
-                    "q",
-                    format!(
-                        "{tq} query tokens for {tn} new key tokens: a step's queries are its new \
-                         positions (at most as many as k_new)"
-                    ),
-                ));
-            }
-        }
+        super::layer::check_step_queries(q, k_new)?;
         let before = state.len();
         self.append_kv_paged(k_new, v_new, pages, state, alloc)?;
         let out = self.attend_paged(gate_input, q, pages, std::slice::from_ref(state));
