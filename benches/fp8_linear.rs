@@ -1,8 +1,8 @@
 //! CPU `Fp8Linear` vs Candle's f32 matmul (`candle_nn::Linear`) on the same, dequantized
 //! weight, and vs Candle's own 8-bit path (`QMatMul` with Q8_0 weights, the format a Candle user
 //! would pick instead), measured in the same run. Prints the ratios, the CPU model and the SIMD
-//! tier at the end. On an AVX-512 machine it also runs W8A8 capped to the AVX2 tier, so the
-//! AVX-512 kernels' gain is measured in the same run.
+//! tier at the end. It also runs W8A8 capped to each lower tier the machine has (AVX2, and
+//! AVX-512 below AVX512-BF16), so what each tier's kernels gain is measured in the same run.
 //!
 //! `cargo bench --bench fp8_linear` (add `-- --quick` for a short run).
 
@@ -25,6 +25,8 @@ const OURS: [(&str, ActQuant); 2] = [
 ];
 /// W8A8 capped to the AVX2 tier, run only where the AVX-512 tier exists.
 const OURS_AVX2: &str = "fp8_w8a8_group_avx2_tier";
+/// W8A8 capped to the AVX-512 (F16C decode) tier, run only where the AVX512-BF16 tier exists.
+const OURS_AVX512: &str = "fp8_w8a8_group_avx512_tier";
 
 fn main() {
     let mut c = util::criterion(20, 4);
@@ -53,22 +55,27 @@ fn main() {
                 b.iter(|| layer.forward(x).unwrap())
             });
         }
-        if Tier::detected() == Tier::Avx512 {
-            // the AVX2 kernels on the same machine, in the same run: what the AVX-512 ones gain
-            let layer = Fp8Linear::new(wq.clone(), None, ActQuant::Group).unwrap();
-            Tier::cap(Tier::Avx2);
-            g.bench_with_input(BenchmarkId::new(OURS_AVX2, m), &x, |b, x| {
-                b.iter(|| layer.forward(x).unwrap())
-            });
-            Tier::cap(Tier::Avx512);
+        // the lower tiers' kernels on the same machine, in the same run: what the higher ones
+        // gain
+        for (name, tier) in [(OURS_AVX2, Tier::Avx2), (OURS_AVX512, Tier::Avx512)] {
+            if Tier::detected() > tier && tier > Tier::Portable {
+                let layer = Fp8Linear::new(wq.clone(), None, ActQuant::Group).unwrap();
+                let top = Tier::detected();
+                Tier::cap(tier);
+                g.bench_with_input(BenchmarkId::new(name, m), &x, |b, x| {
+                    b.iter(|| layer.forward(x).unwrap())
+                });
+                Tier::cap(top);
+            }
         }
         g.finish();
     }
     c.final_summary();
     let params: Vec<String> = MS.iter().map(|m| m.to_string()).collect();
-    let ours = [OURS[0].0, OURS[1].0, OURS_AVX2];
+    let ours = [OURS[0].0, OURS[1].0, OURS_AVX2, OURS_AVX512];
     util::print_ratios(&group, BASELINE, &ours, &params);
     util::print_ratios(&group, PEER, &ours, &params);
     util::print_ratios(&group, OURS_AVX2, &ours[..1], &params);
+    util::print_ratios(&group, OURS_AVX512, &ours[..1], &params);
     util::print_machine();
 }

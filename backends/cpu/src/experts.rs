@@ -10,7 +10,8 @@ use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, invalid, Result};
 use crate::linear::{
-    gemv_task, gemv_task_rows, gemv_wants_scaled_act, plan, untranspose, GEMV_MAX_M,
+    gemv_bf16_act, gemv_task, gemv_task_rows, gemv_wants_scaled_act, plan, untranspose, GemvAct,
+    GEMV_MAX_M,
 };
 use crate::quant::{quantize_act_in, QuantizedAct};
 use crate::scratch::with_f32;
@@ -154,11 +155,16 @@ pub fn grouped(
                 let (a, ar) = std::mem::take(&mut arest).split_at_mut(m * s.k);
                 let (y, yr) = std::mem::take(&mut yrest).split_at_mut(m * s.n);
                 (arest, yrest) = (ar, yr);
-                let deq = gemv_wants_scaled_act(tier, m);
+                let deq = gemv_wants_scaled_act(tier, m, act);
                 let xe = &x[r0 * s.k..(r0 + m) * s.k];
                 acts.push(quantize_act_in(xe, m, s.k, s.bk, act, deq, a)?);
                 yts.push(y);
             }
+            let xbs: Vec<Option<Vec<u16>>> = small
+                .iter()
+                .zip(&acts)
+                .map(|(&(_, m, _), xq)| gemv_bf16_act(tier, xq, act, s.linear(m)))
+                .collect();
             // every task of every small expert in one parallel region
             let mut tasks = Vec::new();
             for ((i, &(e, m, _)), yt) in small.iter().enumerate().zip(yts) {
@@ -171,7 +177,10 @@ pub fn grouped(
                 let m = small[i].1;
                 gemv_task(
                     tier,
-                    &acts[i],
+                    GemvAct {
+                        q: &acts[i],
+                        bf16: xbs[i].as_deref(),
+                    },
                     &w[e * nk..(e + 1) * nk],
                     &sw[e * spe..(e + 1) * spe],
                     s.linear(m),

@@ -18,6 +18,8 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+mod avx512bf16;
 mod error;
 pub mod experts;
 pub mod fp8;

@@ -136,11 +136,16 @@ impl LinearPlan {
                     // each task fills a contiguous run of the transposed output yt [n, m]; at
                     // M = 1 that is `out` itself
                     let mut gemv = |yt: &mut [f32]| -> Result<()> {
-                        let deq = gemv_wants_scaled_act(tier, m);
+                        let deq = gemv_wants_scaled_act(tier, m, act);
                         let xq = quantize_act_in(x, m, k, bk, act, deq, abuf)?;
+                        let xb = gemv_bf16_act(tier, &xq, act, s);
                         let nan_free = self.nan_free;
                         yt.par_chunks_mut(rows * m).enumerate().for_each(|(c, yt)| {
-                            gemv_task(tier, &xq, w, sw, s, c * rows, yt, nan_free)
+                            let xq = GemvAct {
+                                q: &xq,
+                                bf16: xb.as_deref(),
+                            };
+                            gemv_task(tier, xq, w, sw, s, c * rows, yt, nan_free)
                         });
                         Ok(())
                     };
@@ -192,18 +197,51 @@ pub(crate) fn gemv_task_rows(tier: Tier, m: usize) -> usize {
 }
 
 /// Whether [`gemv_task`] takes the activations already multiplied by their scales
-/// (`quantize_act(.., dequantize = true)`) for this tier and `m`.
-pub(crate) fn gemv_wants_scaled_act(tier: Tier, m: usize) -> bool {
-    tier >= Tier::Avx2 && m > 1
+/// (`quantize_act(.., dequantize = true)`) for this tier, `m` and scheme.
+pub(crate) fn gemv_wants_scaled_act(tier: Tier, m: usize, act: ActQuant) -> bool {
+    tier >= Tier::Avx2 && m > 1 && !gemv_uses_bf16(tier, act)
 }
 
-/// One GEMV task: `yt [rows, m]` (transposed output) for weight rows `n0..` of `w`, with `xq`
-/// quantized as [`gemv_wants_scaled_act`] says. `tier` must be at most `Tier::current()`;
-/// `nan_free` as [`LinearPlan::assume_nan_free`].
+/// The activations of a GEMV call: quantized as [`gemv_wants_scaled_act`] says, and in the
+/// AVX512-BF16 kernel's layout when [`gemv_bf16_act`] made one.
+#[derive(Clone, Copy)]
+pub(crate) struct GemvAct<'a> {
+    pub q: &'a QuantizedAct<'a>,
+    pub bf16: Option<&'a [u16]>,
+}
+
+/// Whether a GEMV call runs the AVX512-BF16 kernels: on that tier with quantized activations
+/// (e4m3 values, exact in bf16; W8A16's f32 activations are not, and keep the f32 kernels).
+pub(crate) fn gemv_uses_bf16(tier: Tier, act: ActQuant) -> bool {
+    tier >= Tier::Avx512Bf16 && act != ActQuant::None
+}
+
+/// The activations in the AVX512-BF16 kernels' layout, row after row, when
+/// [`gemv_uses_bf16`]; `xq` must hold the e4m3 values themselves (not dequantized).
+pub(crate) fn gemv_bf16_act(
+    tier: Tier,
+    xq: &QuantizedAct<'_>,
+    act: ActQuant,
+    s: LinearShape,
+) -> Option<Vec<u16>> {
+    #[cfg(target_arch = "x86_64")]
+    if gemv_uses_bf16(tier, act) {
+        let rows = xq.values[..s.m * s.k].chunks_exact(s.k);
+        return Some(
+            rows.flat_map(|x| crate::avx512bf16::act_layout(x, s.bk))
+                .collect(),
+        );
+    }
+    let _ = (tier, xq, act, s);
+    None
+}
+
+/// One GEMV task: `yt [rows, m]` (transposed output) for weight rows `n0..` of `w`. `tier` must
+/// be at most `Tier::current()`; `nan_free` as [`LinearPlan::assume_nan_free`].
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemv_task(
     tier: Tier,
-    xq: &QuantizedAct<'_>,
+    xa: GemvAct<'_>,
     w: &[u8],
     sw: &[f32],
     s: LinearShape,
@@ -211,7 +249,11 @@ pub(crate) fn gemv_task(
     yt: &mut [f32],
     nan_free: bool,
 ) {
-    if gemv_wants_scaled_act(tier, s.m) {
+    let xq = xa.q;
+    if let Some(xb) = xa.bf16 {
+        gemv_rows_bf16(tier, xq, xb, w, sw, s, n0, yt)
+    } else if tier >= Tier::Avx2 && s.m > 1 {
+        // scaled activations (`gemv_wants_scaled_act`; W8A16's are their own values)
         with_f32(3 * s.k, |buf| {
             gemv_small_rows(tier, &xq.values, w, sw, s, n0, yt, buf)
         })
@@ -341,15 +383,7 @@ fn gemv1_rows(
             let (k, kbs) = (s.k, s.k_blocks());
             let x = &xq.values[..];
             let rows = yt.len();
-            // for the weight-row blocks of these rows: the activation scale times the weight
-            // scale of each K-block
-            let nb0 = n0 / s.bn;
-            let mut prod = vec![0f32; ((n0 + rows - 1) / s.bn + 1 - nb0) * kbs];
-            for (i, p) in prod.chunks_exact_mut(kbs).enumerate() {
-                for (kb, v) in p.iter_mut().enumerate() {
-                    *v = xq.scale(0, kb) * sw[(nb0 + i) * kbs + kb];
-                }
-            }
+            let (prod, nb0) = scale_products(xq, sw, s, n0, rows);
             for r0 in (0..rows).step_by(4) {
                 // a short last group repeats its last row rather than branching per row
                 let n = [0, 1, 2, 3].map(|i| n0 + (r0 + i).min(rows - 1));
@@ -406,6 +440,103 @@ fn gemv1_rows(
         }
     }
     gemv_rows(xq, w, sw, s, n0, yt)
+}
+
+/// For the weight-row blocks of rows `n0..n0 + rows` (from block `nb0`, returned): the M = 1
+/// activation scale times the weight scale of each K-block, `[blocks, k_blocks]`.
+fn scale_products(
+    xq: &QuantizedAct<'_>,
+    sw: &[f32],
+    s: LinearShape,
+    n0: usize,
+    rows: usize,
+) -> (Vec<f32>, usize) {
+    let kbs = s.k_blocks();
+    let nb0 = n0 / s.bn;
+    let mut prod = vec![0f32; ((n0 + rows - 1) / s.bn + 1 - nb0) * kbs];
+    for (i, p) in prod.chunks_exact_mut(kbs).enumerate() {
+        for (kb, v) in p.iter_mut().enumerate() {
+            *v = xq.scale(0, kb) * sw[(nb0 + i) * kbs + kb];
+        }
+    }
+    (prod, nb0)
+}
+
+/// [`gemv_rows`] on the AVX512-BF16 tier, with the activations in that tier's layout (`xb`,
+/// from [`gemv_bf16_act`]; `yt` is `[rows, m]`). At M = 1 four weight rows per pass are decoded
+/// by table lookup in registers; for M > 1 two weight rows at a time are decoded into a buffer
+/// once, then multiplied with four activation rows at a time, and each (row, row, K-block)
+/// partial is scaled by `sx · sw` as at M = 1.
+#[allow(clippy::too_many_arguments)]
+fn gemv_rows_bf16(
+    tier: Tier,
+    xq: &QuantizedAct<'_>,
+    xb: &[u16],
+    w: &[u8],
+    sw: &[f32],
+    s: LinearShape,
+    n0: usize,
+    yt: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if tier >= Tier::Avx512Bf16 && s.m > 1 {
+        use crate::avx512bf16::{block_words, decode_row, dot_4x2_blocks};
+        let (m, k, kbs) = (s.m, s.k, s.k_blocks());
+        let rw = kbs * block_words(s.bk);
+        let rows = yt.len() / m;
+        let mut wd = vec![0u16; 2 * rw];
+        let sx_row = |i: usize| {
+            let r = i / xq.rows_per_scale;
+            &xq.scales[r * kbs..(r + 1) * kbs]
+        };
+        for g0 in (0..rows).step_by(2) {
+            // a short last pair repeats its last row rather than branching per row
+            let n = [0, 1].map(|j| n0 + (g0 + j).min(rows - 1));
+            for (j, dst) in wd.chunks_exact_mut(rw).enumerate() {
+                // SAFETY: as below; the row holds k codes and `dst` its blocks.
+                unsafe { decode_row(&w[n[j] * k..(n[j] + 1) * k], k, s.bk, dst) };
+            }
+            let wr = [&wd[..rw], &wd[rw..]];
+            let swr = n.map(|n| &sw[(n / s.bn) * kbs..(n / s.bn + 1) * kbs]);
+            for i0 in (0..m).step_by(4) {
+                let xi = [0, 1, 2, 3].map(|i| (i0 + i).min(m - 1));
+                let xr = xi.map(|i| &xb[i * rw..(i + 1) * rw]);
+                // SAFETY: `tier` came from `Tier::current()`, never above the detected tier,
+                // and that tier is only detected with AVX-512 F/BW/VL/VBMI/BF16; every row
+                // holds kbs blocks of block_words(bk) words, every scale row kbs entries.
+                let d =
+                    unsafe { dot_4x2_blocks(xr, wr, kbs, block_words(s.bk), xi.map(sx_row), swr) };
+                for j in 0..(rows - g0).min(2) {
+                    for (i, row) in d.iter().enumerate().take(m - i0) {
+                        yt[(g0 + j) * m + i0 + i] = row[j];
+                    }
+                }
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if tier >= Tier::Avx512Bf16 {
+        let (k, kbs) = (s.k, s.k_blocks());
+        let rows = yt.len();
+        let (prod, nb0) = scale_products(xq, sw, s, n0, rows);
+        for r0 in (0..rows).step_by(4) {
+            // a short last group repeats its last row rather than branching per row
+            let n = [0, 1, 2, 3].map(|i| n0 + (r0 + i).min(rows - 1));
+            let wr = n.map(|n| &w[n * k..(n + 1) * k]);
+            let sc = n.map(|n| &prod[(n / s.bn - nb0) * kbs..(n / s.bn - nb0 + 1) * kbs]);
+            // SAFETY: `tier` came from `Tier::current()`, never above the detected tier, and
+            // that tier is only detected with AVX-512 F/BW/VL/VBMI/BF16; `xb` was laid out for
+            // this shape by `gemv_bf16_act` and every row holds `k` codes.
+            let acc = unsafe { crate::avx512bf16::dot4_blocks(xb, wr, k, s.bk, sc) };
+            let take = (rows - r0).min(4);
+            yt[r0..r0 + take].copy_from_slice(&acc[..take]);
+        }
+        return;
+    }
+    // `gemv_bf16_act` lays the activations out only on that tier
+    let _ = (tier, xq, xb, w, sw, s, n0, yt);
+    unreachable!("the bf16 layout exists only on the AVX512-BF16 tier")
 }
 
 /// [`gemv_rows`] for `m > 1` on the AVX2 tier and up (`yt` is `[rows, m]`, `xd` the activations

@@ -47,9 +47,12 @@ pub enum Tier {
     /// AVX-512 F / BW / VL on top of the AVX2 tier: the plain loops compiled for it, and the
     /// explicit e4m3 kernels on 16-lane vectors.
     Avx512,
+    /// AVX-512 with BF16 and VBMI (Zen 4, Sapphire Rapids) on top of the AVX-512 tier: the W8A8
+    /// decode GEMV multiplies bf16 pairs (`vdpbf16ps`), which hold e4m3 values exactly.
+    Avx512Bf16,
 }
 
-static CAP: AtomicU8 = AtomicU8::new(Tier::Avx512 as u8);
+static CAP: AtomicU8 = AtomicU8::new(Tier::Avx512Bf16 as u8);
 
 impl Tier {
     /// The best tier this CPU has (detected once).
@@ -64,7 +67,8 @@ impl Tier {
         let cap = match CAP.load(Ordering::Relaxed) {
             0 => Tier::Portable,
             1 => Tier::Avx2,
-            _ => Tier::Avx512,
+            2 => Tier::Avx512,
+            _ => Tier::Avx512Bf16,
         };
         cap.min(Self::detected())
     }
@@ -78,7 +82,7 @@ impl Tier {
 
     /// The tiers this machine can run, lowest first.
     pub fn available() -> Vec<Tier> {
-        [Tier::Portable, Tier::Avx2, Tier::Avx512]
+        [Tier::Portable, Tier::Avx2, Tier::Avx512, Tier::Avx512Bf16]
             .into_iter()
             .filter(|t| *t <= Self::detected())
             .collect()
@@ -89,7 +93,10 @@ impl Tier {
 fn detect() -> Tier {
     use std::is_x86_feature_detected as has;
     let avx2 = has!("avx2") && has!("fma") && has!("f16c");
-    if avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vl") {
+    let avx512 = avx2 && has!("avx512f") && has!("avx512bw") && has!("avx512vl");
+    if avx512 && has!("avx512vbmi") && has!("avx512bf16") {
+        Tier::Avx512Bf16
+    } else if avx512 {
         Tier::Avx512
     } else if avx2 {
         Tier::Avx2
@@ -123,8 +130,10 @@ macro_rules! simd_dispatch {
                 }
                 match $crate::simd::Tier::current() {
                     // SAFETY: the current tier never exceeds the detected one, and the AVX-512
-                    // tier is only detected with AVX-512 F/BW/VL, AVX2, FMA and F16C present.
-                    $crate::simd::Tier::Avx512 => return unsafe { fast512($($arg),*) },
+                    // tiers are only detected with AVX-512 F/BW/VL, AVX2, FMA and F16C present.
+                    $crate::simd::Tier::Avx512 | $crate::simd::Tier::Avx512Bf16 => {
+                        return unsafe { fast512($($arg),*) }
+                    }
                     // SAFETY: the AVX2 tier is only detected with AVX2, FMA and F16C present.
                     $crate::simd::Tier::Avx2 => return unsafe { fast($($arg),*) },
                     $crate::simd::Tier::Portable => {}

@@ -1,0 +1,447 @@
+//! The W8A8 GEMV on bf16 pairs, for CPUs with AVX512-BF16 and VBMI (Zen 4, Sapphire Rapids):
+//! both factors of every product are e4m3 values, which bf16 holds exactly (a sign, 8 exponent
+//! bits and 3 of its 7 mantissa bits; even the e4m3 subnormals, 2^-9 and up, are bf16 normals),
+//! and `vdpbf16ps` multiplies 32 bf16 pairs into 16 f32 lanes per instruction, twice what an
+//! f32 FMA does. Products of two e4m3 values have at most 8 significant bits, so they are exact
+//! in f32 and only the f32 additions round, as in the f32 kernels: the contract holds.
+//!
+//! The decode is a table lookup instead of the F16C trick of `x86` / `avx512`: `vpermi2b` looks
+//! 64 codes up in a 128-entry byte table at once (the low 7 bits index it), one table for the
+//! low byte of each value's bf16 pattern and one for the high byte; the sign bit is or-ed into
+//! the high byte, and two byte interleaves (`vpunpck{l,h}bw`) give two vectors of 32 bf16 values.
+//! That is 5 shuffles per 64 codes where the F16C decode spends 10, and the table maps the NaN
+//! codes to NaN, so a NaN weight needs no separate scan: `vdpbf16ps` carries it to the output.
+//! The interleaves work within 128-bit lanes, so the 64 values come out permuted; the
+//! activations are laid out once per call in the same order ([`act_layout`]), and a dot product
+//! does not care about order.
+//!
+//! `vdpbf16ps` treats bf16 subnormal inputs as zero; none occur here (see above), and no product
+//! or sum of products of e4m3 values and e4m3-valued activations reaches f32's subnormal range.
+//!
+//! Every kernel is `unsafe`: it is compiled for AVX-512 F / BW / VL / VBMI / BF16 and the
+//! caller must have checked the CPU has them (`Tier::current() >= Tier::Avx512Bf16`).
+
+use std::arch::x86_64::*;
+
+/// Codes per step: one 64-byte load, two vectors of 32 bf16 values.
+pub(crate) const STEP: usize = 64;
+
+/// bf16 bit pattern of e4m3fn magnitude code `c` (0..128): `0x7f` is NaN.
+const fn bf16_of(c: u8) -> u16 {
+    let (e, m) = ((c >> 3) as u16, (c & 7) as u16);
+    if c == 0x7f {
+        0x7fc0
+    } else if e > 0 {
+        // 2^(e - 7) · (1 + m/8): exponent field e - 7 + 127, mantissa m in the top 3 bits
+        ((e + 120) << 7) | (m << 4)
+    } else if m == 0 {
+        0
+    } else {
+        // m · 2^-9 with m = 2^p · (1 + f): normalize to 2^(p - 9) · (1 + f)
+        let p = 15 - m.leading_zeros() as u16; // 0..=2
+        ((p + 118) << 7) | (((m << (3 - p)) & 7) << 4)
+    }
+}
+
+/// Byte `HI` (0 low, 1 high) of every magnitude code's bf16 pattern, as a 128-entry table.
+const fn table(hi: bool) -> [u8; 128] {
+    let mut t = [0u8; 128];
+    let mut c = 0;
+    while c < 128 {
+        let b = bf16_of(c as u8);
+        t[c] = if hi { (b >> 8) as u8 } else { b as u8 };
+        c += 1;
+    }
+    t
+}
+static LO: [u8; 128] = table(false);
+static HI: [u8; 128] = table(true);
+
+/// Position, within a step of 64 codes, of the code whose value lands in bf16 slot `j` of the
+/// step's two vectors (slots 0..32 the first, 32..64 the second): per 128-bit lane `L`, the low
+/// interleave holds codes `16L..16L + 8`, the high one codes `16L + 8..16L + 16`.
+#[inline]
+fn source_of(j: usize) -> usize {
+    let (half, w) = (j / 32, j % 32);
+    16 * (w / 8) + 8 * half + w % 8
+}
+
+/// Words of [`act_layout`] per K-block of `bk` codes: the block rounded up to whole steps.
+pub(crate) fn block_words(bk: usize) -> usize {
+    bk.div_ceil(STEP) * STEP
+}
+
+/// The bf16 patterns of one activation row `x [k]` of e4m3 values (exact in bf16), laid out
+/// for [`dot4_blocks`]: K-block `kb` at word `kb · block_words(bk)`, each of its steps
+/// permuted as the decode permutes codes, zeros past the block's end. NaN stays NaN.
+pub(crate) fn act_layout(x: &[f32], bk: usize) -> Vec<u16> {
+    let k = x.len();
+    let bw = block_words(bk);
+    let mut out = vec![0u16; k.div_ceil(bk) * bw];
+    for (kb, dst) in out.chunks_exact_mut(bw).enumerate() {
+        let block = &x[kb * bk..(kb * bk + bk).min(k)];
+        for (s, step) in dst.chunks_exact_mut(STEP).enumerate() {
+            for (j, d) in step.iter_mut().enumerate() {
+                if let Some(&v) = block.get(s * STEP + source_of(j)) {
+                    // the top half of an e4m3 value's f32 pattern is its bf16 pattern
+                    *d = if v.is_nan() {
+                        0x7fc0
+                    } else {
+                        (v.to_bits() >> 16) as u16
+                    };
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The first `left.min(64)` byte lanes.
+#[inline(always)]
+fn lanes64(left: usize) -> __mmask64 {
+    if left >= 64 {
+        !0
+    } else {
+        (1u64 << left) - 1
+    }
+}
+
+/// 64 e4m3fn codes as two vectors of 32 bf16 values, in [`source_of`]'s order.
+#[inline(always)]
+unsafe fn decode64(c: __m512i, lo_t: [__m512i; 2], hi_t: [__m512i; 2]) -> (__m512bh, __m512bh) {
+    let lo = _mm512_permutex2var_epi8(lo_t[0], c, lo_t[1]);
+    let hi = _mm512_permutex2var_epi8(hi_t[0], c, hi_t[1]);
+    // hi | (c & 0x80): the code's sign into the pattern's sign bit
+    let hi = _mm512_ternarylogic_epi32::<0xf8>(hi, c, _mm512_set1_epi8(0x80u8 as i8));
+    // SAFETY (of the transmutes): same size, and every bit pattern is a valid bf16 vector.
+    (
+        std::mem::transmute::<__m512i, __m512bh>(_mm512_unpacklo_epi8(lo, hi)),
+        std::mem::transmute::<__m512i, __m512bh>(_mm512_unpackhi_epi8(lo, hi)),
+    )
+}
+
+/// `Σ_kb scale_r[kb] · Σ_{k in kb} x[k] · decode(w_r[k])` for four weight rows of `k` codes over
+/// the same activations, given in [`act_layout`] (`xb`, built with the same `bk`). A row with
+/// a NaN code (or NaN activations) gives NaN.
+///
+/// # Safety
+/// The CPU must have AVX-512 F / BW / VL / VBMI / BF16. `xb` must hold `k.div_ceil(bk)` blocks
+/// of [`block_words`]`(bk)` words and every row at least `k` codes (checked, panicking).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")]
+#[inline]
+// `kb` indexes the codes, the layout and four scale rows alike
+#[allow(clippy::needless_range_loop)]
+pub(crate) unsafe fn dot4_blocks(
+    xb: &[u16],
+    w: [&[u8]; 4],
+    k: usize,
+    bk: usize,
+    scales: [&[f32]; 4],
+) -> [f32; 4] {
+    let bw = block_words(bk);
+    let kbs = k.div_ceil(bk);
+    assert!(xb.len() >= kbs * bw && w.iter().all(|r| r.len() >= k));
+    assert!(scales.iter().all(|s| s.len() >= kbs));
+    let (lo_t, hi_t) = (tables(&LO), tables(&HI));
+    let wp = w.map(|r| r.as_ptr());
+    let mut tot = [_mm512_setzero_ps(); 4];
+    for kb in 0..kbs {
+        let (k0, len) = (kb * bk, bk.min(k - kb * bk));
+        let xp = xb.as_ptr().add(kb * bw);
+        let mut acc = [_mm512_setzero_ps(); 8];
+        let mut i = 0;
+        while i < len {
+            // SAFETY: `i + 64 <= bw`, so both 32-word loads lie in this block of `xb`.
+            let (xa, xc) = (load_bh(xp.add(i)), load_bh(xp.add(i + 32)));
+            let m = lanes64(len - i);
+            for r in 0..4 {
+                // SAFETY: the mask covers bytes k0 + i .. k0 + min(len, i + 64) <= k of the
+                // row; masked-off bytes are not read and load as the zero code (0.0).
+                let c = _mm512_maskz_loadu_epi8(m, wp[r].add(k0 + i).cast());
+                let (a, b) = decode64(c, lo_t, hi_t);
+                acc[2 * r] = _mm512_dpbf16_ps(acc[2 * r], a, xa);
+                acc[2 * r + 1] = _mm512_dpbf16_ps(acc[2 * r + 1], b, xc);
+            }
+            i += STEP;
+        }
+        for r in 0..4 {
+            let s = _mm512_set1_ps(scales[r][kb]);
+            tot[r] = _mm512_fmadd_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1]), s, tot[r]);
+        }
+    }
+    tot.map(|t| _mm512_reduce_add_ps(t))
+}
+
+/// Weight row `w [k]` decoded into `dst` (`k.div_ceil(bk)` blocks of [`block_words`]`(bk)`
+/// words) in [`act_layout`]'s order, zeros past each block's end: decoded once, then multiplied
+/// with every activation row of a small batch by [`dot_4x2_blocks`].
+///
+/// # Safety
+/// The CPU must have AVX-512 F / BW / VL / VBMI / BF16. `w` must hold at least `k` codes and
+/// `dst` the stated words (checked, panicking).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")]
+pub(crate) unsafe fn decode_row(w: &[u8], k: usize, bk: usize, dst: &mut [u16]) {
+    let bw = block_words(bk);
+    assert!(w.len() >= k && dst.len() >= k.div_ceil(bk) * bw);
+    let (lo_t, hi_t) = (tables(&LO), tables(&HI));
+    for kb in 0..k.div_ceil(bk) {
+        let (k0, len) = (kb * bk, bk.min(k - kb * bk));
+        let dp = dst.as_mut_ptr().add(kb * bw);
+        let mut i = 0;
+        while i < bw {
+            // SAFETY: the mask covers codes k0 + i .. k0 + min(len, i + 64) <= k; a step wholly
+            // past the block's end loads nothing and stores zeros; the stores lie inside this
+            // block of `dst` (i + 64 <= bw).
+            let c = _mm512_maskz_loadu_epi8(
+                lanes64(len.saturating_sub(i)),
+                w.as_ptr().add(k0 + i).cast(),
+            );
+            let (a, b) = decode64(c, lo_t, hi_t);
+            _mm512_storeu_si512(
+                dp.add(i).cast(),
+                std::mem::transmute::<__m512bh, __m512i>(a),
+            );
+            _mm512_storeu_si512(
+                dp.add(i + 32).cast(),
+                std::mem::transmute::<__m512bh, __m512i>(b),
+            );
+            i += STEP;
+        }
+    }
+}
+
+/// 32 bf16 values from `p` (unaligned).
+#[inline(always)]
+unsafe fn load_bh(p: *const u16) -> __m512bh {
+    std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p.cast()))
+}
+
+/// The two 64-byte halves of a 128-entry table.
+#[inline(always)]
+unsafe fn tables(t: &[u8; 128]) -> [__m512i; 2] {
+    [
+        _mm512_loadu_si512(t.as_ptr().cast()),
+        _mm512_loadu_si512(t.as_ptr().add(64).cast()),
+    ]
+}
+
+/// `out[i][j] = Σ_kb sx_i[kb] · sw_j[kb] · Σ_{k in kb} x_i[k] · w_j[k]` for four activation
+/// rows and two weight rows, both in [`act_layout`]'s order (the weights from [`decode_row`]),
+/// over `kbs` blocks of `bw` words. The scale of each (row, block) pair is `sx · sw`, rounded
+/// as at M = 1.
+///
+/// # Safety
+/// The CPU must have AVX-512 F / BW / VL / VBMI / BF16. Every row must hold `kbs · bw` words
+/// and every scale row `kbs` entries (checked, panicking).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")]
+#[inline]
+pub(crate) unsafe fn dot_4x2_blocks(
+    x: [&[u16]; 4],
+    w: [&[u16]; 2],
+    kbs: usize,
+    bw: usize,
+    sx: [&[f32]; 4],
+    sw: [&[f32]; 2],
+) -> [[f32; 2]; 4] {
+    assert!(x.iter().chain(&w).all(|r| r.len() >= kbs * bw) && bw.is_multiple_of(STEP));
+    assert!(sx.iter().chain(&sw).all(|s| s.len() >= kbs));
+    let (xp, wp) = (x.map(|r| r.as_ptr()), w.map(|r| r.as_ptr()));
+    let mut tot = [[_mm512_setzero_ps(); 2]; 4];
+    for kb in 0..kbs {
+        let mut acc = [[_mm512_setzero_ps(); 2]; 4];
+        let mut o = kb * bw;
+        while o < (kb + 1) * bw {
+            for h in [0, 32] {
+                // SAFETY (of the loads): o + h + 32 <= kbs · bw, the length of every row.
+                let wv = [load_bh(wp[0].add(o + h)), load_bh(wp[1].add(o + h))];
+                for i in 0..4 {
+                    let xv = load_bh(xp[i].add(o + h));
+                    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], wv[0], xv);
+                    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], wv[1], xv);
+                }
+            }
+            o += STEP;
+        }
+        for i in 0..4 {
+            for j in 0..2 {
+                let s = _mm512_set1_ps(sx[i][kb] * sw[j][kb]);
+                tot[i][j] = _mm512_fmadd_ps(acc[i][j], s, tot[i][j]);
+            }
+        }
+    }
+    tot.map(|t| t.map(|v| _mm512_reduce_add_ps(v)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fp8::e4m3_to_f32;
+    use crate::simd::Tier;
+
+    #[test]
+    fn the_table_holds_every_code_exactly() {
+        for c in 0..=255u8 {
+            let b = bf16_of(c & 0x7f) | (((c & 0x80) as u16) << 8);
+            let v = f32::from_bits((b as u32) << 16);
+            let want = e4m3_to_f32(c);
+            if want.is_nan() {
+                assert!(v.is_nan(), "code {c:#x}");
+            } else {
+                assert_eq!(v.to_bits(), want.to_bits(), "code {c:#x}: {v} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_layout_is_a_permutation_of_each_step() {
+        let mut seen = [false; STEP];
+        for j in 0..STEP {
+            assert!(
+                !std::mem::replace(&mut seen[source_of(j)], true),
+                "slot {j}"
+            );
+        }
+    }
+
+    /// Whether the tier exists here; without it these kernel tests skip, saying so (most CI
+    /// machines lack BF16; `tests/cpu_tiers.rs` runs every tier a machine has).
+    fn bf16() -> bool {
+        let ok = Tier::detected() >= Tier::Avx512Bf16;
+        if !ok {
+            eprintln!("skipped: no AVX512-BF16 / VBMI on this CPU, its kernel is untested here");
+        }
+        ok
+    }
+
+    #[test]
+    fn decoded_rows_times_activation_rows_match_f64() {
+        if !bf16() {
+            return;
+        }
+        for (n, bk) in [(1usize, 128usize), (65, 64), (3884, 128), (300, 200)] {
+            let code = |r: usize, i: usize| {
+                let c = ((i * 53 + r * 29 + 5) % 254) as u8;
+                if c & 0x7f == 0x7f {
+                    0x7e
+                } else {
+                    c
+                }
+            };
+            let kbs = n.div_ceil(bk);
+            let rw = kbs * block_words(bk);
+            let xs: Vec<Vec<f32>> = (0..4)
+                .map(|r| (0..n).map(|i| e4m3_to_f32(code(r + 10, i))).collect())
+                .collect();
+            let ws: Vec<Vec<u8>> = (0..2)
+                .map(|r| (0..n).map(|i| code(r, i)).collect())
+                .collect();
+            let scale = |r: usize| -> Vec<f32> {
+                (0..kbs)
+                    .map(|b| 10f32.powi((b * 3 + r) as i32 % 7 - 3))
+                    .collect()
+            };
+            let (sx, sw): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
+                ((0..4).map(scale).collect(), (4..6).map(scale).collect());
+            let xl: Vec<Vec<u16>> = xs.iter().map(|x| act_layout(x, bk)).collect();
+            // garbage first: decode_row must write every word, zeros past each block's end
+            let mut wd = vec![vec![0xffffu16; rw]; 2];
+            for (w, d) in ws.iter().zip(&mut wd) {
+                // SAFETY: the tier was checked above; the buffers have the stated sizes.
+                unsafe { decode_row(w, n, bk, d) };
+            }
+            // SAFETY: as above.
+            let got = unsafe {
+                dot_4x2_blocks(
+                    [&xl[0][..], &xl[1], &xl[2], &xl[3]],
+                    [&wd[0][..], &wd[1]],
+                    kbs,
+                    block_words(bk),
+                    [&sx[0][..], &sx[1], &sx[2], &sx[3]],
+                    [&sw[0][..], &sw[1]],
+                )
+            };
+            for i in 0..4 {
+                for j in 0..2 {
+                    let term = |k: usize| {
+                        xs[i][k] as f64
+                            * e4m3_to_f32(ws[j][k]) as f64
+                            * (sx[i][k / bk] * sw[j][k / bk]) as f64
+                    };
+                    let want: f64 = (0..n).map(term).sum();
+                    let mag: f64 = (0..n).map(|k| term(k).abs()).sum();
+                    assert!(
+                        (got[i][j] as f64 - want).abs() <= 1e-6 * mag.max(1e-30),
+                        "n {n} bk {bk} [{i}][{j}]: {} vs {want}",
+                        got[i][j]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dot4_blocks_matches_f64_and_propagates_nan() {
+        if !bf16() {
+            return;
+        }
+        for (n, bk) in [
+            (1, 128),
+            (63, 128),
+            (64, 128),
+            (65, 128),
+            (3884, 128),
+            (300, 96),
+        ] {
+            for (n, bk) in [(n, bk), (n, 64), (n, 200)] {
+                // every code but NaN, in a scrambled order, so every table entry is used
+                let code = |r: usize, i: usize| {
+                    let c = ((i * 37 + r * 101 + 11) % 254) as u8;
+                    if c & 0x7f == 0x7f {
+                        0
+                    } else {
+                        c
+                    }
+                };
+                let mut rows: Vec<Vec<u8>> = (0..4)
+                    .map(|r| (0..n).map(|i| code(r, i)).collect())
+                    .collect();
+                // activations: e4m3 values, as the quantizer produces them
+                let x: Vec<f32> = (0..n).map(|i| e4m3_to_f32(code(7, i))).collect();
+                let kbs = n.div_ceil(bk);
+                let sc: Vec<Vec<f32>> = (0..4)
+                    .map(|r| {
+                        (0..kbs)
+                            .map(|b| 10f32.powi((b + r) as i32 % 7 - 3))
+                            .collect()
+                    })
+                    .collect();
+                let scales = [&sc[0][..], &sc[1], &sc[2], &sc[3]];
+                let xb = act_layout(&x, bk);
+                let wr = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
+                // SAFETY: the tier was checked above; the buffers have the stated sizes.
+                let got = unsafe { dot4_blocks(&xb, wr, n, bk, scales) };
+                for r in 0..4 {
+                    let term = |i: usize| {
+                        x[i] as f64 * e4m3_to_f32(rows[r][i]) as f64 * sc[r][i / bk] as f64
+                    };
+                    let want: f64 = (0..n).map(term).sum();
+                    let mag: f64 = (0..n).map(|i| term(i).abs()).sum();
+                    assert!(
+                        (got[r] as f64 - want).abs() <= 1e-6 * mag.max(1e-30),
+                        "n {n} bk {bk} row {r}: {} vs {want}",
+                        got[r]
+                    );
+                }
+                if n >= 2 {
+                    rows[2][0] = 0xff;
+                    rows[3][n - 1] = 0x7f;
+                    let wr = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
+                    // SAFETY: as above.
+                    let got = unsafe { dot4_blocks(&xb, wr, n, bk, scales) };
+                    assert!(!got[0].is_nan() && !got[1].is_nan(), "n {n}: {got:?}");
+                    assert!(got[2].is_nan() && got[3].is_nan(), "n {n}: {got:?}");
+                }
+            }
+        }
+    }
+}
