@@ -1,4 +1,5 @@
-//! The W8A8 GEMV on bf16 pairs, for CPUs with AVX512-BF16 and VBMI (Zen 4, Sapphire Rapids):
+//! The W8A8 GEMV and panel GEMM on bf16 pairs, for CPUs with AVX512-BF16 and VBMI (Zen 4,
+//! Sapphire Rapids):
 //! both factors of every product are e4m3 values, which bf16 holds exactly (a sign, 8 exponent
 //! bits and 3 of its 7 mantissa bits; even the e4m3 subnormals, 2^-9 and up, are bf16 normals),
 //! and `vdpbf16ps` multiplies 32 bf16 pairs into 16 f32 lanes per instruction, twice what an
@@ -270,6 +271,90 @@ pub(crate) unsafe fn dot_4x2_blocks(
         }
     }
     tot.map(|t| t.map(|v| _mm512_reduce_add_ps(v)))
+}
+
+/// Activation rows in [`act_layout`] (`xb`: `m` rows of equal length, one after the other)
+/// as the panel GEMM's columns of pairs: `u32 [pairs, m_pad]`, where word pair `p` of row `i`
+/// (words `2p`, `2p + 1`, little-endian, the low one first as `vdpbf16ps` pairs them) sits at
+/// `p · m_pad + i`, and rows `m..m_pad` are zeros. Transposed so that one load gives one pair
+/// of 16 rows, to multiply with a broadcast weight pair.
+pub(crate) fn pair_columns(xb: &[u16], m: usize, m_pad: usize) -> Vec<u32> {
+    use rayon::prelude::*;
+    let rw = xb.len() / m;
+    let mut out = vec![0u32; rw / 2 * m_pad];
+    // 64 pairs per task: each row's 256 bytes of them are one contiguous read
+    out.par_chunks_mut(64 * m_pad)
+        .enumerate()
+        .for_each(|(c, cols)| {
+            for (i, row) in xb.chunks_exact(rw).enumerate() {
+                let words = &row[128 * c..(128 * c + 128).min(rw)];
+                for (p, w) in words.chunks_exact(2).enumerate() {
+                    cols[p * m_pad + i] = w[0] as u32 | (w[1] as u32) << 16;
+                }
+            }
+        });
+    out
+}
+
+/// The panel GEMM's micro-kernel, for `16 · MV` activation rows (the lanes) and `NR` weight
+/// rows over `blocks` K-blocks of `ppb` pairs each:
+/// `yt[r · yt_ld + i] += Σ_b (sx[b · sx_ld + i] · sw[r][b]) · Σ_{p in b} x_i pair p · w_r pair p`.
+/// `a` holds the activations' pairs from [`pair_columns`] (row stride `a_ld`, already offset to
+/// the first lane), `w` the weight rows decoded by [`decode_row`] (row stride `w_ld` words),
+/// both starting at the first block. The block partials stay in `MV · NR` registers; the
+/// running totals live in `yt`, touched once per block.
+///
+/// # Safety
+/// The CPU must have AVX-512 F / BW / VL / VBMI / BF16. The slices must hold what the strides
+/// address (checked, panicking).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")]
+// `b` and `r` index the K-blocks and weight rows of several arrays alike
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+pub(crate) unsafe fn gemm_tile<const MV: usize, const NR: usize>(
+    a: &[u32],
+    a_ld: usize,
+    w: &[u16],
+    w_ld: usize,
+    sx: &[f32],
+    sx_ld: usize,
+    sw: [&[f32]; NR],
+    (ppb, blocks): (usize, usize),
+    yt: &mut [f32],
+    yt_ld: usize,
+) {
+    let pairs = ppb * blocks;
+    assert!(pairs > 0 && a.len() >= (pairs - 1) * a_ld + 16 * MV);
+    assert!(w_ld >= 2 * pairs && w.len() >= (NR - 1) * w_ld + 2 * pairs);
+    assert!(sx.len() >= (blocks - 1) * sx_ld + 16 * MV && sw.iter().all(|s| s.len() >= blocks));
+    assert!(yt.len() >= (NR - 1) * yt_ld + 16 * MV);
+    let (ap, wp, sxp, yp) = (a.as_ptr(), w.as_ptr(), sx.as_ptr(), yt.as_mut_ptr());
+    for b in 0..blocks {
+        let mut acc = [[_mm512_setzero_ps(); NR]; MV];
+        for p in b * ppb..(b + 1) * ppb {
+            // SAFETY (of every access below): inside the bounds asserted above.
+            let av: [__m512bh; MV] = std::array::from_fn(|v| {
+                std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    ap.add(p * a_ld + 16 * v).cast(),
+                ))
+            });
+            for r in 0..NR {
+                let pair = wp.add(r * w_ld + 2 * p).cast::<i32>().read_unaligned();
+                let wv = std::mem::transmute::<__m512i, __m512bh>(_mm512_set1_epi32(pair));
+                for v in 0..MV {
+                    acc[v][r] = _mm512_dpbf16_ps(acc[v][r], av[v], wv);
+                }
+            }
+        }
+        for (v, acc) in acc.iter().enumerate() {
+            let sxv = _mm512_loadu_ps(sxp.add(b * sx_ld + 16 * v));
+            for (r, acc) in acc.iter().enumerate() {
+                // sx · sw rounded to f32 first, as in the GEMV kernels
+                let s = _mm512_mul_ps(sxv, _mm512_set1_ps(sw[r][b]));
+                let y = yp.add(r * yt_ld + 16 * v);
+                _mm512_storeu_ps(y, _mm512_fmadd_ps(*acc, s, _mm512_loadu_ps(y)));
+            }
+        }
+    }
 }
 
 #[cfg(test)]
