@@ -4,12 +4,17 @@
 #   .whl/ holding the fla-core, einops and packaging wheels (the machine has no network).
 # Usage there:
 #   bash benches/peers/run_gpu.sh TEST_FP8 TEST_NSA BENCH_FP8 BENCH_NSA [BENCH_MOE [TEST_NCCL [TEST_PJRT]]]
+#   bash benches/peers/run_gpu.sh      # all seven, as benches/peers/prepare_gpu.sh staged them
 # (the staged binary names; TEST_NCCL is the `cuda_nccl` test, built with `--features nccl`;
 # TEST_PJRT the `pjrt` test built with `--features pjrt`, run against the machine's XLA CUDA
 # plugin from jax-cuda13-pjrt). FP8NSA_SANITIZE=1 runs the tests and then compute-sanitizer
 # over them instead of the benches (a second device command: each gets 10 minutes).
 # Logs and tables land in $OUT.
 set -uo pipefail
+if [ $# -eq 0 ] && [ -f .device/bins ]; then
+  # shellcheck disable=SC2046  # one binary name per line, no spaces
+  set -- $(cat .device/bins)
+fi
 if [ $# -lt 4 ] || [ $# -gt 7 ]; then
   echo "usage: bash benches/peers/run_gpu.sh TEST_FP8 TEST_NSA BENCH_FP8 BENCH_NSA [BENCH_MOE [TEST_NCCL [TEST_PJRT]]]" >&2
   exit 2
@@ -67,12 +72,21 @@ if [ "${FP8NSA_SANITIZE:-0}" = 1 ]; then
   fi
   exit 0
 fi
-.device/run.sh "$3" --json "$out/fp8_ours.jsonl" 2>&1 | tee "$out/bench_fp8.log"
-python3 benches/peers/fp8_gemm.py --json "$out/fp8_peers.jsonl" > "$out/peers_fp8.log" 2>&1
-.device/run.sh "$4" --json "$out/nsa_ours.jsonl" 2>&1 | tee "$out/bench_nsa.log"
+# a staged bench binary, its output shown and kept; a failure is listed at the end
+run_bench() {
+  local name=$1
+  shift
+  .device/run.sh "$@" 2>&1 | tee "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { echo "== $name exited with status $rc"; failed+=("$name"); }
+}
+run_bench bench_fp8 "$3" --json "$out/fp8_ours.jsonl"
+python3 benches/peers/fp8_gemm.py --json "$out/fp8_peers.jsonl" > "$out/peers_fp8.log" 2>&1 \
+  || failed+=(peers_fp8)
+run_bench bench_nsa "$4" --json "$out/nsa_ours.jsonl"
 # the grouped expert GEMM vs per-expert fp8 and bf16 loops (its peers run in the same binary)
 if [ $# -ge 5 ]; then
-  .device/run.sh "$5" --json "$out/moe_ours.jsonl" 2>&1 | tee "$out/bench_moe.log"
+  run_bench bench_moe "$5" --json "$out/moe_ours.jsonl"
 fi
 # a one-rank NCCL group; libnccl.so.2 comes from the machine's nvidia-nccl-cu13 (PyTorch's)
 if [ $# -ge 6 ]; then
@@ -99,7 +113,8 @@ fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-(cd benches/peers && python3 nsa.py --json "$out/nsa_peers.jsonl") > "$out/peers_nsa.log" 2>&1
+(cd benches/peers && python3 nsa.py --json "$out/nsa_peers.jsonl") > "$out/peers_nsa.log" 2>&1 \
+  || failed+=(peers_nsa)
 (cd benches/peers && python3 report.py "$out") > "$out/report.md"
 cat "$out/report.md"
 if [ ${#failed[@]} -gt 0 ]; then
