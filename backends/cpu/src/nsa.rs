@@ -461,9 +461,214 @@ fn attend_heads<T: Copy + Into<f32>>(
     }
 }
 
+/// Keys or values of one sequence laid out head-major, as a decode cache keeps them: head `h`'s
+/// row `j` is `data[h · head_stride + j · width ..][..width]` (rows contiguous, heads
+/// `head_stride` apart, so a view of the first rows of a larger buffer needs no copy).
+#[derive(Clone, Copy, Debug)]
+pub struct HeadMajor<'a> {
+    pub data: &'a [f32],
+    pub head_stride: usize,
+}
+
+/// Dense attention of one query token over `len` keys, every key visible (a decode step,
+/// whose own key is already in the cache): `out [hq, dv] = softmax(scale · q kᵀ) v` per query
+/// head, query head `h` reading kv head `h / (hq / hkv)`. `q` is `[hq, d]`. The same online
+/// softmax as the selection kernel (NaN from a NaN or infinite key, zeros for `len = 0`), one
+/// task per query head.
+///
+/// ```
+/// use fp8nsa_cpu::nsa::{decode_attention, HeadMajor};
+/// use fp8nsa_types::AttnDims;
+///
+/// let dims = AttnDims { hq: 2, hkv: 1, d: 2, dv: 1 };
+/// // two keys in a buffer with room for four rows
+/// let k = [1f32, 0.0, 0.0, 1.0, 9.0, 9.0, 9.0, 9.0];
+/// let v = [1f32, 3.0, 9.0, 9.0];
+/// let (kv, vv) = (HeadMajor { data: &k, head_stride: 8 }, HeadMajor { data: &v, head_stride: 4 });
+/// let mut out = [0f32; 2];
+/// decode_attention(&[0.0, 0.0, 5.0, 5.0], kv, vv, dims, 2, 1.0, &mut out)?;
+/// assert!((out[0] - 2.0).abs() < 1e-6); // equal scores: the mean
+/// assert!((out[1] - 2.0).abs() < 1e-6);
+/// assert!(decode_attention(&[0.0; 4], kv, vv, dims, 5, 1.0, &mut out).is_err()); // past the buffer
+/// # Ok::<(), fp8nsa_cpu::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention(
+    q: &[f32],
+    k: HeadMajor<'_>,
+    v: HeadMajor<'_>,
+    dims: AttnDims,
+    len: usize,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    let AttnDims { hq, hkv, d, dv } = dims;
+    for (arg, x) in [("hq", hq), ("hkv", hkv), ("d", d), ("dv", dv)] {
+        check_positive(arg, x)?;
+    }
+    if !hq.is_multiple_of(hkv) {
+        return Err(Error::Invalid {
+            arg: "hq",
+            msg: format!("{hq} query heads are not a multiple of {hkv} kv heads"),
+        });
+    }
+    check_len("q", q.len(), hq * d)?;
+    check_len("out", out.len(), hq * dv)?;
+    for (arg, kv, w) in [("k", k, d), ("v", v, dv)] {
+        let need = (hkv - 1) * kv.head_stride + len * w;
+        if kv.head_stride < len * w || kv.data.len() < need {
+            return Err(Error::Invalid {
+                arg,
+                msg: format!(
+                    "{len} rows of {w} per head, heads {} apart, need {need} values: has {}",
+                    kv.head_stride,
+                    kv.data.len()
+                ),
+            });
+        }
+    }
+    let g = hq / hkv;
+    out.par_chunks_mut(dv).enumerate().for_each(|(h, o)| {
+        let kvh = h / g;
+        let qh: Vec<f32> = q[h * d..(h + 1) * d].iter().map(|x| x * scale).collect();
+        let (kb, vb) = (
+            &k.data[kvh * k.head_stride..],
+            &v.data[kvh * v.head_stride..],
+        );
+        let mut st = Softmax {
+            m: vec![f32::NEG_INFINITY],
+            l: vec![0.0],
+            acc: vec![0.0; dv],
+        };
+        let mut scores = [0f32; CHUNK];
+        for c0 in (0..len).step_by(CHUNK) {
+            let c1 = (c0 + CHUNK).min(len);
+            let (kc, vc) = (&kb[c0 * d..c1 * d], &vb[c0 * dv..c1 * dv]);
+            fold_chunk(&qh, kc, vc, d, dv, &mut st, &mut scores);
+        }
+        // l is 0 only without keys (zeros, as in the selection kernel); a NaN l stays NaN
+        let inv = if st.l[0] != 0.0 { 1.0 / st.l[0] } else { 0.0 };
+        for (o, a) in o.iter_mut().zip(&st.acc) {
+            *o = a * inv;
+        }
+    });
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The decode kernel against an f64 softmax, on head-major views of larger buffers (head
+    /// strides past the valid rows), G = 3 query heads per kv head, lengths around the 64-key
+    /// chunk, and score ranges wide enough that the running max matters.
+    #[test]
+    fn decode_attention_matches_f64_on_strided_heads() {
+        use fp8nsa_test_support::{gaussian, rng};
+        let mut r = rng("decode_attention_matches_f64_on_strided_heads");
+        let (hq, hkv, d, dv) = (9, 3, 64, 48);
+        for len in [1usize, 63, 64, 65, 200] {
+            let cap = len + 7;
+            let dims = AttnDims { hq, hkv, d, dv };
+            let k: Vec<f32> = gaussian(&mut r, hkv * cap * d);
+            let v: Vec<f32> = gaussian(&mut r, hkv * cap * dv);
+            let q: Vec<f32> = gaussian(&mut r, hq * d).iter().map(|x| x * 4.0).collect();
+            let scale = 1.0 / 8.0;
+            let (kv, vv) = (
+                HeadMajor {
+                    data: &k,
+                    head_stride: cap * d,
+                },
+                HeadMajor {
+                    data: &v,
+                    head_stride: cap * dv,
+                },
+            );
+            let mut out = vec![f32::NAN; hq * dv];
+            decode_attention(&q, kv, vv, dims, len, scale, &mut out).unwrap();
+            for h in 0..hq {
+                let kvh = h / (hq / hkv);
+                let s: Vec<f64> = (0..len)
+                    .map(|j| {
+                        let kr = &k[kvh * cap * d + j * d..][..d];
+                        let qr = &q[h * d..(h + 1) * d];
+                        qr.iter()
+                            .zip(kr)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                            * scale as f64
+                    })
+                    .collect();
+                let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let p: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+                let den: f64 = p.iter().sum();
+                for c in 0..dv {
+                    let want: f64 = (0..len)
+                        .map(|j| p[j] / den * v[kvh * cap * dv + j * dv + c] as f64)
+                        .sum();
+                    let got = out[h * dv + c] as f64;
+                    assert!(
+                        (got - want).abs() < 1e-5,
+                        "len {len} head {h} col {c}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn decode_attention_nan_keys_empty_cache_and_bad_views() {
+        let dims = AttnDims {
+            hq: 4,
+            hkv: 2,
+            d: 2,
+            dv: 2,
+        };
+        let mut k = vec![1f32; 2 * 3 * 2];
+        let v = vec![2f32; 2 * 3 * 2];
+        k[3 * 2 + 2] = f32::NAN; // kv head 1, row 1
+        let (kv, vv) = (
+            HeadMajor {
+                data: &k,
+                head_stride: 6,
+            },
+            HeadMajor {
+                data: &v,
+                head_stride: 6,
+            },
+        );
+        let mut out = vec![0f32; 8];
+        decode_attention(&[1.0; 8], kv, vv, dims, 3, 1.0, &mut out).unwrap();
+        // heads 0, 1 read kv head 0 (all ones: the mean of twos); heads 2, 3 see the NaN
+        assert!(out[..4].iter().all(|&x| (x - 2.0).abs() < 1e-6), "{out:?}");
+        assert!(out[4..].iter().all(|x| x.is_nan()), "{out:?}");
+        let mut out = vec![9f32; 8];
+        decode_attention(&[1.0; 8], kv, vv, dims, 0, 1.0, &mut out).unwrap();
+        assert_eq!(out, vec![0.0; 8]);
+        let invalid = |r: Result<()>, which: &str| matches!(r, Err(Error::Invalid { arg, .. }) if arg == which);
+        // 4 rows past a buffer of 3 per head; heads 4 apart hold fewer than 3 rows
+        assert!(invalid(
+            decode_attention(&[1.0; 8], kv, vv, dims, 4, 1.0, &mut out),
+            "k"
+        ));
+        let short = HeadMajor {
+            data: &k,
+            head_stride: 4,
+        };
+        assert!(invalid(
+            decode_attention(&[1.0; 8], short, vv, dims, 3, 1.0, &mut out),
+            "k"
+        ));
+        assert!(invalid(
+            decode_attention(&[1.0; 8], kv, short, dims, 3, 1.0, &mut out),
+            "v"
+        ));
+        let odd = AttnDims { hq: 3, ..dims };
+        let r = decode_attention(&[1.0; 6], kv, vv, odd, 3, 1.0, &mut out[..6]);
+        assert!(invalid(r, "hq"));
+        let r = decode_attention(&[1.0; 7], kv, vv, dims, 3, 1.0, &mut out);
+        assert!(matches!(r, Err(Error::Shape { arg: "q", .. })), "{r:?}");
+    }
 
     #[test]
     fn one_key_gives_its_value_and_empty_rows_give_zero() {

@@ -24,6 +24,7 @@ mod attention;
 mod compress;
 mod config;
 mod cuda;
+mod decode;
 mod layer;
 mod op;
 mod paged;
@@ -36,6 +37,7 @@ pub use attention::{
 };
 pub use compress::{Compressor, MlpCompressor};
 pub use config::{CompressorKind, NsaConfig};
+pub use decode::decode_attention;
 pub use layer::{AttnDims, Gates, NativeSparseAttention, NsaDims, NsaOutput};
 pub use paged::{NsaCache, NsaPages, NsaPool, NsaSeqState, PageAllocator, PagePool};
 pub use selection::{BlockSelection, Selection, SelectionRanges, TokenSelection};

@@ -1,0 +1,232 @@
+//! Dense attention of one new token over a head-major decode cache, on the CPU, read in place:
+//! the cache's first `Tk` rows are a strided view of a larger buffer, which Candle's matmul
+//! path (scores, softmax, weighted sum, three ops and their temporaries per layer) handled at
+//! several times the cost at decode.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
+use fp8nsa_cpu::nsa::HeadMajor;
+use fp8nsa_types::AttnDims;
+
+use crate::error::{invalid, Error, Result};
+use crate::storage::ParkedError;
+
+/// `o [B, Hq, Dv] = softmax(scale · q kᵀ) v` for one query token per sequence, every key
+/// visible: `q [B, Hq, D]`, `k [B, Hkv, Tk, D]` and `v [B, Hkv, Tk, Dv]` f32 CPU tensors, query
+/// head `h` reading kv head `h / (Hq / Hkv)`. `k` and `v` need contiguous rows (the last
+/// dimension dense, rows `D` / `Dv` apart) and may be any batch and head strides, such as the
+/// first `Tk` rows of a cache buffer (`narrow` on dim 2), read without a copy. The same online
+/// softmax as selection attention: a NaN or infinite key makes its heads NaN.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use fp8nsa_ops::nsa::decode_attention;
+///
+/// let dev = Device::Cpu;
+/// let cache = Tensor::randn(0f32, 1.0, (1, 2, 64, 16), &dev)?; // room for 64 rows
+/// let k = cache.narrow(2, 0, 10)?; // 10 valid rows, in place
+/// let q = Tensor::randn(0f32, 1.0, (1, 4, 16), &dev)?;
+/// let o = decode_attention(&q, &k, &k, 0.25)?;
+/// assert_eq!(o.dims(), &[1, 4, 16]);
+/// // the same as softmax attention from Candle ops, per query head
+/// let s = candle_nn::ops::softmax_last_dim(&(q.narrow(1, 0, 1)?.matmul(&k.narrow(1, 0, 1)?.squeeze(0)?.t()?)? * 0.25)?)?;
+/// let want = s.matmul(&k.narrow(1, 0, 1)?.squeeze(0)?)?;
+/// let diff = (o.narrow(1, 0, 1)? - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert!(diff < 1e-5);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
+    let (b, hq, d) = q.dims3()?;
+    let dims4 = |arg: &'static str, t: &Tensor| -> Result<[usize; 4]> {
+        match *t.dims() {
+            [b, h, n, w] => Ok([b, h, n, w]),
+            _ => Err(Error::Shape {
+                arg,
+                expected: "[B, Hkv, Tk, D]".into(),
+                got: t.dims().to_vec(),
+            }),
+        }
+    };
+    let [bk, hkv, tk, dk] = dims4("k", k)?;
+    let [bv, hv, tv, dv] = dims4("v", v)?;
+    if (bk, dk) != (b, d) {
+        return Err(Error::Shape {
+            arg: "k",
+            expected: format!("[{b}, Hkv, Tk, {d}]"),
+            got: k.dims().to_vec(),
+        });
+    }
+    if (bv, hv, tv) != (b, hkv, tk) {
+        return Err(Error::Shape {
+            arg: "v",
+            expected: format!("[{b}, {hkv}, {tk}, Dv]"),
+            got: v.dims().to_vec(),
+        });
+    }
+    for (arg, t) in [("q", q), ("k", k), ("v", v)] {
+        if !matches!(t.device(), Device::Cpu) {
+            return Err(invalid(arg, "decode_attention runs on CPU tensors"));
+        }
+    }
+    let op = DecodeOp {
+        dims: AttnDims { hq, hkv, d, dv },
+        tk,
+        scale,
+        err: ParkedError::new(),
+    };
+    let o = q
+        .contiguous()?
+        .apply_op3_no_bwd(k, v, &op)
+        .map_err(|e| op.err.or(e))?;
+    Ok(o)
+}
+
+struct DecodeOp {
+    dims: AttnDims,
+    tk: usize,
+    scale: f32,
+    err: ParkedError,
+}
+
+/// The rows of `t`'s batch entries as [`HeadMajor`] views, checked to be dense per row.
+fn head_major<'a>(
+    arg: &'static str,
+    s: &'a CpuStorage,
+    l: &Layout,
+    width: usize,
+) -> Result<Vec<HeadMajor<'a>>> {
+    let CpuStorage::F32(data) = s else {
+        return Err(Error::DType {
+            arg,
+            expected: "f32",
+            got: s.dtype(),
+        });
+    };
+    let st = l.stride();
+    if st[3] != 1 || (l.dims()[2] > 1 && st[2] != width) {
+        return Err(invalid(
+            arg,
+            "needs dense rows (stride 1 within a row, rows adjacent)",
+        ));
+    }
+    Ok((0..l.dims()[0])
+        .map(|bi| HeadMajor {
+            data: &data[l.start_offset() + bi * st[0]..],
+            head_stride: st[1],
+        })
+        .collect())
+}
+
+impl CustomOp3 for DecodeOp {
+    fn name(&self) -> &'static str {
+        "fp8nsa-decode-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        qs: &CpuStorage,
+        ql: &Layout,
+        ks: &CpuStorage,
+        kl: &Layout,
+        vs: &CpuStorage,
+        vl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.err.park((|| {
+            let AttnDims { hq, d, dv, .. } = self.dims;
+            let CpuStorage::F32(qd) = qs else {
+                return Err(Error::DType {
+                    arg: "q",
+                    expected: "f32",
+                    got: qs.dtype(),
+                });
+            };
+            let (q0, q1) = ql
+                .contiguous_offsets()
+                .ok_or_else(|| invalid("q", "must be contiguous"))?;
+            let q = &qd[q0..q1];
+            let (kh, vh) = (head_major("k", ks, kl, d)?, head_major("v", vs, vl, dv)?);
+            let b = kh.len();
+            let mut o = vec![0f32; b * hq * dv];
+            for (bi, ob) in o.chunks_exact_mut(hq * dv).enumerate() {
+                fp8nsa_cpu::nsa::decode_attention(
+                    &q[bi * hq * d..(bi + 1) * hq * d],
+                    kh[bi],
+                    vh[bi],
+                    self.dims,
+                    self.tk,
+                    self.scale,
+                    ob,
+                )
+                .map_err(|e| match e {
+                    fp8nsa_cpu::Error::Invalid { arg, msg } => Error::Invalid { arg, msg },
+                    e => e.into(),
+                })?;
+            }
+            Ok((CpuStorage::F32(o), Shape::from((b, hq, dv))))
+        })())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, D};
+
+    /// Softmax attention per batch entry and query head from Candle ops on contiguous copies.
+    fn candle_ref(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Tensor {
+        let (b, hq, _) = q.dims3().unwrap();
+        let g = hq / k.dims()[1];
+        let mut rows = Vec::new();
+        for bi in 0..b {
+            for h in 0..hq {
+                let qh = q.get(bi).unwrap().narrow(0, h, 1).unwrap();
+                let kh = k.get(bi).unwrap().get(h / g).unwrap().contiguous().unwrap();
+                let vh = v.get(bi).unwrap().get(h / g).unwrap().contiguous().unwrap();
+                let s = (qh.matmul(&kh.t().unwrap()).unwrap() * scale).unwrap();
+                let p = candle_nn::ops::softmax(&s, D::Minus1).unwrap();
+                rows.push(p.matmul(&vh).unwrap());
+            }
+        }
+        Tensor::cat(&rows, 0)
+            .unwrap()
+            .reshape((b, hq, v.dims()[3]))
+            .unwrap()
+    }
+
+    #[test]
+    fn strided_batches_match_candle_ops_and_bad_inputs_are_typed_errors() {
+        let dev = Device::Cpu;
+        let (b, hq, hkv, cap, tk, d, dv) = (2, 6, 2, 80, 67, 32, 24);
+        let kbuf = Tensor::randn(0f32, 1.0, (b, hkv, cap, d), &dev).unwrap();
+        let vbuf = Tensor::randn(0f32, 1.0, (b, hkv, cap, dv), &dev).unwrap();
+        let q = (Tensor::randn(0f32, 1.0, (b, hq, d), &dev).unwrap() * 3.0).unwrap();
+        let (k, v) = (
+            kbuf.narrow(2, 0, tk).unwrap(),
+            vbuf.narrow(2, 0, tk).unwrap(),
+        );
+        let got = decode_attention(&q, &k, &v, 0.2).unwrap();
+        let want = candle_ref(&q, &k, &v, 0.2);
+        let diff = (got - want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(diff < 1e-5, "max diff {diff}");
+
+        let r = decode_attention(&q, &k.narrow(3, 0, 16).unwrap(), &v, 0.2);
+        assert!(matches!(r, Err(Error::Shape { arg: "k", .. })), "{r:?}");
+        let r = decode_attention(&q, &k, &v.narrow(2, 0, 5).unwrap(), 0.2);
+        assert!(matches!(r, Err(Error::Shape { arg: "v", .. })), "{r:?}");
+        let r = decode_attention(&q, &k.to_dtype(DType::BF16).unwrap(), &v, 0.2);
+        assert!(matches!(r, Err(Error::DType { arg: "k", .. })), "{r:?}");
+        // rows not dense: the keys of a [B, Tk, Hkv, D] layout seen as [B, Hkv, Tk, D]
+        let token_major = Tensor::randn(0f32, 1.0, (b, tk, hkv, d), &dev).unwrap();
+        let r = decode_attention(&q, &token_major.transpose(1, 2).unwrap(), &v, 0.2);
+        assert!(matches!(r, Err(Error::Invalid { arg: "k", .. })), "{r:?}");
+        let r = decode_attention(&q.narrow(1, 0, 5).unwrap(), &k, &v, 0.2);
+        assert!(matches!(r, Err(Error::Invalid { arg: "hq", .. })), "{r:?}");
+    }
+}
