@@ -802,8 +802,8 @@ fn panel_gemm_bf16(
                             // holds the nb blocks of c1 - c0 codes.
                             unsafe { decode_row(&row[c0..c1], c1 - c0, bk, dst) };
                         }
-                        // rows past the weight's end stay zero from the allocation: a
-                        // shorter last tile (`tw`) only moves where they start
+                        // rows past the weight's end must be zeros; a shorter last tile
+                        // (`tw`) moves where they start, so they are cleared every tile
                         wt[rows * tw..p * tw].fill(0);
                         for g in (0..p).step_by(BF16_NR) {
                             let swr: [&[f32]; BF16_NR] = std::array::from_fn(|r| {

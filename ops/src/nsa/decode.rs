@@ -28,10 +28,11 @@ use crate::storage::ParkedError;
 /// let q = Tensor::randn(0f32, 1.0, (1, 4, 16), &dev)?;
 /// let o = decode_attention(&q, &k, &k, 0.25)?;
 /// assert_eq!(o.dims(), &[1, 4, 16]);
-/// // the same as softmax attention from Candle ops, per query head
-/// let s = candle_nn::ops::softmax_last_dim(&(q.narrow(1, 0, 1)?.matmul(&k.narrow(1, 0, 1)?.squeeze(0)?.t()?)? * 0.25)?)?;
-/// let want = s.matmul(&k.narrow(1, 0, 1)?.squeeze(0)?)?;
-/// let diff = (o.narrow(1, 0, 1)? - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// // query head 0 reads kv head 0: the same as softmax attention from Candle ops
+/// let (q0, k0) = (q.narrow(1, 0, 1)?.squeeze(0)?, k.get(0)?.get(0)?.contiguous()?);
+/// let s = candle_nn::ops::softmax_last_dim(&(q0.matmul(&k0.t()?)? * 0.25)?)?;
+/// let want = s.matmul(&k0)?;
+/// let diff = (o.get(0)?.narrow(0, 0, 1)? - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
 /// assert!(diff < 1e-5);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
