@@ -349,15 +349,7 @@ fn weights_on_the_gpu_and_repeated_calls() {
     let y1 = layer.forward(&xg).unwrap();
     let y2 = layer.clone().forward(&xg).unwrap();
     assert_eq!(y1.dims(), &[3, 5, n]);
-    let diff = (&y1 - &y2)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    assert_eq!(diff, 0.0);
+    assert_eq!(max_abs_diff(&y1, &y2), 0.0);
     let err = rel_frobenius(&y1.to_device(&Device::Cpu).unwrap(), &want);
     assert!(err < 1e-3, "rel err {err:e}");
 }

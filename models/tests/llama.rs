@@ -5,17 +5,7 @@ use candle_core::{DType, Tensor};
 use fp8nsa_models::*;
 use fp8nsa_ops::nsa::NsaConfig;
 use fp8nsa_ops::ActQuant;
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
+use fp8nsa_test_support::max_abs_diff;
 
 fn model(opts: ModelOptions) -> Llama {
     let cfg = LlamaConfig::tiny();

@@ -12,6 +12,12 @@ fn offsets(arg: &'static str, l: &Layout) -> Result<(usize, usize)> {
         .ok_or_else(|| invalid(arg, "must be contiguous"))
 }
 
+/// The elements of a contiguous layout over `v`.
+pub(crate) fn contiguous<'a, T>(arg: &'static str, v: &'a [T], l: &Layout) -> Result<&'a [T]> {
+    let (a, b) = offsets(arg, l)?;
+    Ok(&v[a..b])
+}
+
 /// The float tensor as f32, borrowed when it already is f32.
 pub(crate) fn f32_slice<'a>(
     arg: &'static str,

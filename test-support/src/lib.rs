@@ -68,6 +68,18 @@ pub fn tensor(v: Vec<f32>, dims: &[usize]) -> Tensor {
     Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
 }
 
+/// The largest `|a - b|` over all elements.
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
+
 pub fn rel_frobenius(y: &Tensor, want: &Tensor) -> f64 {
     let y = y.to_dtype(DType::F64).unwrap().flatten_all().unwrap();
     let w = want.to_dtype(DType::F64).unwrap().flatten_all().unwrap();

@@ -72,28 +72,33 @@ pub(crate) fn block_words(bk: usize) -> usize {
     bk.div_ceil(STEP) * STEP
 }
 
-/// The bf16 patterns of one activation row `x [k]` of e4m3 values (exact in bf16), laid out
-/// for [`dot4_blocks`]: K-block `kb` at word `kb · block_words(bk)`, each of its steps
-/// permuted as the decode permutes codes, zeros past the block's end. NaN stays NaN.
-pub(crate) fn act_layout(x: &[f32], bk: usize) -> Vec<u16> {
-    let k = x.len();
+/// The bf16 patterns of activation rows `x` (rows of `k` e4m3 values, exact in bf16), one row
+/// after the other, laid out for [`dot4_blocks`]: in each row, K-block `kb` at word
+/// `kb · block_words(bk)`, each of its steps permuted as the decode permutes codes, zeros past
+/// the block's end. NaN stays NaN. The rows are laid out in parallel.
+pub(crate) fn act_layout(x: &[f32], k: usize, bk: usize) -> Vec<u16> {
+    use rayon::prelude::*;
     let bw = block_words(bk);
-    let mut out = vec![0u16; k.div_ceil(bk) * bw];
-    for (kb, dst) in out.chunks_exact_mut(bw).enumerate() {
-        let block = &x[kb * bk..(kb * bk + bk).min(k)];
-        for (s, step) in dst.chunks_exact_mut(STEP).enumerate() {
-            for (j, d) in step.iter_mut().enumerate() {
-                if let Some(&v) = block.get(s * STEP + source_of(j)) {
-                    // the top half of an e4m3 value's f32 pattern is its bf16 pattern
-                    *d = if v.is_nan() {
-                        0x7fc0
-                    } else {
-                        (v.to_bits() >> 16) as u16
-                    };
+    let mut out = vec![0u16; x.len() / k * k.div_ceil(bk) * bw];
+    out.par_chunks_mut(k.div_ceil(bk) * bw)
+        .zip(x.par_chunks(k))
+        .for_each(|(row, x)| {
+            for (kb, dst) in row.chunks_exact_mut(bw).enumerate() {
+                let block = &x[kb * bk..(kb * bk + bk).min(k)];
+                for (s, step) in dst.chunks_exact_mut(STEP).enumerate() {
+                    for (j, d) in step.iter_mut().enumerate() {
+                        if let Some(&v) = block.get(s * STEP + source_of(j)) {
+                            // the top half of an e4m3 value's f32 pattern is its bf16 pattern
+                            *d = if v.is_nan() {
+                                0x7fc0
+                            } else {
+                                (v.to_bits() >> 16) as u16
+                            };
+                        }
+                    }
                 }
             }
-        }
-    }
+        });
     out
 }
 
@@ -427,7 +432,7 @@ mod tests {
             };
             let (sx, sw): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
                 ((0..4).map(scale).collect(), (4..6).map(scale).collect());
-            let xl: Vec<Vec<u16>> = xs.iter().map(|x| act_layout(x, bk)).collect();
+            let xl: Vec<Vec<u16>> = xs.iter().map(|x| act_layout(x, n, bk)).collect();
             // garbage first: decode_row must write every word, zeros past each block's end
             let mut wd = vec![vec![0xffffu16; rw]; 2];
             for (w, d) in ws.iter().zip(&mut wd) {
@@ -501,7 +506,7 @@ mod tests {
                     })
                     .collect();
                 let scales = [&sc[0][..], &sc[1], &sc[2], &sc[3]];
-                let xb = act_layout(&x, bk);
+                let xb = act_layout(&x, n, bk);
                 let wr = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
                 // SAFETY: the tier was checked above; the buffers have the stated sizes.
                 let got = unsafe { dot4_blocks(&xb, wr, n, bk, scales) };

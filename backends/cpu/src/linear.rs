@@ -245,11 +245,8 @@ pub(crate) fn gemv_bf16_act(
 ) -> Option<Vec<u16>> {
     #[cfg(target_arch = "x86_64")]
     if uses_bf16(tier, act) {
-        let rows = xq.values[..s.m * s.k].chunks_exact(s.k);
-        return Some(
-            rows.flat_map(|x| crate::avx512bf16::act_layout(x, s.bk))
-                .collect(),
-        );
+        let x = &xq.values[..s.m * s.k];
+        return Some(crate::avx512bf16::act_layout(x, s.k, s.bk));
     }
     let _ = (tier, xq, act, s);
     None
@@ -743,6 +740,21 @@ const BF16_TILE_MIN_M: usize = 10;
 /// broadcast weight pairs per 24 `vdpbf16ps`.
 const BF16_NR: usize = 12;
 
+/// [`gemm_tile`](crate::avx512bf16::gemm_tile) for one row-tile height, `BF16_NR` weight rows.
+#[cfg(target_arch = "x86_64")]
+type TileFn = unsafe fn(
+    &[u32],
+    usize,
+    &[u16],
+    usize,
+    &[f32],
+    usize,
+    [&[f32]; BF16_NR],
+    (usize, usize),
+    &mut [f32],
+    usize,
+);
+
 /// The panel GEMM on the AVX512-BF16 tier, for W8A8 (`xq` holds the e4m3 values, not
 /// dequantized): the same panels of weight rows per thread as [`panel_gemm`], but each K tile
 /// of whole blocks is decoded to bf16 without its scale (exact) and multiplied by
@@ -764,12 +776,7 @@ fn panel_gemm_bf16(
         let (m, n, k, bk, kbs) = (s.m, s.n, s.k, s.bk, s.k_blocks());
         let (bw, m_pad) = (block_words(bk), m.next_multiple_of(16));
         let ppb = bw / 2;
-        let mut xb = vec![0u16; m * kbs * bw];
-        xb.par_chunks_mut(kbs * bw)
-            .zip(xq.values[..m * k].par_chunks(k))
-            .for_each(|(dst, x)| dst.copy_from_slice(&act_layout(x, bk)));
-        let a = pair_columns(&xb, m, m_pad);
-        drop(xb);
+        let a = pair_columns(&act_layout(&xq.values[..m * k], k, bk), m, m_pad);
         // the activation scales as columns too, zeros for the padding rows
         let mut sxt = vec![0f32; kbs * m_pad];
         for (kb, col) in sxt.chunks_exact_mut(m_pad).enumerate() {
@@ -814,41 +821,21 @@ fn panel_gemm_bf16(
                             let ytg = &mut yt[g * m_pad..];
                             let mut m0 = 0;
                             while m0 < m_pad {
+                                // tiles of 32 rows, and one of 16 where m_pad leaves it
+                                let (tile_m, tile) = if m_pad - m0 >= 32 {
+                                    (32, gemm_tile::<2, BF16_NR> as TileFn)
+                                } else {
+                                    (16, gemm_tile::<1, BF16_NR> as TileFn)
+                                };
                                 let (ao, so) = (kb0 * ppb * m_pad + m0, kb0 * m_pad + m0);
                                 let (a, sx) = (&a[ao..], &sxt[so..]);
                                 let yg = &mut ytg[m0..];
                                 // SAFETY: as above for the tier; every slice holds what the
                                 // strides address from its offset (checked by the kernel).
                                 unsafe {
-                                    if m_pad - m0 >= 32 {
-                                        gemm_tile::<2, BF16_NR>(
-                                            a,
-                                            m_pad,
-                                            wg,
-                                            tw,
-                                            sx,
-                                            m_pad,
-                                            swr,
-                                            (ppb, nb),
-                                            yg,
-                                            m_pad,
-                                        );
-                                    } else {
-                                        gemm_tile::<1, BF16_NR>(
-                                            a,
-                                            m_pad,
-                                            wg,
-                                            tw,
-                                            sx,
-                                            m_pad,
-                                            swr,
-                                            (ppb, nb),
-                                            yg,
-                                            m_pad,
-                                        );
-                                    }
-                                }
-                                m0 += if m_pad - m0 >= 32 { 32 } else { 16 };
+                                    tile(a, m_pad, wg, tw, sx, m_pad, swr, (ppb, nb), yg, m_pad)
+                                };
+                                m0 += tile_m;
                             }
                         }
                     }

@@ -9,7 +9,7 @@ use fp8nsa_cpu::nsa::HeadMajor;
 use fp8nsa_types::AttnDims;
 
 use crate::error::{invalid, Error, Result};
-use crate::storage::ParkedError;
+use crate::storage::{contiguous, ParkedError};
 
 /// `o [B, Hq, Dv] = softmax(scale · q kᵀ) v` for one query token per sequence, every key
 /// visible: `q [B, Hq, D]`, `k [B, Hkv, Tk, D]` and `v [B, Hkv, Tk, Dv]` f32 CPU tensors, query
@@ -141,10 +141,7 @@ impl CustomOp3 for DecodeOp {
                     got: qs.dtype(),
                 });
             };
-            let (q0, q1) = ql
-                .contiguous_offsets()
-                .ok_or_else(|| invalid("q", "must be contiguous"))?;
-            let q = &qd[q0..q1];
+            let q = contiguous("q", qd, ql)?;
             let (kh, vh) = (head_major("k", ks, kl, d)?, head_major("v", vs, vl, dv)?);
             let b = kh.len();
             let mut o = vec![0f32; b * hq * dv];
@@ -207,14 +204,7 @@ mod tests {
         );
         let got = decode_attention(&q, &k, &v, 0.2).unwrap();
         let want = candle_ref(&q, &k, &v, 0.2);
-        let diff = (got - want)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let diff = fp8nsa_test_support::max_abs_diff(&got, &want);
         assert!(diff < 1e-5, "max diff {diff}");
 
         let r = decode_attention(&q, &k.narrow(3, 0, 16).unwrap(), &v, 0.2);

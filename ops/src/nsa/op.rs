@@ -10,7 +10,7 @@ use fp8nsa_types::AttnDims;
 use super::cuda;
 use super::selection::HostSelection;
 use crate::error::{invalid, Error, Result};
-use crate::storage::{from_f32, ParkedError, SecondOutput};
+use crate::storage::{contiguous, from_f32, ParkedError, SecondOutput};
 
 /// A call checked and planned for one device.
 pub(crate) enum SelPlan<'a> {
@@ -103,13 +103,6 @@ impl<'a> SelectionOp<'a> {
         self.lse.put(Storage::Cpu(CpuStorage::F32(lse)), (tq, hq));
         Ok((from_f32(o, qs.dtype()), Shape::from((tq, hq, dv))))
     }
-}
-
-fn contiguous<'a, T>(arg: &'static str, v: &'a [T], l: &Layout) -> Result<&'a [T]> {
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| invalid(arg, "must be contiguous"))?;
-    Ok(&v[a..b])
 }
 
 impl CustomOp3 for SelectionOp<'_> {
