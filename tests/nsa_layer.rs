@@ -369,14 +369,14 @@ fn prefill_equals_successive_decode_steps() {
     let ck_full = {
         let mut c = NsaCache::new();
         nsa.forward_step(&x, &q, &k, &v, &mut c).unwrap();
-        rows(&c.compressed_keys().unwrap())
+        rows(&c.compressed_keys().unwrap().unwrap())
     };
-    assert_eq!(rows(&cache.compressed_keys().unwrap()), ck_full);
+    assert_eq!(rows(&cache.compressed_keys().unwrap().unwrap()), ck_full);
     let err = rms_rows(&o_steps, &o_full, row, &keep);
     assert!(err < 1e-5, "decode steps vs prefill: {err:e}");
 
     // clones are independent; truncation rolls back keys and compressed blocks
-    let mut fork = cache.clone();
+    let mut fork = cache.try_clone().unwrap();
     let one = |x: &Tensor, p: usize| x.narrow(1, p, 1).unwrap();
     nsa.forward_step(
         &one(&x, 0),
@@ -387,7 +387,7 @@ fn prefill_equals_successive_decode_steps() {
     )
     .unwrap();
     assert_eq!((fork.len(), cache.len()), (t + 1, t));
-    cache.truncate(100, &cfg);
+    cache.truncate(100, &cfg).unwrap();
     assert_eq!(
         (cache.len(), cache.compressed_len()),
         (100, cfg.compressed_len(100))
@@ -406,7 +406,7 @@ fn prefill_equals_successive_decode_steps() {
         assert!(err < 1e-5, "after truncate: {err:e}");
     }
     assert_eq!(
-        rows(&fork.keys().unwrap().narrow(1, 0, t).unwrap()),
+        rows(&fork.keys().unwrap().unwrap().narrow(1, 0, t).unwrap()),
         rows(&k)
     );
 }
@@ -539,7 +539,7 @@ fn learned_gates_and_mlp_compressor_load_from_a_varbuilder() {
     // MLP compressor: block i = fc2(gelu(fc1(flatten(k[i*s .. i*s + l] + pos))))
     let mut cache = NsaCache::new();
     nsa.forward_step(&x, &q, &k, &v, &mut cache).unwrap();
-    let ck = cache.compressed_keys().unwrap();
+    let ck = cache.compressed_keys().unwrap().unwrap();
     let s = cfg.compress_stride;
     for (i, h) in [(0, 0), (3, 1), (cfg.compressed_len(t) - 1, 1)] {
         let block = k
@@ -916,20 +916,23 @@ fn the_cache_grows_keeps_batch_rows_apart_and_clones_deep() {
         }
         pos += len;
         if pos == 300 {
-            snapshot = Some(cache.clone());
+            snapshot = Some(cache.try_clone().unwrap());
         }
     }
-    assert_eq!(cache.keys().unwrap().dims(), &[b, t, dims.hkv, dims.d]);
-    assert_eq!(rows(&cache.keys().unwrap()), rows(&k));
-    assert_eq!(rows(&cache.values().unwrap()), rows(&v));
+    assert_eq!(
+        cache.keys().unwrap().unwrap().dims(),
+        &[b, t, dims.hkv, dims.d]
+    );
+    assert_eq!(rows(&cache.keys().unwrap().unwrap()), rows(&k));
+    assert_eq!(rows(&cache.values().unwrap().unwrap()), rows(&v));
     let snapshot = snapshot.unwrap();
     assert_eq!(snapshot.len(), 300);
     assert_eq!(
-        rows(&snapshot.keys().unwrap()),
+        rows(&snapshot.keys().unwrap().unwrap()),
         rows(&k.narrow(1, 0, 300).unwrap())
     );
     // a batch of another size is refused and changes nothing
-    let mut c = cache.clone();
+    let mut c = cache.try_clone().unwrap();
     let one = |x: &Tensor| x.narrow(0, 0, 1).unwrap().narrow(1, 0, 1).unwrap();
     let e = nsa
         .forward_step(&one(&x), &one(&q), &one(&k), &one(&v), &mut c)
@@ -945,8 +948,11 @@ fn the_cache_grows_keeps_batch_rows_apart_and_clones_deep() {
     let mut fresh = NsaCache::new();
     let bad_v = one(&v).to_dtype(DType::BF16).unwrap();
     assert!(nsa.append_kv(&one(&k), &bad_v, &mut fresh).is_err());
-    assert!(fresh.is_empty() && fresh.keys().is_none());
+    assert!(fresh.is_empty() && fresh.keys().unwrap().is_none());
     let two = |x: &Tensor| x.narrow(0, 0, 2).unwrap().narrow(1, 0, 1).unwrap();
     nsa.append_kv(&two(&k), &two(&v), &mut fresh).unwrap();
-    assert_eq!(fresh.keys().unwrap().dims(), &[2, 1, dims.hkv, dims.d]);
+    assert_eq!(
+        fresh.keys().unwrap().unwrap().dims(),
+        &[2, 1, dims.hkv, dims.d]
+    );
 }

@@ -302,7 +302,7 @@ mod layer_on_pages {
     use super::*;
     use fp8nsa::nsa::{
         Compressor, Gates, NativeSparseAttention, NsaCache, NsaConfig, NsaDims, NsaPages, NsaPool,
-        NsaSeqState, PagePool,
+        NsaSeqState, PagePool, SharedAllocator,
     };
 
     const DIMS: NsaDims = NsaDims {
@@ -363,7 +363,6 @@ mod layer_on_pages {
         (from, to, chunk): (usize, usize, usize),
         pages: &NsaPages,
         state: &mut NsaSeqState,
-        alloc: &mut PagePool,
         cache: &mut NsaCache,
         what: &str,
     ) {
@@ -372,15 +371,7 @@ mod layer_on_pages {
             let n = chunk.min(to - pos);
             let c = |t: &Tensor| t.narrow(1, pos, n).unwrap();
             let got = nsa
-                .forward_step_paged(
-                    &c(&tok.x),
-                    &c(&tok.q),
-                    &c(&tok.k),
-                    &c(&tok.v),
-                    pages,
-                    state,
-                    alloc,
-                )
+                .forward_step_paged(&c(&tok.x), &c(&tok.q), &c(&tok.k), &c(&tok.v), pages, state)
                 .unwrap();
             let want = nsa
                 .forward_step(&c(&tok.x), &c(&tok.q), &c(&tok.k), &c(&tok.v), cache)
@@ -405,8 +396,8 @@ mod layer_on_pages {
             let raw = t.div_ceil(page) + 2;
             let cmp = nsa.config().compressed_len(t).div_ceil(page) + 2;
             let pages = NsaPages::new(DIMS, page, raw, cmp, DType::F32, &Device::Cpu).unwrap();
-            let mut alloc = PagePool::new(raw, cmp);
-            let mut state = NsaSeqState::new();
+            let alloc = SharedAllocator::new(PagePool::new(raw, cmp).unwrap());
+            let mut state = NsaSeqState::new(&alloc);
             let mut cache = NsaCache::new();
             let what = format!("page {page}");
             // a 37-token prefill chunk, single steps, then speculative chunks of 5
@@ -416,7 +407,6 @@ mod layer_on_pages {
                 (0, 37, 37),
                 &pages,
                 &mut state,
-                &mut alloc,
                 &mut cache,
                 &what,
             );
@@ -426,7 +416,6 @@ mod layer_on_pages {
                 (37, 120, 1),
                 &pages,
                 &mut state,
-                &mut alloc,
                 &mut cache,
                 &what,
             );
@@ -436,14 +425,13 @@ mod layer_on_pages {
                 (120, t, 5),
                 &pages,
                 &mut state,
-                &mut alloc,
                 &mut cache,
                 &what,
             );
             assert_eq!(state.pages(NsaPool::Raw).len(), t.div_ceil(page));
-            state.truncate(0, nsa.config(), &pages, &mut alloc);
-            assert_eq!(alloc.free_pages(NsaPool::Raw), raw, "{what}");
-            assert_eq!(alloc.free_pages(NsaPool::Compressed), cmp, "{what}");
+            state.truncate(0, nsa.config(), page).unwrap();
+            assert_eq!(alloc.lock().free_pages(NsaPool::Raw), raw, "{what}");
+            assert_eq!(alloc.lock().free_pages(NsaPool::Compressed), cmp, "{what}");
         }
     }
 
@@ -458,23 +446,25 @@ mod layer_on_pages {
         );
         let (page, raw, cmp) = (16, 24, 6);
         let pages = NsaPages::new(DIMS, page, raw, cmp, DType::F32, &Device::Cpu).unwrap();
-        let mut alloc = PagePool::new(raw, cmp);
-        let (mut a, mut cache_a) = (NsaSeqState::new(), NsaCache::new());
+        let alloc = SharedAllocator::new(PagePool::new(raw, cmp).unwrap());
+        let (mut a, mut cache_a) = (NsaSeqState::new(&alloc), NsaCache::new());
         feed(
             &nsa,
             &prefix,
             (0, 90, 7),
             &pages,
             &mut a,
-            &mut alloc,
             &mut cache_a,
             "prefix",
         );
         // B shares A's 6 raw pages, the last one (90 = 5 x 16 + 10) half full
-        let mut b = a.fork(&mut alloc);
-        let mut cache_b = cache_a.clone();
+        let mut b = a.fork().unwrap();
+        let mut cache_b = cache_a.try_clone().unwrap();
         assert_eq!(b.pages(NsaPool::Raw), a.pages(NsaPool::Raw));
-        assert_eq!(alloc.holders(NsaPool::Raw, a.pages(NsaPool::Raw)[5]), 2);
+        assert_eq!(
+            alloc.lock().holders(NsaPool::Raw, a.pages(NsaPool::Raw)[5]),
+            2
+        );
         // both write into the shared half page: each gets its own copy
         feed(
             &nsa,
@@ -482,7 +472,6 @@ mod layer_on_pages {
             (0, 40, 3),
             &pages,
             &mut a,
-            &mut alloc,
             &mut cache_a,
             "A after fork",
         );
@@ -492,15 +481,14 @@ mod layer_on_pages {
             (0, 40, 1),
             &pages,
             &mut b,
-            &mut alloc,
             &mut cache_b,
             "B after fork",
         );
         assert_eq!(a.pages(NsaPool::Raw)[..5], b.pages(NsaPool::Raw)[..5]);
         assert_ne!(a.pages(NsaPool::Raw)[5], b.pages(NsaPool::Raw)[5]);
         // roll A back into the shared prefix, then continue it differently
-        a.truncate(70, &cfg, &pages, &mut alloc);
-        cache_a.truncate(70, &cfg);
+        a.truncate(70, &cfg, page).unwrap();
+        cache_a.truncate(70, &cfg).unwrap();
         let other = tokens(&mut rng, 30);
         feed(
             &nsa,
@@ -508,7 +496,6 @@ mod layer_on_pages {
             (0, 30, 4),
             &pages,
             &mut a,
-            &mut alloc,
             &mut cache_a,
             "A rolled back",
         );
@@ -520,14 +507,13 @@ mod layer_on_pages {
             (0, 3, 1),
             &pages,
             &mut b,
-            &mut alloc,
             &mut cache_b,
             "B at the end",
         );
-        a.truncate(0, &cfg, &pages, &mut alloc);
-        b.truncate(0, &cfg, &pages, &mut alloc);
-        assert_eq!(alloc.free_pages(NsaPool::Raw), raw);
-        assert_eq!(alloc.free_pages(NsaPool::Compressed), cmp);
+        a.truncate(0, &cfg, page).unwrap();
+        drop(b); // a dropped state returns its pages
+        assert_eq!(alloc.lock().free_pages(NsaPool::Raw), raw);
+        assert_eq!(alloc.lock().free_pages(NsaPool::Compressed), cmp);
     }
 
     #[test]
@@ -537,18 +523,9 @@ mod layer_on_pages {
         let tok = tokens(&mut rng, 64);
         let (page, raw, cmp) = (16, 3, 4);
         let pages = NsaPages::new(DIMS, page, raw, cmp, DType::F32, &Device::Cpu).unwrap();
-        let mut alloc = PagePool::new(raw, cmp);
-        let (mut s, mut cache) = (NsaSeqState::new(), NsaCache::new());
-        feed(
-            &nsa,
-            &tok,
-            (0, 40, 40),
-            &pages,
-            &mut s,
-            &mut alloc,
-            &mut cache,
-            "fill",
-        );
+        let alloc = SharedAllocator::new(PagePool::new(raw, cmp).unwrap());
+        let (mut s, mut cache) = (NsaSeqState::new(&alloc), NsaCache::new());
+        feed(&nsa, &tok, (0, 40, 40), &pages, &mut s, &mut cache, "fill");
         let c = |t: &Tensor| t.narrow(1, 40, 20).unwrap();
         // 60 tokens need a fourth page of 16
         let e = nsa
@@ -559,15 +536,20 @@ mod layer_on_pages {
                 &c(&tok.v),
                 &pages,
                 &mut s,
-                &mut alloc,
             )
             .unwrap_err();
         assert!(
-            matches!(&e, Error::Invalid { arg: "pages", msg } if msg.contains("no free page")),
+            matches!(
+                &e,
+                Error::OutOfPages {
+                    pool: NsaPool::Raw,
+                    pages: 3
+                }
+            ),
             "{e}"
         );
         assert_eq!((s.len(), s.pages(NsaPool::Raw).len()), (40, 3));
-        assert_eq!(alloc.free_pages(NsaPool::Raw), 0);
+        assert_eq!(alloc.lock().free_pages(NsaPool::Raw), 0);
         // what still fits goes on as if the failed step had not happened
         feed(
             &nsa,
@@ -575,21 +557,233 @@ mod layer_on_pages {
             (40, 48, 8),
             &pages,
             &mut s,
-            &mut alloc,
             &mut cache,
             "after the error",
         );
         // one sequence per state, and the pages' dtype
         let two = Tensor::zeros((2, 1, DIMS.hkv, D), DType::F32, &Device::Cpu).unwrap();
-        let e = nsa
-            .append_kv_paged(&two, &two, &pages, &mut s, &mut alloc)
-            .unwrap_err();
+        let e = nsa.append_kv_paged(&two, &two, &pages, &mut s).unwrap_err();
         assert!(matches!(&e, Error::Shape { arg: "k_new", .. }), "{e}");
         let half = Tensor::zeros((1, 1, DIMS.hkv, D), DType::F16, &Device::Cpu).unwrap();
         let e = nsa
-            .append_kv_paged(&half, &half, &pages, &mut s, &mut alloc)
+            .append_kv_paged(&half, &half, &pages, &mut s)
             .unwrap_err();
         assert!(matches!(&e, Error::DType { arg: "k_new", .. }), "{e}");
         assert_eq!(s.len(), 48);
+    }
+
+    /// `[1, n, Hkv, D]` keys (and values) whose every element names the token: `base + i`.
+    fn numbered(base: usize, n: usize) -> Tensor {
+        let v: Vec<f32> = (0..n)
+            .flat_map(|i| std::iter::repeat_n((base + i) as f32, DIMS.hkv * D))
+            .collect();
+        tensor(v, &[1, n, DIMS.hkv, D])
+    }
+
+    /// The keys a state holds, read from the pool through its page list (one number per
+    /// token, see [`numbered`]).
+    fn held(pages: &NsaPages, s: &NsaSeqState) -> Vec<f32> {
+        let ps = pages.page_size();
+        let k = pages
+            .keys()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let row = DIMS.hkv * D;
+        (0..s.len())
+            .map(|p| {
+                let at = (s.pages(NsaPool::Raw)[p / ps] * ps + p % ps) * row;
+                assert!(k[at..at + row].iter().all(|&x| x == k[at]));
+                k[at]
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_dropped_state_returns_its_pages() {
+        // 20 tokens take 2 of the 4 pages: without the drop, the third sequence has none left
+        let nsa = layer();
+        let pages = NsaPages::new(DIMS, 16, 4, 4, DType::F32, &Device::Cpu).unwrap();
+        let alloc = SharedAllocator::new(PagePool::new(4, 4).unwrap());
+        for _ in 0..5 {
+            let mut s = NsaSeqState::new(&alloc);
+            let kv = numbered(0, 20);
+            nsa.append_kv_paged(&kv, &kv, &pages, &mut s).unwrap();
+            assert_eq!(alloc.lock().free_pages(NsaPool::Raw), 2);
+        }
+        assert_eq!(alloc.lock().free_pages(NsaPool::Raw), 4);
+        assert_eq!(alloc.lock().free_pages(NsaPool::Compressed), 4);
+    }
+
+    #[test]
+    fn the_sole_holder_of_a_page_writes_it_in_place() {
+        // A fills a 3-page pool (40 tokens: the last page has 8 rows free); a fork truncated
+        // to nothing (or dropped) leaves A the only holder, so A's next tokens need no copy
+        let nsa = layer();
+        for drop_it in [false, true] {
+            let pages = NsaPages::new(DIMS, 16, 3, 4, DType::F32, &Device::Cpu).unwrap();
+            let alloc = SharedAllocator::new(PagePool::new(3, 4).unwrap());
+            let mut a = NsaSeqState::new(&alloc);
+            nsa.append_kv_paged(&numbered(0, 40), &numbered(0, 40), &pages, &mut a)
+                .unwrap();
+            let mut b = a.fork().unwrap();
+            if drop_it {
+                drop(b);
+            } else {
+                b.truncate(0, nsa.config(), 16).unwrap();
+            }
+            let kv = numbered(40, 8);
+            nsa.append_kv_paged(&kv, &kv, &pages, &mut a).unwrap();
+            let want: Vec<f32> = (0..48).map(|i| i as f32).collect();
+            assert_eq!(held(&pages, &a), want);
+        }
+    }
+
+    #[test]
+    fn a_page_nobody_holds_cannot_be_shared_or_released() {
+        use fp8nsa::nsa::PageAllocator;
+        let mut pool = PagePool::new(4, 1).unwrap();
+        let e = pool.share(NsaPool::Raw, 2).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::PageNotHeld {
+                    pool: NsaPool::Raw,
+                    page: 2,
+                    op: "share"
+                }
+            ),
+            "{e}"
+        );
+        // so it is not handed out twice
+        let (p, q) = (pool.alloc(NsaPool::Raw), pool.alloc(NsaPool::Raw));
+        assert_eq!((p, q), (Some(0), Some(1)));
+        pool.release(NsaPool::Raw, 0).unwrap();
+        let e = pool.release(NsaPool::Raw, 0).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::PageNotHeld {
+                    page: 0,
+                    op: "release",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(pool.free_pages(NsaPool::Raw), 3);
+        assert!(matches!(
+            pool.release(NsaPool::Compressed, 9),
+            Err(Error::PageNotHeld { page: 9, .. })
+        ));
+    }
+
+    #[test]
+    fn pool_sizes_that_overflow_are_refused() {
+        for (raw, cmp, arg) in [
+            (1usize << 59, 4, "raw_pages"),
+            (4, usize::MAX, "compressed_pages"),
+            (usize::MAX / 16 + 2, 4, "raw_pages"),
+        ] {
+            let e = NsaPages::new(DIMS, 16, raw, cmp, DType::F32, &Device::Cpu).unwrap_err();
+            assert!(
+                matches!(&e, Error::Invalid { arg: a, .. } if *a == arg),
+                "{e}"
+            );
+        }
+        for (raw, cmp) in [(1usize << 59, 4), (4, usize::MAX)] {
+            let e = PagePool::new(raw, cmp).unwrap_err();
+            assert!(matches!(&e, Error::Invalid { .. }), "{e}");
+        }
+    }
+
+    /// Random create / step / fork / truncate / drop against a model of which pages each
+    /// state holds and which tokens it reads: every state reads exactly its own tokens, the
+    /// pool's holder counts are the model's, and after dropping everything the pool is full.
+    #[test]
+    fn random_state_operations_keep_the_pool_consistent() {
+        let mut rng = rng("nsa_paged_state_ops");
+        let nsa = layer();
+        let cfg = nsa.config().clone();
+        let (ps, raw, cmp) = (8, 14, 6);
+        let pages = NsaPages::new(DIMS, ps, raw, cmp, DType::F32, &Device::Cpu).unwrap();
+        let alloc = SharedAllocator::new(PagePool::new(raw, cmp).unwrap());
+        // each live state and the tokens it should read
+        let mut live: Vec<(NsaSeqState, Vec<f32>)> = Vec::new();
+        let mut next = 0usize; // token numbers are unique across states
+        let (mut counts, mut refused) = ([0usize; 5], 0);
+        for round in 0..400 {
+            // appends four times as often as the rest and rollbacks by half at most, so the pool runs out now and then
+            let op = [0, 1, 1, 1, 1, 2, 3, 4][rng.random_range(0..8)];
+            match op {
+                0 if live.len() < 6 => live.push((NsaSeqState::new(&alloc), Vec::new())),
+                1 if !live.is_empty() => {
+                    let i = rng.random_range(0..live.len());
+                    let n = rng.random_range(1..12);
+                    let kv = numbered(next, n);
+                    let (s, want) = &mut live[i];
+                    let before = held(&pages, s);
+                    match nsa.append_kv_paged(&kv, &kv, &pages, s) {
+                        Ok(()) => {
+                            want.extend((next..next + n).map(|t| t as f32));
+                            next += n;
+                        }
+                        // only running out of pages may refuse, and it changes nothing
+                        Err(Error::OutOfPages { .. }) => {
+                            assert_eq!(held(&pages, s), before);
+                            refused += 1;
+                        }
+                        Err(e) => panic!("round {round}: {e}"),
+                    }
+                }
+                2 if !live.is_empty() && live.len() < 6 => {
+                    let i = rng.random_range(0..live.len());
+                    let f = live[i].0.fork().unwrap();
+                    let want = live[i].1.clone();
+                    live.push((f, want));
+                }
+                3 if !live.is_empty() => {
+                    let i = rng.random_range(0..live.len());
+                    let (s, want) = &mut live[i];
+                    let len = rng.random_range(s.len() / 2..=s.len());
+                    s.truncate(len, &cfg, ps).unwrap();
+                    want.truncate(len);
+                }
+                4 if !live.is_empty() => {
+                    let i = rng.random_range(0..live.len());
+                    live.swap_remove(i);
+                }
+                _ => continue,
+            }
+            counts[op] += 1;
+            // the model: holders per page are the states listing it; free = the rest
+            let a = alloc.lock();
+            for pool in [NsaPool::Raw, NsaPool::Compressed] {
+                let total = if pool == NsaPool::Raw { raw } else { cmp };
+                let mut holders = vec![0u32; total];
+                for (s, _) in &live {
+                    for &p in s.pages(pool) {
+                        holders[p] += 1;
+                    }
+                }
+                for (p, &h) in holders.iter().enumerate() {
+                    assert_eq!(a.holders(pool, p), h, "round {round}, {pool:?} page {p}");
+                }
+                let free = holders.iter().filter(|&&h| h == 0).count();
+                assert_eq!(a.free_pages(pool), free, "round {round}, {pool:?}");
+            }
+            drop(a);
+            for (s, want) in &live {
+                assert_eq!(&held(&pages, s), want, "round {round}");
+                assert_eq!(s.compressed_len(), cfg.compressed_len(s.len()));
+            }
+        }
+        // every kind of operation ran, appends often enough to fill the pool at times
+        assert!(counts.iter().all(|&c| c >= 10), "{counts:?}");
+        assert!(refused > 0, "the pool never ran out: {counts:?}");
+        drop(live);
+        assert_eq!(alloc.lock().free_pages(NsaPool::Raw), raw);
+        assert_eq!(alloc.lock().free_pages(NsaPool::Compressed), cmp);
     }
 }

@@ -130,13 +130,20 @@ enum Impl {
 }
 
 /// Per-layer decode state.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub(crate) enum AttnCache {
     Dense(KvBuf),
     Nsa(NsaCache),
 }
 
 impl AttnCache {
+    pub(crate) fn try_clone(&self) -> Result<Self> {
+        Ok(match self {
+            AttnCache::Dense(kv) => AttnCache::Dense(kv.try_clone()?),
+            AttnCache::Nsa(c) => AttnCache::Nsa(c.try_clone()?),
+        })
+    }
+
     /// Makes the positions the last step wrote count. The model calls this once the whole step
     /// succeeded, so a failed step leaves every dense layer's cache as it was (the NSA cache
     /// keeps its own state).
@@ -157,17 +164,17 @@ pub(crate) struct KvBuf {
     len: usize,
 }
 
-impl Clone for KvBuf {
-    fn clone(&self) -> Self {
-        // sharing the buffers would let one clone overwrite the other's positions; a copy fails
-        // only where an allocation of the same size does, which `Clone` cannot report either
-        let copy = |t: &Tensor| t.copy().expect("copying a KV cache buffer");
-        let kv = self.kv.as_ref().map(|(k, v)| (copy(k), copy(v)));
-        Self { kv, len: self.len }
-    }
-}
-
 impl KvBuf {
+    /// A copy with its own buffers: sharing them would let one copy overwrite the other's
+    /// positions.
+    fn try_clone(&self) -> Result<Self> {
+        let kv = match &self.kv {
+            Some((k, v)) => Some((k.copy()?, v.copy()?)),
+            None => None,
+        };
+        Ok(Self { kv, len: self.len })
+    }
+
     /// Writes `k`, `v [B, T, Hkv, D]` after the valid positions and returns all keys and values
     /// up to them as `[B, Hkv, len + T, D]` views. The new positions count only after
     /// [`AttnCache::commit`].

@@ -160,7 +160,7 @@ pub struct Llama {
 }
 
 /// Decode state of every layer.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Cache {
     layers: Vec<AttnCache>,
     pos: usize,
@@ -174,6 +174,19 @@ impl Cache {
 
     pub fn is_empty(&self) -> bool {
         self.pos == 0
+    }
+
+    /// An independent copy (to branch a conversation): the caches are written in place, so a
+    /// copy holds its own buffers. Fails, typed, where allocating them does.
+    pub fn try_clone(&self) -> Result<Self> {
+        Ok(Self {
+            layers: self
+                .layers
+                .iter()
+                .map(AttnCache::try_clone)
+                .collect::<Result<_>>()?,
+            pos: self.pos,
+        })
     }
 }
 

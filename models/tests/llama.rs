@@ -56,7 +56,7 @@ fn cloned_caches_are_independent() {
     let ids = prompt(50);
     let mut a = m.new_cache();
     m.forward(&ids[..40], &mut a).unwrap();
-    let mut b = a.clone();
+    let mut b = a.try_clone().unwrap();
     let la = m.forward(&ids[40..], &mut a).unwrap();
     let other: Vec<u32> = ids[40..].iter().map(|t| (t + 101) % 512).collect();
     let lb = m.forward(&other, &mut b).unwrap();

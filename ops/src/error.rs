@@ -38,6 +38,21 @@ pub enum Error {
         device: String,
         hint: &'static str,
     },
+    /// A page pool has no free page for the step (what a server's scheduler preempts or
+    /// waits on).
+    #[error("pages: the {pool:?} pool ({pages} pages) has no free page left")]
+    OutOfPages {
+        pool: crate::nsa::NsaPool,
+        pages: usize,
+    },
+    /// A page shared or released that its allocator does not count as held: a double
+    /// release, or a share of a free page (which would hand it out twice).
+    #[error("page {page} of the {pool:?} pool is not held: refused {op}")]
+    PageNotHeld {
+        pool: crate::nsa::NsaPool,
+        page: usize,
+        op: &'static str,
+    },
     #[error(transparent)]
     Kernel(#[from] fp8nsa_cpu::Error),
     #[error(transparent)]

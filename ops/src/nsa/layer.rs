@@ -3,7 +3,6 @@ use candle_nn::{Linear, Module, VarBuilder};
 
 use super::compress::{Compressor, MlpCompressor};
 use super::config::{CompressorKind, NsaConfig};
-use super::paged::NsaCache;
 use super::sdpa::masked_attention;
 use super::{BlockSelection, SelectionAttention, SelectionRanges};
 use crate::error::{invalid, shape_err, Error, Result};
@@ -203,50 +202,6 @@ impl NativeSparseAttention {
         let ck = self.compressor.compress(&self.cfg, k, 0, n_c, true)?;
         let cv = self.compressor.compress(&self.cfg, v, 0, n_c, false)?;
         self.core(gate_input, q, k, v, &ck, &cv)
-    }
-
-    /// Decoding (or chunked prefill) with a cache: appends `k_new`/`v_new [B, Tn, Hkv, ..]` and
-    /// their completed compressed blocks to `cache`, then attends `q [B, Tn, Hq, D]` (the new
-    /// positions) over everything cached. Prefill of T tokens equals T calls of one token.
-    /// `q` may hold fewer tokens than `k_new` (then it is the last of them), never more: a
-    /// query for a position already in the cache is an error.
-    pub fn forward_step(
-        &self,
-        gate_input: &Tensor,
-        q: &Tensor,
-        k_new: &Tensor,
-        v_new: &Tensor,
-        cache: &mut NsaCache,
-    ) -> Result<Tensor> {
-        Ok(self
-            .forward_step_detailed(gate_input, q, k_new, v_new, cache)?
-            .o)
-    }
-
-    /// [`Self::forward_step`] with every branch.
-    pub fn forward_step_detailed(
-        &self,
-        gate_input: &Tensor,
-        q: &Tensor,
-        k_new: &Tensor,
-        v_new: &Tensor,
-        cache: &mut NsaCache,
-    ) -> Result<NsaOutput> {
-        check_step_queries(q, k_new)?;
-        let before = cache.len();
-        self.append_kv(k_new, v_new, cache)?;
-        let out = self.attend_cached(gate_input, q, cache);
-        if out.is_err() {
-            // leave the cache as it was, so a corrected retry does not append twice
-            cache.truncate(before, &self.cfg);
-        }
-        out
-    }
-
-    /// Appends `k_new`/`v_new [B, Tn, Hkv, ..]` and the compressed blocks they complete to
-    /// `cache` without attending (e.g. to load a prompt's KV computed elsewhere).
-    pub fn append_kv(&self, k_new: &Tensor, v_new: &Tensor, cache: &mut NsaCache) -> Result<()> {
-        self.append_cached(k_new, v_new, cache)
     }
 
     pub(crate) fn check_kv(&self, k: &Tensor, v: &Tensor) -> Result<usize> {

@@ -39,5 +39,7 @@ pub use compress::{Compressor, MlpCompressor};
 pub use config::{CompressorKind, NsaConfig};
 pub use decode::decode_attention;
 pub use layer::{AttnDims, Gates, NativeSparseAttention, NsaDims, NsaOutput};
-pub use paged::{NsaCache, NsaPages, NsaPool, NsaSeqState, PageAllocator, PagePool};
+pub use paged::{
+    NsaCache, NsaPages, NsaPool, NsaSeqState, PageAllocator, PagePool, SharedAllocator,
+};
 pub use selection::{BlockSelection, Selection, SelectionRanges, TokenSelection};
