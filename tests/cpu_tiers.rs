@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Module, Tensor};
 use fp8nsa::cpu::Tier;
-use fp8nsa::fp8::{CpuKernel, GEMV_MAX_M};
+use fp8nsa::fp8::{CpuFp8Kernel, CpuFp8Path, BF16_TILE_MIN_M, GEMV_MAX_M};
 use fp8nsa::nsa::{BlockSelection, SelectionAttention};
 use fp8nsa::{reference, ActQuant, Fp8BlockWeight, Fp8Linear, Fp8Path};
 use fp8nsa_test_support::*;
@@ -40,12 +40,16 @@ fn fp8_sweep(rng: &mut StdRng, tier: Tier) {
                     .to_dtype(dtype)
                     .unwrap();
                 let (y, path) = layer.forward_with_path(&x).unwrap();
-                let kernel = if m <= GEMV_MAX_M {
-                    CpuKernel::Gemv
+                // the path reported is the kernel that ran: on AVX512-BF16, W8A8 calls from
+                // BF16_TILE_MIN_M rows run the panel GEMM's micro-kernel
+                let bf16_tile =
+                    tier == Tier::Avx512Bf16 && act != ActQuant::None && m >= BF16_TILE_MIN_M;
+                let kernel = if m <= GEMV_MAX_M && !bf16_tile {
+                    CpuFp8Kernel::Gemv
                 } else {
-                    CpuKernel::PanelGemm
+                    CpuFp8Kernel::PanelGemm
                 };
-                assert_eq!(path, Fp8Path::Cpu(kernel));
+                assert_eq!(path, Fp8Path::Cpu(CpuFp8Path { kernel, tier }));
                 let want = reference::fp8_linear(&x, &wq, Some(&bias), act).unwrap();
                 let err = rel_frobenius(&y, &want);
                 let tol = if dtype == DType::F32 { 1e-3 } else { 8e-3 };

@@ -2,7 +2,8 @@
 //! errors and loading from the Hugging Face layout.
 
 use candle_core::{DType, Device, Module, Tensor};
-use fp8nsa::fp8::{CpuKernel, GEMV_MAX_M};
+use fp8nsa::cpu::Tier;
+use fp8nsa::fp8::{CpuFp8Kernel, CpuFp8Path, BF16_TILE_MIN_M, GEMV_MAX_M};
 use fp8nsa::{reference, ActQuant, Error, Fp8BlockWeight, Fp8Linear, Fp8Path};
 use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
@@ -143,15 +144,24 @@ fn the_path_taken_is_returned() {
     let layer = Fp8Linear::new(wq.clone(), None, ActQuant::Group).unwrap();
     let gemv_max = GEMV_MAX_M;
     for (dims, want) in [
-        (vec![1, k], CpuKernel::Gemv),
-        (vec![2, 8, k], CpuKernel::Gemv),
-        (vec![gemv_max + 1, k], CpuKernel::PanelGemm),
-        (vec![3, 11, k], CpuKernel::PanelGemm),
+        (vec![1, k], CpuFp8Kernel::Gemv),
+        (vec![2, 4, k], CpuFp8Kernel::Gemv),
+        // 16 rows: the GEMV, but the panel GEMM's one-tile micro-kernel on AVX512-BF16
+        (vec![2, 8, k], CpuFp8Kernel::Gemv),
+        (vec![gemv_max + 1, k], CpuFp8Kernel::PanelGemm),
+        (vec![3, 11, k], CpuFp8Kernel::PanelGemm),
     ] {
         let m: usize = dims[..dims.len() - 1].iter().product();
-        assert_eq!(want == CpuKernel::Gemv, m <= gemv_max, "{dims:?}");
+        assert_eq!(want == CpuFp8Kernel::Gemv, m <= gemv_max, "{dims:?}");
+        let tier = Tier::current();
+        let want = if tier == Tier::Avx512Bf16 && m >= BF16_TILE_MIN_M {
+            CpuFp8Kernel::PanelGemm
+        } else {
+            want
+        };
         let x = tensor(hetero(&mut rng, m, k, 1, block[1]), &dims);
         let (y, path) = layer.forward_with_path(&x).unwrap();
+        let want = CpuFp8Path { kernel: want, tier };
         assert_eq!(path, Fp8Path::Cpu(want), "{dims:?}");
         let y2 = layer.forward(&x).unwrap().flatten_all().unwrap();
         assert_eq!(

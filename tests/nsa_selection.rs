@@ -934,3 +934,37 @@ fn q_offset_positions_that_overflow_are_errors() {
         );
     }
 }
+
+/// One failure is one error variant whichever entry point reaches it (issue: decided once):
+/// a query head count that is not a multiple of the key heads is `Error::Shape` on `q` through
+/// `forward`, `forward_varlen` and `forward_paged`, on the kernel and the fallback alike.
+#[test]
+fn one_failure_is_one_variant_on_every_entry_point() {
+    use fp8nsa::nsa::PagedKv;
+    let z = |d: &[usize]| Tensor::zeros(d, DType::F32, &Device::Cpu).unwrap();
+    let (t, hq, hkv, d) = (8, 3, 2, 16);
+    let ranges = ranges_tensor(vec![vec![[0, 4]]; t * hkv], 1, t, hkv);
+    for min_len in [0, usize::MAX] {
+        let att = SelectionAttention::new().min_len(min_len);
+        let (q, k) = (z(&[1, t, hq, d]), z(&[1, t, hkv, d]));
+        let dense = err_of(att.forward(&q, &k, &k, &ranges));
+        let (qv, kv) = (z(&[t, hq, d]), z(&[t, hkv, d]));
+        let cu = tensor_i32(vec![0, t as i32], &[2]);
+        let varlen = err_of(att.forward_varlen(&qv, &kv, &kv, &cu, &cu, &ranges));
+        let pool = z(&[1, t, hkv, d]);
+        let table = tensor_i32(vec![0], &[1, 1]);
+        let paged = PagedKv {
+            k_pages: &pool,
+            v_pages: &pool,
+            block_table: &table,
+            seq_lens: &[t],
+        };
+        let paged = err_of(att.forward_paged(&q, &paged, &ranges));
+        for (what, e) in [("forward", dense), ("varlen", varlen), ("paged", paged)] {
+            assert!(
+                matches!(&e, Error::Shape { arg: "q", expected, .. } if expected.contains("multiple")),
+                "{what}, min_len {min_len}: {e:?}"
+            );
+        }
+    }
+}

@@ -53,16 +53,54 @@ pub enum Error {
         page: usize,
         op: &'static str,
     },
+    /// A CPU kernel's buffer check failed (the buffers ops handed it do not match the plan):
+    /// a bug of ours, never the caller's argument. Argument errors arrive as [`Error::Invalid`]
+    /// from every backend and entry point.
     #[error(transparent)]
-    Kernel(#[from] fp8nsa_cpu::Error),
+    Kernel(fp8nsa_cpu::Error),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    /// A CUDA refusal (`Unsupported`), driver or library error (argument errors arrive as
+    /// [`Error::Invalid`]).
     #[cfg(feature = "cuda")]
     #[error(transparent)]
-    Cuda(#[from] fp8nsa_cuda::Error),
+    Cuda(fp8nsa_cuda::Error),
+    /// A PJRT plugin's error or refusal (argument errors arrive as [`Error::Invalid`]).
     #[cfg(feature = "pjrt")]
     #[error(transparent)]
-    Pjrt(#[from] fp8nsa_pjrt::Error),
+    Pjrt(fp8nsa_pjrt::Error),
+}
+
+// One failure, one variant, whichever backend or entry point reached it: a backend's argument
+// error is ours (`Invalid`, naming the argument); everything else keeps the backend's type.
+
+impl From<fp8nsa_cpu::Error> for Error {
+    fn from(e: fp8nsa_cpu::Error) -> Self {
+        match e {
+            fp8nsa_cpu::Error::Invalid { arg, msg } => Error::Invalid { arg, msg },
+            other => Error::Kernel(other),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<fp8nsa_cuda::Error> for Error {
+    fn from(e: fp8nsa_cuda::Error) -> Self {
+        match e {
+            fp8nsa_cuda::Error::Invalid { arg, msg } => Error::Invalid { arg, msg },
+            other => Error::Cuda(other),
+        }
+    }
+}
+
+#[cfg(feature = "pjrt")]
+impl From<fp8nsa_pjrt::Error> for Error {
+    fn from(e: fp8nsa_pjrt::Error) -> Self {
+        match e {
+            fp8nsa_pjrt::Error::Invalid { arg, msg } => Error::Invalid { arg, msg },
+            other => Error::Pjrt(other),
+        }
+    }
 }
 
 impl From<fp8nsa_types::Error> for Error {
@@ -101,5 +139,41 @@ pub(crate) fn invalid(arg: &'static str, msg: impl Into<String>) -> Error {
     Error::Invalid {
         arg,
         msg: msg.into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A backend's argument error is the caller's `Invalid`, whichever backend refused; only
+    /// a buffer check (our bug) stays the backend's.
+    #[test]
+    fn backend_argument_errors_are_invalid() {
+        let cpu = fp8nsa_cpu::Error::Invalid {
+            arg: "seqs",
+            msg: "sequence 1".into(),
+        };
+        assert!(matches!(
+            Error::from(cpu),
+            Error::Invalid { arg: "seqs", .. }
+        ));
+        let buf = fp8nsa_cpu::Error::Shape {
+            arg: "out",
+            expected: "4 elements".into(),
+            got: "3".into(),
+        };
+        assert!(matches!(
+            Error::from(buf),
+            Error::Kernel(fp8nsa_cpu::Error::Shape { arg: "out", .. })
+        ));
+        #[cfg(feature = "pjrt")]
+        {
+            let p = fp8nsa_pjrt::Error::Invalid {
+                arg: "x",
+                msg: String::new(),
+            };
+            assert!(matches!(Error::from(p), Error::Invalid { arg: "x", .. }));
+        }
     }
 }

@@ -199,3 +199,41 @@ impl std::fmt::Display for CudaFp8Path {
         }
     }
 }
+
+/// The CPU fp8 linear kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CpuFp8Kernel {
+    /// The decode GEMV (few rows): each weight byte streamed once, decoded in registers.
+    Gemv,
+    /// The panel GEMM: weight panels decoded once per tile of rows.
+    PanelGemm,
+}
+
+impl CpuFp8Kernel {
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuFp8Kernel::Gemv => "cpu-gemv",
+            CpuFp8Kernel::PanelGemm => "cpu-panel-gemm",
+        }
+    }
+}
+
+/// The path a CPU fp8 linear call ran: the kernel and the SIMD tier it ran at, both decided
+/// once, by the CPU backend's planner.
+///
+/// ```
+/// use fp8nsa_types::{CpuFp8Kernel, CpuFp8Path, Tier};
+/// let p = CpuFp8Path { kernel: CpuFp8Kernel::Gemv, tier: Tier::Avx2 };
+/// assert_eq!(p.to_string(), "cpu-gemv/avx2");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CpuFp8Path {
+    pub kernel: CpuFp8Kernel,
+    pub tier: crate::Tier,
+}
+
+impl std::fmt::Display for CpuFp8Path {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.kernel.name(), self.tier.name())
+    }
+}

@@ -26,10 +26,13 @@ mod scale;
 mod selection;
 mod settings;
 mod shape;
+mod tier;
 
 pub use act::ActQuant;
 pub use error::{Error, Result};
-pub use kernel::{BackendKind, CudaFp8Kernel, CudaFp8Path, MmaTile, TpuKernel};
+pub use kernel::{
+    BackendKind, CpuFp8Kernel, CpuFp8Path, CudaFp8Kernel, CudaFp8Path, MmaTile, TpuKernel,
+};
 pub use python::{find_python_package_file, python_site_dirs, XLA_CPU_PLUGIN};
 pub use scale::ScaleDType;
 pub use selection::{EntryIssue, Spans};
@@ -38,3 +41,4 @@ pub use settings::{
     TPU_KERNEL_ENV,
 };
 pub use shape::{AttnDims, LinearShape, Pages, Seq};
+pub use tier::Tier;

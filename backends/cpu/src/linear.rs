@@ -1,20 +1,22 @@
 //! `y = x · Wᵀ` with fp8 block-scaled weights, two kernels:
-//! - [`CpuKernel::Gemv`] for `m <= GEMV_MAX_M` (decode): streams each weight byte once. At
+//! - [`CpuFp8Kernel::Gemv`] for `m <= GEMV_MAX_M` (decode): streams each weight byte once. At
 //!   M = 1 it decodes in registers and applies `sx · sw` per K-block to the f32 partial dot
 //!   product (four weight rows per pass on the AVX2 tier). For M > 1 on the AVX2 tier it
 //!   decodes three weight rows at a time with their block scales into a small buffer and
 //!   multiplies them with activations already multiplied by theirs (the panel GEMM's
 //!   distribution of the scaling, below), four activation rows at a time in registers; the
 //!   portable tier applies `sx · sw` per K-block as at M = 1;
-//! - [`CpuKernel::PanelGemm`] otherwise: dequantizes a cache-sized panel of weight rows (codes
+//! - [`CpuFp8Kernel::PanelGemm`] otherwise: dequantizes a cache-sized panel of weight rows (codes
 //!   times their block scale) and multiplies it with the dequantized activations using the `gemm`
 //!   crate. Scaling each factor by its own block scale before the product is the contract's
 //!   per-K-block scaling, distributed over the sum.
 //!
 //! On CPUs with AVX512-BF16 and VBMI (`Tier::Avx512Bf16`), W8A8 calls of both kernels multiply
 //! bf16 pairs instead (`avx512bf16`): the e4m3 weights and activations are exact in bf16, the
-//! products exact in f32, and each (row, row, K-block) partial is scaled by `sx · sw`. There the
-//! GEMV of 10..=16 rows runs the panel GEMM's micro-kernel on a single tile of rows.
+//! products exact in f32, and each (row, row, K-block) partial is scaled by `sx · sw`. There calls
+//! of 10..=16 rows are planned as the panel GEMM (its micro-kernel on a single tile of rows).
+//! [`plan`] decides kernel and tier once; the path it reports is the one [`LinearPlan::run`]
+//! runs.
 
 use rayon::prelude::*;
 
@@ -23,44 +25,23 @@ use crate::fp8::{decode_scaled, e4m3_to_f32};
 use crate::quant::{quantize_act_in, QuantizedAct};
 use crate::scratch::with_f32;
 use crate::simd::{dot, simd_dispatch, Arith, Tier};
-use fp8nsa_types::{ActQuant, LinearShape};
+use fp8nsa_types::{ActQuant, CpuFp8Kernel, CpuFp8Path, LinearShape};
 
 /// Largest `m` served by the GEMV kernel.
 pub const GEMV_MAX_M: usize = 16;
 
-/// The kernel a call runs; reported for logging.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum CpuKernel {
-    Gemv,
-    PanelGemm,
-}
-
-impl CpuKernel {
-    pub fn for_shape(shape: &LinearShape) -> Self {
-        if shape.m <= GEMV_MAX_M {
-            CpuKernel::Gemv
-        } else {
-            CpuKernel::PanelGemm
-        }
-    }
-    pub fn name(&self) -> &'static str {
-        match self {
-            CpuKernel::Gemv => "cpu-gemv",
-            CpuKernel::PanelGemm => "cpu-panel-gemm",
-        }
-    }
-}
-
-/// One checked call: a valid shape and activation scheme, and the kernel chosen for them.
-/// Made once by [`plan`]; [`LinearPlan::run`] executes it without deciding anything again.
+/// One checked call: a valid shape and activation scheme, and the kernel and SIMD tier chosen
+/// for them. Made once by [`plan`]; [`LinearPlan::run`] executes it without deciding anything
+/// again, so [`LinearPlan::path`] is the path that runs.
 ///
 /// ```
-/// use fp8nsa_cpu::linear::{plan, CpuKernel};
-/// use fp8nsa_types::{ActQuant, LinearShape};
+/// use fp8nsa_cpu::linear::plan;
+/// use fp8nsa_types::{ActQuant, CpuFp8Kernel, LinearShape, Tier};
 ///
 /// let shape = LinearShape { m: 1, n: 2, k: 3, bn: 128, bk: 128 };
 /// let p = plan(shape, ActQuant::Group)?;
-/// assert_eq!(p.kernel(), CpuKernel::Gemv);
+/// assert_eq!(p.path().kernel, CpuFp8Kernel::Gemv);
+/// assert_eq!(p.path().tier, Tier::current());
 /// let w = [0x38u8; 6]; // e4m3 1.0
 /// let mut y = [0f32; 2];
 /// p.run(&[2.0, 2.0, 2.0], &w, &[0.5], None, &mut y)?;
@@ -72,27 +53,43 @@ impl CpuKernel {
 pub struct LinearPlan {
     shape: LinearShape,
     act: ActQuant,
-    kernel: CpuKernel,
+    kernel: CpuFp8Kernel,
+    tier: Tier,
     nan_free: bool,
 }
 
-/// Checks a call's shape and activation scheme and picks its kernel.
+/// Checks a call's shape and activation scheme and picks its kernel at the tier in force
+/// ([`Tier::current`], read once here): the GEMV up to [`GEMV_MAX_M`] rows, except from
+/// `BF16_TILE_MIN_M` rows on the AVX512-BF16 tier, where the panel GEMM's micro-kernel runs
+/// them as one tile; the panel GEMM past that.
 pub fn plan(shape: LinearShape, act: ActQuant) -> Result<LinearPlan> {
     shape.validate()?;
     if let ActQuant::Block2d { bm } = act {
         check_positive("bm", bm)?;
     }
+    let tier = Tier::current();
+    let m = shape.m;
+    let kernel = if m > GEMV_MAX_M || (m >= BF16_TILE_MIN_M && uses_bf16(tier, act)) {
+        CpuFp8Kernel::PanelGemm
+    } else {
+        CpuFp8Kernel::Gemv
+    };
     Ok(LinearPlan {
         shape,
         act,
-        kernel: CpuKernel::for_shape(&shape),
+        kernel,
+        tier,
         nan_free: false,
     })
 }
 
 impl LinearPlan {
-    pub fn kernel(&self) -> CpuKernel {
-        self.kernel
+    /// The kernel and tier [`Self::run`] runs.
+    pub fn path(&self) -> CpuFp8Path {
+        CpuFp8Path {
+            kernel: self.kernel,
+            tier: self.tier,
+        }
     }
 
     pub fn shape(&self) -> LinearShape {
@@ -132,48 +129,43 @@ impl LinearPlan {
         let (m, k, bk) = (s.m, s.k, s.bk);
         // the activations' quantized copy (none for W8A16) lives in a reused buffer
         let act_len = if act == ActQuant::None { 0 } else { m * k };
+        // the plan's tier: detected on this CPU (so its SIMD code may run), and fixed for the
+        // call even if a test caps the tier meanwhile
+        let tier = self.tier;
         with_f32(act_len, |abuf| -> Result<()> {
             match kernel {
-                CpuKernel::Gemv => {
-                    // read once: a concurrent `Tier::cap` must not change the path mid-call
-                    let tier = Tier::current();
-                    if m >= BF16_TILE_MIN_M && uses_bf16(tier, act) {
-                        // all rows in one tile of the panel GEMM's micro-kernel: each weight
-                        // byte is still read and decoded once
-                        let xq = quantize_act_in(x, m, k, bk, act, false, abuf)?;
-                        panel_gemm_bf16(tier, &xq, w, sw, s, out);
+                CpuFp8Kernel::Gemv => {
+                    let rows = gemv_task_rows(tier, m);
+                    // each task fills a contiguous run of the transposed output yt [n, m]; at
+                    // M = 1 that is `out` itself
+                    let mut gemv = |yt: &mut [f32]| -> Result<()> {
+                        let deq = gemv_wants_scaled_act(tier, m, act);
+                        let xq = quantize_act_in(x, m, k, bk, act, deq, abuf)?;
+                        let xb = gemv_bf16_act(tier, &xq, act, s);
+                        let nan_free = self.nan_free;
+                        yt.par_chunks_mut(rows * m).enumerate().for_each(|(c, yt)| {
+                            let xq = GemvAct {
+                                q: &xq,
+                                bf16: xb.as_deref(),
+                            };
+                            gemv_task(tier, xq, w, sw, s, c * rows, yt, nan_free)
+                        });
+                        Ok(())
+                    };
+                    if m == 1 {
+                        gemv(out)?;
                     } else {
-                        let rows = gemv_task_rows(tier, m);
-                        // each task fills a contiguous run of the transposed output yt [n, m]; at
-                        // M = 1 that is `out` itself
-                        let mut gemv = |yt: &mut [f32]| -> Result<()> {
-                            let deq = gemv_wants_scaled_act(tier, m, act);
-                            let xq = quantize_act_in(x, m, k, bk, act, deq, abuf)?;
-                            let xb = gemv_bf16_act(tier, &xq, act, s);
-                            let nan_free = self.nan_free;
-                            yt.par_chunks_mut(rows * m).enumerate().for_each(|(c, yt)| {
-                                let xq = GemvAct {
-                                    q: &xq,
-                                    bf16: xb.as_deref(),
-                                };
-                                gemv_task(tier, xq, w, sw, s, c * rows, yt, nan_free)
-                            });
+                        with_f32(s.n * m, |yt| -> Result<()> {
+                            gemv(yt)?;
+                            untranspose(yt, m, out);
                             Ok(())
-                        };
-                        if m == 1 {
-                            gemv(out)?;
-                        } else {
-                            with_f32(s.n * m, |yt| -> Result<()> {
-                                gemv(yt)?;
-                                untranspose(yt, m, out);
-                                Ok(())
-                            })?;
-                        }
+                        })?;
                     }
                 }
-                CpuKernel::PanelGemm => {
-                    let tier = Tier::current();
+                CpuFp8Kernel::PanelGemm => {
                     if uses_bf16(tier, act) {
+                        // from BF16_TILE_MIN_M rows: each weight tile decoded once, all rows
+                        // of a short call in one tile
                         let xq = quantize_act_in(x, m, k, bk, act, false, abuf)?;
                         panel_gemm_bf16(tier, &xq, w, sw, s, out);
                     } else {
@@ -253,7 +245,7 @@ pub(crate) fn gemv_bf16_act(
 }
 
 /// One GEMV task: `yt [rows, m]` (transposed output) for weight rows `n0..` of `w`. `tier` must
-/// be at most `Tier::current()`; `nan_free` as [`LinearPlan::assume_nan_free`].
+/// be at most `Tier::detected()`; `nan_free` as [`LinearPlan::assume_nan_free`].
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn gemv_task(
     tier: Tier,
@@ -281,7 +273,7 @@ pub(crate) fn gemv_task(
 }
 
 /// [`plan`] then [`LinearPlan::run`]: `out [m, n] = x [m, k] · dequant(W)ᵀ + bias`, returning
-/// the kernel that ran.
+/// the path that ran.
 pub fn fp8_linear(
     x: &[f32],
     w: &[u8],
@@ -290,10 +282,10 @@ pub fn fp8_linear(
     shape: LinearShape,
     act: ActQuant,
     out: &mut [f32],
-) -> Result<CpuKernel> {
+) -> Result<CpuFp8Path> {
     let p = plan(shape, act)?;
     p.run(x, w, sw, bias, out)?;
-    Ok(p.kernel())
+    Ok(p.path())
 }
 
 /// Dot product of f32 activations with fp8 codes, decoding in registers.
@@ -733,7 +725,7 @@ fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: LinearShape, out: &mut [f32]) 
 /// tile of at most 16 rows): decoding each weight tile once into L2 and multiplying it with
 /// broadcast weight pairs beats [`gemv_rows_bf16`]'s four-by-two register blocks there (Zen 4,
 /// N = K = 4096: 2.16 vs 2.69 ms at M = 12, 2.19 vs 3.42 ms at M = 16; 2.20 vs 1.87 ms at M = 8).
-const BF16_TILE_MIN_M: usize = 10;
+pub const BF16_TILE_MIN_M: usize = 10;
 
 /// Weight rows per micro-kernel call of [`panel_gemm_bf16`]: with two vectors of 16 activation
 /// rows that is 24 accumulators of the 32 vector registers, two activation loads and 12

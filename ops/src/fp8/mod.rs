@@ -14,8 +14,9 @@ mod pjrt;
 pub(crate) mod weight;
 
 pub use experts::Fp8Experts;
-pub use fp8nsa_cpu::linear::{CpuKernel, GEMV_MAX_M};
+pub use fp8nsa_cpu::linear::{BF16_TILE_MIN_M, GEMV_MAX_M};
 pub use fp8nsa_types::{ActQuant, ScaleDType};
+pub use fp8nsa_types::{CpuFp8Kernel, CpuFp8Path};
 pub use linear::Fp8Linear;
 pub use moe::{Fp8Moe, MoeRouter, Routing};
 #[cfg(feature = "nccl")]

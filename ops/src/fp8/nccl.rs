@@ -2,7 +2,7 @@
 //! NCCL, by cudarc's bindings. Built in CI; it needs GPUs (and the NCCL library, from the
 //! `nvidia-nccl-cu13` wheel) to run.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::{CudaStorage, DType, Storage, Tensor};
 use cudarc::driver::CudaStream;
@@ -14,17 +14,22 @@ use crate::error::{invalid, Result};
 
 /// One rank's NCCL communicator, on the CUDA device (and stream) candle runs that rank's
 /// tensors on. Collectives take and return f32 tensors (other float dtypes are converted).
+/// Each collective holds the communicator's lock from its first NCCL call to its last, so
+/// threads sharing one handle issue whole collectives one after another, never interleaved.
 pub struct NcclGroup {
-    comm: Comm,
+    comm: Mutex<CommOwned>,
+    rank: usize,
+    world_size: usize,
     device: candle_core::CudaDevice,
 }
 
-// SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
-// concurrent; `Communicator` methods are called by the one rank that owns the handle, and the
-// collectives are issued on its device's single candle stream.
-unsafe impl Send for NcclGroup {}
-// SAFETY: see `Send`: a rank calls its collectives in order, never concurrently.
-unsafe impl Sync for NcclGroup {}
+/// The communicator, reachable only through `NcclGroup`'s lock.
+struct CommOwned(Comm);
+
+// SAFETY: NCCL lets any thread call a communicator; what it forbids is concurrent calls on one
+// communicator, and `CommOwned` is only ever reached through `NcclGroup::comm`'s `Mutex`, which
+// serializes them. (`Comm` is not `Send` only because it holds raw NCCL and stream pointers.)
+unsafe impl Send for CommOwned {}
 
 fn nccl_err(e: cudarc::nccl::result::NcclError) -> crate::error::Error {
     invalid("nccl", format!("{e:?}"))
@@ -55,9 +60,26 @@ impl NcclGroup {
             ));
         }
         let comm = Comm::from_rank(device.cuda_stream(), rank, world_size, id).map_err(nccl_err)?;
-        Ok(Self {
-            comm,
+        Ok(Self::own(comm, device))
+    }
+
+    fn own(comm: Comm, device: &candle_core::CudaDevice) -> Self {
+        Self {
+            rank: comm.rank(),
+            world_size: comm.world_size(),
+            comm: Mutex::new(CommOwned(comm)),
             device: device.clone(),
+        }
+    }
+
+    /// The communicator, for one whole collective. A collective that panicked may have left
+    /// the ranks at different steps, so a poisoned lock is an error, not a wait that may hang.
+    fn lock(&self) -> Result<MutexGuard<'_, CommOwned>> {
+        self.comm.lock().map_err(|_| {
+            invalid(
+                "nccl",
+                "a collective on this communicator panicked; the group must be rebuilt",
+            )
         })
     }
 
@@ -68,10 +90,7 @@ impl NcclGroup {
         Ok(comms
             .into_iter()
             .zip(devices)
-            .map(|(comm, d)| Self {
-                comm,
-                device: d.clone(),
-            })
+            .map(|(comm, d)| Self::own(comm, d))
             .collect())
     }
 
@@ -99,11 +118,11 @@ impl NcclGroup {
 
 impl Communicator for NcclGroup {
     fn rank(&self) -> usize {
-        self.comm.rank()
+        self.rank
     }
 
     fn world_size(&self) -> usize {
-        self.comm.world_size()
+        self.world_size
     }
 
     fn all_reduce_sum(&self, t: &Tensor) -> Result<Tensor> {
@@ -111,9 +130,10 @@ impl Communicator for NcclGroup {
         let n = t.elem_count();
         let stream = self.device.cuda_stream();
         let mut out = stream.alloc_zeros::<f32>(n).map_err(alloc_err)?;
+        let comm = self.lock()?;
         with_storage("t", &t, |s, l| {
             let src = view::<f32>("t", s, l)?;
-            self.comm
+            comm.0
                 .all_reduce(&src, &mut out, &ReduceOp::Sum)
                 .map_err(nccl_err)?;
             Ok(())
@@ -128,24 +148,27 @@ impl Communicator for NcclGroup {
         // dim asked for, checked only once all ranks hold all headers, so they refuse
         // together), then the tensors padded to the longest along `dim`, cut back apart
         let header = Tensor::new(&gather_header(t.dims(), dim)[..], t.device())?;
-        let words: Vec<f32> = self.gather_flat(&header)?.to_vec1()?;
+        // both exchanges under one lock: another thread's collective must not come between
+        let comm = self.lock()?;
+        let words: Vec<f32> = self.gather_flat(&comm, &header)?.to_vec1()?;
         let (shapes, dim) = read_gather_headers(&words)?;
         let longest = shapes.iter().map(|s| s[dim]).max().unwrap_or(0);
-        let gathered = self.gather_flat(&gather_send(&t, dim, longest)?)?;
+        let gathered = self.gather_flat(&comm, &gather_send(&t, dim, longest)?)?;
+        drop(comm);
         gather_cut(&gathered, &shapes, dim)
     }
 }
 
 impl NcclGroup {
     /// NCCL's all-gather of a contiguous 1-D f32 tensor of the same length on every rank.
-    fn gather_flat(&self, t: &Tensor) -> Result<Tensor> {
+    fn gather_flat(&self, comm: &CommOwned, t: &Tensor) -> Result<Tensor> {
         let n = t.elem_count();
         let world = self.world_size();
         let stream = self.device.cuda_stream();
         let mut out = stream.alloc_zeros::<f32>(n * world).map_err(alloc_err)?;
         with_storage("t", t, |s, l| {
             let src = view::<f32>("t", s, l)?;
-            self.comm.all_gather(&src, &mut out).map_err(nccl_err)?;
+            comm.0.all_gather(&src, &mut out).map_err(nccl_err)?;
             Ok(())
         })?;
         Ok(self.wrap(out, &[n * world]))

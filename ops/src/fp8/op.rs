@@ -5,8 +5,8 @@ use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage, Tensor};
-use fp8nsa_cpu::linear::{CpuKernel, LinearPlan};
-use fp8nsa_types::{CudaFp8Path, TpuKernel};
+use fp8nsa_cpu::linear::LinearPlan;
+use fp8nsa_types::{CpuFp8Path, CudaFp8Path, TpuKernel};
 
 use super::{cuda, Fp8Linear};
 use crate::error::{invalid, Error, Result};
@@ -16,8 +16,8 @@ use crate::storage::{f32_slice, fp8_bytes, from_f32, ParkedError};
 /// [`Fp8Linear::forward_with_path`](super::Fp8Linear::forward_with_path).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Fp8Path {
-    /// fp8nsa-cpu's GEMV (decode) or panel GEMM.
-    Cpu(CpuKernel),
+    /// fp8nsa-cpu's GEMV (decode) or panel GEMM, and the SIMD tier it ran at.
+    Cpu(CpuFp8Path),
     /// fp8nsa-cuda's path: cuBLASLt, our tensor-core or small-M kernel, or dequantize + cuBLAS.
     Cuda(CudaFp8Path),
     /// A PJRT program with this fp8 kernel variant.
@@ -56,7 +56,7 @@ impl<'a> Fp8LinearOp<'a> {
     /// The path that ran (after the op was applied) or that is planned (before).
     pub(crate) fn path(&self) -> Fp8Path {
         match &self.plan {
-            CallPlan::Cpu(p) => Fp8Path::Cpu(p.kernel()),
+            CallPlan::Cpu(p) => Fp8Path::Cpu(p.path()),
             CallPlan::Cuda(c) => {
                 let ran = *self.ran.lock().unwrap_or_else(|p| p.into_inner());
                 Fp8Path::Cuda(ran.unwrap_or_else(|| c.path()))

@@ -453,10 +453,7 @@ impl SelectionAttention {
             d,
             dv,
         };
-        fp8nsa_cpu::nsa::plan_paged(dims, &seqs, np * ps, None, pages).map_err(|e| match e {
-            fp8nsa_cpu::Error::Invalid { arg, msg } => Error::Invalid { arg, msg },
-            e => e.into(),
-        })?;
+        fp8nsa_cpu::nsa::plan_paged(dims, &seqs, np * ps, None, pages)?;
         let q_packed = q.reshape((b * tq, hq, d))?;
         let pool_k = kv.k_pages.reshape((np * ps, hkv, d))?;
         let pool_v = kv.v_pages.reshape((np * ps, hkv, dv))?;

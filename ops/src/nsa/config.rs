@@ -2,7 +2,7 @@ use serde::{Deserialize, Serialize};
 
 use fp8nsa_cpu::nsa_select::NsaParams;
 
-use crate::error::{invalid, Error, Result};
+use crate::error::Result;
 
 /// How blocks of keys / values become one compressed key / value.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -67,10 +67,7 @@ impl NsaConfig {
     /// block lengths (so compression and selection blocks line up, paper eq. 9), and the forced
     /// blocks fitting in the budget.
     pub fn validate(&self) -> Result<()> {
-        self.params().validate().map_err(|e| match e {
-            fp8nsa_cpu::Error::Invalid { arg, msg } => invalid(arg, msg),
-            other => Error::Kernel(other),
-        })
+        Ok(self.params().validate()?)
     }
 
     /// The sizes the CPU backend's selection helpers (`fp8nsa_cpu::nsa_select`) take; they

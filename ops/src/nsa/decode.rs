@@ -154,11 +154,7 @@ impl CustomOp3 for DecodeOp {
                     self.tk,
                     self.scale,
                     ob,
-                )
-                .map_err(|e| match e {
-                    fp8nsa_cpu::Error::Invalid { arg, msg } => Error::Invalid { arg, msg },
-                    e => e.into(),
-                })?;
+                )?;
             }
             Ok((CpuStorage::F32(o), Shape::from((b, hq, dv))))
         })())

@@ -222,7 +222,7 @@ fn inspect(file: &std::path::Path, expect: Option<&str>) -> ExitCode {
 fn dump_programs(out: &std::path::Path, plugin: Option<&str>) -> Result<()> {
     use fp8nsa::ActQuant;
     use fp8nsa_pjrt::programs::{self, AttnShape, LinearShape};
-    let pjrt_err = |e: fp8nsa_pjrt::Error| Error::Ops(fp8nsa::Error::Pjrt(e));
+    let pjrt_err = |e: fp8nsa_pjrt::Error| Error::Ops(e.into());
     let rt = match plugin {
         Some(p) => fp8nsa_pjrt::PjrtRuntime::load(p),
         None => fp8nsa_pjrt::PjrtRuntime::from_env(),
