@@ -13,6 +13,7 @@ use fp8nsa::nsa::{
     TokenSelection,
 };
 use fp8nsa::reference;
+use fp8nsa_test_support::nsa::{check_lse, random_ranges, ranges_rows, rms_ratio};
 use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -61,50 +62,6 @@ fn to(x: &Qkv, dev: &Device) -> Qkv {
         q: x.q.to_device(dev).unwrap(),
         k: x.k.to_device(dev).unwrap(),
         v: x.v.to_device(dev).unwrap(),
-    }
-}
-
-fn rms_ratio(o: &Tensor, want: &Tensor) -> f64 {
-    let f = |t: &Tensor| -> Vec<f64> {
-        t.to_device(&Device::Cpu)
-            .unwrap()
-            .to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    };
-    let (o, w) = (f(o), f(want));
-    let num: f64 = o.iter().zip(&w).map(|(a, b)| (a - b) * (a - b)).sum();
-    let den: f64 = w.iter().map(|b| b * b).sum();
-    if den == 0.0 {
-        return if num == 0.0 { 0.0 } else { f64::INFINITY };
-    }
-    (num / den).sqrt()
-}
-
-fn check_lse(lse: &Tensor, want: &Tensor, what: &str) {
-    let a: Vec<f32> = lse
-        .to_device(&Device::Cpu)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    let b: Vec<f32> = want.flatten_all().unwrap().to_vec1().unwrap();
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        if y.is_infinite() {
-            assert!(
-                x.is_infinite() && *x < 0.0,
-                "{what}: lse[{i}] = {x}, want -inf"
-            );
-        } else {
-            assert!(
-                (x - y).abs() < 2e-3 * (1.0 + y.abs()),
-                "{what}: lse[{i}] = {x}, want {y}"
-            );
-        }
     }
 }
 
@@ -196,32 +153,8 @@ fn check<'s>(
         );
         let err = rms_ratio(&o, &want);
         assert!(err < tol, "{what} {path}: rms ratio {err:e}");
-        check_lse(&lse.unwrap(), &want_lse, &format!("{what} {path}"));
+        check_lse(&lse.unwrap(), &want_lse, 2e-3, &format!("{what} {path}"));
     }
-}
-
-fn ranges_tensor(rows: Vec<Vec<[i32; 2]>>, b: usize, tq: usize, hkv: usize) -> SelectionRanges {
-    let r = rows.iter().map(|x| x.len()).max().unwrap();
-    let mut flat = Vec::new();
-    for row in rows {
-        for i in 0..r {
-            flat.extend(row.get(i).copied().unwrap_or([0, 0]));
-        }
-    }
-    SelectionRanges::new(Tensor::from_vec(flat, (b, tq, hkv, r, 2), &Device::Cpu).unwrap()).unwrap()
-}
-
-/// `n` disjoint random ranges inside `[0, tk)` in random order, plus a padding entry.
-fn random_ranges(rng: &mut StdRng, tk: usize, n: usize) -> Vec<[i32; 2]> {
-    let n = n.min(tk.div_ceil(2));
-    let mut pts: Vec<i32> = (0..=tk as i32).collect();
-    pts.shuffle(rng);
-    let mut pts = pts[..2 * n].to_vec();
-    pts.sort();
-    let mut rs: Vec<[i32; 2]> = pts.chunks(2).map(|p| [p[0], p[1]]).collect();
-    rs.push([7, 3]);
-    rs.shuffle(rng);
-    rs
 }
 
 fn block_selection(
@@ -263,7 +196,7 @@ fn several_ranges_per_query_at_any_alignment() {
         check(
             &dev,
             &x,
-            &ranges_tensor(rows, b, t, hkv),
+            &ranges(rows, b, t, hkv),
             None,
             &format!("b={b} t={t} ranges={n}"),
         );
@@ -344,7 +277,7 @@ fn fixed_mixed_alignment_and_padding_ranges() {
     check(
         &dev,
         &x,
-        &ranges_tensor(fixed, b, t, hkv),
+        &ranges(fixed, b, t, hkv),
         None,
         "[[0,16],[32,48],[64,80]]",
     );
@@ -357,7 +290,7 @@ fn fixed_mixed_alignment_and_padding_ranges() {
             _ => vec![[5, 5], [17, 29], [1000, 999]],
         })
         .collect();
-    check(&dev, &x, &ranges_tensor(rows, b, t, hkv), None, "mixed");
+    check(&dev, &x, &ranges(rows, b, t, hkv), None, "mixed");
 }
 
 /// A varlen sequence with no keys, and a selection with no entries per row: zero rows and
@@ -495,7 +428,7 @@ fn decode_and_chunked_prefill_with_q_offset() {
         check(
             &dev,
             &x,
-            &ranges_tensor(rows, b, tq, 1),
+            &ranges(rows, b, tq, 1),
             q_offset,
             &format!("ranges tq={tq} tk={tk}"),
         );
@@ -544,13 +477,7 @@ fn empty_rows_and_all_padding() {
             }
         })
         .collect();
-    check(
-        &dev,
-        &x,
-        &ranges_tensor(rows, b, t, hkv),
-        None,
-        "empty rows",
-    );
+    check(&dev, &x, &ranges(rows, b, t, hkv), None, "empty rows");
     let all_pad = BlockSelection::new(
         Tensor::full(-1i32, (b, t, hkv, 3), &Device::Cpu).unwrap(),
         16,
@@ -640,6 +567,7 @@ fn varlen_matches_each_sequence_alone() {
             check_lse(
                 &lse.as_ref().unwrap().narrow(0, start, tq).unwrap(),
                 &want_lse,
+                2e-3,
                 "varlen lse",
             );
             start += tq;
@@ -695,7 +623,7 @@ fn adversarial_selections() {
             ]
         })
         .collect();
-    let sel = ranges_tensor(rows, b, t, hkv);
+    let sel = ranges(rows, b, t, hkv);
     assert!(sel.validate(t).is_err());
     check(&dev, &x, &sel, None, "adversarial ranges");
 }
@@ -880,7 +808,7 @@ fn paged_kv_and_token_selection() {
             assert_eq!(path, NsaPath::CudaKernel, "{what}");
             let err = rms_ratio(&o, &want);
             assert!(err < 5e-3, "{what}: rms ratio {err:e}");
-            check_lse(&lse.unwrap(), &want_lse.unwrap(), &what);
+            check_lse(&lse.unwrap(), &want_lse.unwrap(), 2e-3, &what);
         }
     }
     let x = qkv(&mut rng, 2, 1, 6000, 16, 1, 128, 128, DType::BF16);
@@ -888,4 +816,8 @@ fn paged_kv_and_token_selection() {
     let tsel =
         TokenSelection::new(Tensor::from_vec(rows, (2, 1, 1, 2048), &host).unwrap()).unwrap();
     check(&dev, &x, &tsel, None, "2048 tokens of 6000");
+}
+
+fn ranges(rows: Vec<Vec<[i32; 2]>>, b: usize, tq: usize, hkv: usize) -> SelectionRanges {
+    SelectionRanges::new(ranges_rows(rows, b, tq, hkv)).unwrap()
 }

@@ -20,6 +20,20 @@ fn qkv(rng: &mut StdRng, tq: usize, tk: usize, dims: NsaDims) -> (Tensor, Tensor
     )
 }
 
+/// The layer's head layout.
+fn dims(hq: usize, hkv: usize, d: usize, dv: usize) -> NsaDims {
+    NsaDims { hq, hkv, d, dv }
+}
+
+/// The layer with the mean-pool compressor and fixed gates (what the f64 reference models).
+fn layer(cfg: NsaConfig, dims: NsaDims, gates: [f32; 3]) -> NativeSparseAttention {
+    NativeSparseAttention::new(cfg, dims, Compressor::MeanPool, Gates::Fixed(gates)).unwrap()
+}
+
+fn zeros(shape: impl Into<candle_core::Shape>) -> Tensor {
+    Tensor::zeros(shape, DType::F32, &Device::Cpu).unwrap()
+}
+
 fn small_cfg() -> NsaConfig {
     NsaConfig {
         compress_block: 16,
@@ -92,10 +106,8 @@ fn compare_with_reference(
 ) {
     let mut rng = rng(what);
     let (q, k, v) = qkv(&mut rng, tq, tk, dims);
-    let nsa =
-        NativeSparseAttention::new(cfg.clone(), dims, Compressor::MeanPool, Gates::Fixed(gates))
-            .unwrap();
-    let x = Tensor::zeros((1, tq, 4), DType::F32, &Device::Cpu).unwrap();
+    let nsa = layer(cfg.clone(), dims, gates);
+    let x = zeros((1, tq, 4));
     let out = nsa.forward_detailed(&x, &q, &k, &v).unwrap();
     let want = reference::nsa_layer(&cfg, &q, &k, &v, gates.map(|g| g as f64)).unwrap();
     let (ours, theirs) = (sel_rows(&out.selection), &want.selection);
@@ -131,12 +143,7 @@ fn compare_with_reference(
 
 #[test]
 fn layer_matches_reference_small_blocks() {
-    let dims = NsaDims {
-        hq: 8,
-        hkv: 2,
-        d: 32,
-        dv: 32,
-    };
+    let dims = dims(8, 2, 32, 32);
     compare_with_reference(
         small_cfg(),
         dims,
@@ -161,12 +168,7 @@ fn layer_matches_reference_small_blocks() {
 #[test]
 fn layer_matches_reference_paper_defaults() {
     // 18 selection blocks of 64 > 16 selected, so the ranking matters
-    let dims = NsaDims {
-        hq: 4,
-        hkv: 1,
-        d: 64,
-        dv: 32,
-    };
+    let dims = dims(4, 1, 64, 32);
     compare_with_reference(
         NsaConfig::default(),
         dims,
@@ -181,26 +183,15 @@ fn layer_matches_reference_paper_defaults() {
 fn covering_selection_and_window_equal_dense_causal_attention() {
     let mut rng = rng("covering");
     let t = 200;
-    let dims = NsaDims {
-        hq: 8,
-        hkv: 2,
-        d: 32,
-        dv: 32,
-    };
+    let dims = dims(8, 2, 32, 32);
     let cfg = NsaConfig {
         num_selected: 7,
         window: 256,
         ..small_cfg()
     }; // 7 * 32 >= 200
     let (q, k, v) = qkv(&mut rng, t, t, dims);
-    let nsa = NativeSparseAttention::new(
-        cfg,
-        dims,
-        Compressor::MeanPool,
-        Gates::Fixed([0.0, 1.0, 0.0]),
-    )
-    .unwrap();
-    let x = Tensor::zeros((1, t, 4), DType::F32, &Device::Cpu).unwrap();
+    let nsa = layer(cfg, dims, [0.0, 1.0, 0.0]);
+    let x = zeros((1, t, 4));
     let out = nsa.forward_detailed(&x, &q, &k, &v).unwrap();
     let all = SelectionRanges::new(
         Tensor::from_vec(
@@ -229,12 +220,7 @@ fn non_finite_keys_and_values_reach_no_query_that_does_not_attend_them() {
     // no earlier query attends in any branch (compressed, selected, window)
     let mut rng = rng("layer_non_finite");
     let t = 120;
-    let dims = NsaDims {
-        hq: 4,
-        hkv: 2,
-        d: 16,
-        dv: 16,
-    };
+    let dims = dims(4, 2, 16, 16);
     let (q, k, v) = qkv(&mut rng, t, t, dims);
     let poke = |x: &Tensor, vals: [f32; 2]| {
         let mut r = rows(x);
@@ -247,16 +233,10 @@ fn non_finite_keys_and_values_reach_no_query_that_does_not_attend_them() {
         poke(&k, [f32::NAN, f32::INFINITY]),
         poke(&v, [-f32::INFINITY, f32::NAN]),
     );
-    let x = Tensor::zeros((1, t, 4), DType::F32, &Device::Cpu).unwrap();
+    let x = zeros((1, t, 4));
     for min_len in [0, usize::MAX] {
-        let nsa = NativeSparseAttention::new(
-            small_cfg(),
-            dims,
-            Compressor::MeanPool,
-            Gates::Fixed([0.3, 0.3, 0.4]),
-        )
-        .unwrap()
-        .with_attention(SelectionAttention::new().min_len(min_len));
+        let nsa = layer(small_cfg(), dims, [0.3, 0.3, 0.4])
+            .with_attention(SelectionAttention::new().min_len(min_len));
         let bad = nsa.forward_detailed(&x, &q, &kb, &vb).unwrap();
         let good = nsa.forward_detailed(&x, &q, &k, &v).unwrap();
         let row = dims.hq * dims.dv;
@@ -295,23 +275,12 @@ fn non_finite_keys_and_values_reach_no_query_that_does_not_attend_them() {
 #[test]
 fn prefill_equals_successive_decode_steps() {
     let mut rng = rng("prefill_vs_decode");
-    let dims = NsaDims {
-        hq: 4,
-        hkv: 2,
-        d: 32,
-        dv: 32,
-    };
+    let dims = dims(4, 2, 32, 32);
     let cfg = small_cfg();
     let t = 180;
     let (q, k, v) = qkv(&mut rng, t, t, dims);
-    let nsa = NativeSparseAttention::new(
-        cfg.clone(),
-        dims,
-        Compressor::MeanPool,
-        Gates::Fixed([0.4, 0.4, 0.4]),
-    )
-    .unwrap();
-    let x = Tensor::zeros((1, t, 4), DType::F32, &Device::Cpu).unwrap();
+    let nsa = layer(cfg.clone(), dims, [0.4, 0.4, 0.4]);
+    let x = zeros((1, t, 4));
     let full = nsa.forward_detailed(&x, &q, &k, &v).unwrap();
     let (o_full, sel_full, imp_full) = (
         rows(&full.o),
@@ -414,12 +383,7 @@ fn prefill_equals_successive_decode_steps() {
 #[test]
 fn top_n_never_looks_ahead_and_keeps_forced_blocks() {
     let mut rng = rng("top_n_properties");
-    let dims = NsaDims {
-        hq: 4,
-        hkv: 2,
-        d: 32,
-        dv: 32,
-    };
+    let dims = dims(4, 2, 32, 32);
     for cfg in [
         small_cfg(),
         NsaConfig {
@@ -431,14 +395,8 @@ fn top_n_never_looks_ahead_and_keeps_forced_blocks() {
     ] {
         let (tq, tk) = (120, 400);
         let (q, k, v) = qkv(&mut rng, tq, tk, dims);
-        let nsa = NativeSparseAttention::new(
-            cfg.clone(),
-            dims,
-            Compressor::MeanPool,
-            Gates::Fixed([1.0; 3]),
-        )
-        .unwrap();
-        let x = Tensor::zeros((1, tq, 4), DType::F32, &Device::Cpu).unwrap();
+        let nsa = layer(cfg.clone(), dims, [1.0; 3]);
+        let x = zeros((1, tq, 4));
         let out = nsa.forward_detailed(&x, &q, &k, &v).unwrap();
         out.selection.validate(tk).unwrap();
         let sel = sel_rows(&out.selection);
@@ -468,12 +426,7 @@ fn top_n_never_looks_ahead_and_keeps_forced_blocks() {
 #[test]
 fn learned_gates_and_mlp_compressor_load_from_a_varbuilder() {
     let mut rng = rng("load_layer");
-    let dims = NsaDims {
-        hq: 4,
-        hkv: 2,
-        d: 16,
-        dv: 16,
-    };
+    let dims = dims(4, 2, 16, 16);
     let hidden = 24;
     let cfg = NsaConfig {
         compressor: fp8nsa::nsa::CompressorKind::Mlp,
@@ -682,22 +635,11 @@ fn config_deserializes_and_validates() {
 #[test]
 fn bad_shapes_are_errors() {
     let mut rng = rng("layer_errors");
-    let dims = NsaDims {
-        hq: 4,
-        hkv: 2,
-        d: 16,
-        dv: 16,
-    };
-    let nsa = NativeSparseAttention::new(
-        small_cfg(),
-        dims,
-        Compressor::MeanPool,
-        Gates::Fixed([1.0; 3]),
-    )
-    .unwrap();
-    let x = Tensor::zeros((1, 8, 4), DType::F32, &Device::Cpu).unwrap();
+    let dims = dims(4, 2, 16, 16);
+    let nsa = layer(small_cfg(), dims, [1.0; 3]);
+    let x = zeros((1, 8, 4));
     let (q, k, v) = qkv(&mut rng, 8, 8, dims);
-    let k3 = Tensor::zeros((1, 8, 3, 16), DType::F32, &Device::Cpu).unwrap();
+    let k3 = zeros((1, 8, 3, 16));
     let e = nsa.forward(&x, &q, &k3, &v).unwrap_err();
     assert!(
         matches!(&e, fp8nsa::Error::Shape { arg: "k", got, .. } if got == &[1, 8, 3, 16]),
@@ -706,12 +648,7 @@ fn bad_shapes_are_errors() {
     let (q9, _, _) = qkv(&mut rng, 9, 8, dims);
     let e = nsa.forward(&x, &q9, &k, &v).unwrap_err();
     assert!(matches!(e, fp8nsa::Error::Invalid { arg: "q", .. }), "{e}");
-    let bad_dims = NsaDims {
-        hq: 3,
-        hkv: 2,
-        d: 16,
-        dv: 16,
-    };
+    let bad_dims = NsaDims { hq: 3, ..dims };
     let e = NativeSparseAttention::new(
         small_cfg(),
         bad_dims,
@@ -727,7 +664,7 @@ fn bad_shapes_are_errors() {
     let mut cache = NsaCache::new();
     nsa.forward_step(&x, &q, &k, &v, &mut cache).unwrap();
     let (q1, _, _) = qkv(&mut rng, 1, 1, dims);
-    let k1 = Tensor::zeros((1, 1, 2, 8), DType::F32, &Device::Cpu).unwrap();
+    let k1 = zeros((1, 1, 2, 8));
     let e = nsa
         .forward_step(&x.narrow(1, 0, 1).unwrap(), &q1, &k1, &k1, &mut cache)
         .unwrap_err();
@@ -752,27 +689,16 @@ fn bad_shapes_are_errors() {
 #[test]
 fn a_failed_step_leaves_the_cache_as_it_was() {
     let mut rng = rng("cache_rollback");
-    let dims = NsaDims {
-        hq: 4,
-        hkv: 2,
-        d: 16,
-        dv: 16,
-    };
-    let nsa = NativeSparseAttention::new(
-        small_cfg(),
-        dims,
-        Compressor::MeanPool,
-        Gates::Fixed([1.0; 3]),
-    )
-    .unwrap();
+    let dims = dims(4, 2, 16, 16);
+    let nsa = layer(small_cfg(), dims, [1.0; 3]);
     let (q, k, v) = qkv(&mut rng, 40, 40, dims);
-    let x = Tensor::zeros((1, 40, 4), DType::F32, &Device::Cpu).unwrap();
+    let x = zeros((1, 40, 4));
     let mut cache = NsaCache::new();
     nsa.forward_step(&x, &q, &k, &v, &mut cache).unwrap();
     let (len, n_c) = (cache.len(), cache.compressed_len());
     let one = |t: &Tensor| t.narrow(1, 0, 1).unwrap();
     // q of the wrong head count: rejected after k/v were appended, so they must be rolled back
-    let bad_q = Tensor::zeros((1, 1, 3, 16), DType::F32, &Device::Cpu).unwrap();
+    let bad_q = zeros((1, 1, 3, 16));
     let e = nsa
         .forward_step(&one(&x), &bad_q, &one(&k), &one(&v), &mut cache)
         .unwrap_err();
@@ -843,12 +769,7 @@ fn argument_errors_name_the_argument() {
             .unwrap_err();
         assert!(matches!(&e, fp8nsa::Error::Shape { arg: "v", .. }), "{e}");
     }
-    let dims = NsaDims {
-        hq: 4,
-        hkv: 2,
-        d: 16,
-        dv: 16,
-    };
+    let dims = dims(4, 2, 16, 16);
     let vb = candle_nn::VarBuilder::zeros(DType::F32, &Device::Cpu);
     let nsa = NativeSparseAttention::load(small_cfg(), dims, 64, vb).unwrap();
     let (q, k, v) = (z(&[1, 8, 4, 16]), z(&[1, 8, 2, 16]), z(&[1, 8, 2, 16]));
@@ -869,12 +790,7 @@ fn argument_errors_name_the_argument() {
 #[test]
 fn the_cache_grows_keeps_batch_rows_apart_and_clones_deep() {
     let mut rng = rng("cache_grows");
-    let dims = NsaDims {
-        hq: 4,
-        hkv: 2,
-        d: 32,
-        dv: 32,
-    };
+    let dims = dims(4, 2, 32, 32);
     let (b, t) = (3, 700);
     let mk =
         |rng: &mut StdRng, h: usize, d: usize| tensor(gaussian(rng, b * t * h * d), &[b, t, h, d]);
@@ -883,14 +799,8 @@ fn the_cache_grows_keeps_batch_rows_apart_and_clones_deep() {
         mk(&mut rng, dims.hkv, dims.d),
         mk(&mut rng, dims.hkv, dims.dv),
     );
-    let nsa = NativeSparseAttention::new(
-        small_cfg(),
-        dims,
-        Compressor::MeanPool,
-        Gates::Fixed([0.4, 0.4, 0.4]),
-    )
-    .unwrap();
-    let x = Tensor::zeros((b, t, 4), DType::F32, &Device::Cpu).unwrap();
+    let nsa = layer(small_cfg(), dims, [0.4, 0.4, 0.4]);
+    let x = zeros((b, t, 4));
     let full = rows(&nsa.forward(&x, &q, &k, &v).unwrap());
     let mut cache = NsaCache::new();
     let mut snapshot = None;

@@ -6,6 +6,7 @@ use fp8nsa::nsa::{
     TokenSelection,
 };
 use fp8nsa::{reference, Error};
+use fp8nsa_test_support::nsa::{check_lse, random_ranges, ranges_rows, rms_ratio};
 use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -39,47 +40,6 @@ fn qkv(
     }
 }
 
-fn rms_ratio(o: &Tensor, want: &Tensor) -> f64 {
-    let o: Vec<f64> = o
-        .to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    let w: Vec<f64> = want
-        .to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap();
-    let num: f64 = o.iter().zip(&w).map(|(a, b)| (a - b) * (a - b)).sum();
-    let den: f64 = w.iter().map(|b| b * b).sum();
-    if den == 0.0 {
-        return if num == 0.0 { 0.0 } else { f64::INFINITY };
-    }
-    (num / den).sqrt()
-}
-
-fn check_lse(lse: &Tensor, want: &Tensor, what: &str) {
-    let a: Vec<f32> = lse.flatten_all().unwrap().to_vec1().unwrap();
-    let b: Vec<f32> = want.flatten_all().unwrap().to_vec1().unwrap();
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        if y.is_infinite() {
-            assert!(
-                x.is_infinite() && *x < 0.0,
-                "{what}: lse[{i}] = {x}, want -inf"
-            );
-        } else {
-            assert!(
-                (x - y).abs() < 1e-3 * (1.0 + y.abs()),
-                "{what}: lse[{i}] = {x}, want {y}"
-            );
-        }
-    }
-}
-
 /// Runs the kernel (min_len 0) and the fallback (min_len = max) against the reference.
 fn check<'s>(x: &Qkv, sel: impl Into<Selection<'s>> + Copy, q_offset: Option<usize>, what: &str) {
     let tol = if x.q.dtype() == DType::F32 {
@@ -101,32 +61,8 @@ fn check<'s>(x: &Qkv, sel: impl Into<Selection<'s>> + Copy, q_offset: Option<usi
         );
         let err = rms_ratio(&o, &want);
         assert!(err < tol, "{what} {path}: rms ratio {err:e}");
-        check_lse(&lse.unwrap(), &want_lse, &format!("{what} {path}"));
+        check_lse(&lse.unwrap(), &want_lse, 1e-3, &format!("{what} {path}"));
     }
-}
-
-fn ranges_tensor(rows: Vec<Vec<[i32; 2]>>, b: usize, tq: usize, hkv: usize) -> SelectionRanges {
-    let r = rows.iter().map(|x| x.len()).max().unwrap();
-    let mut flat = Vec::new();
-    for row in rows {
-        for i in 0..r {
-            flat.extend(row.get(i).copied().unwrap_or([0, 0]));
-        }
-    }
-    SelectionRanges::new(Tensor::from_vec(flat, (b, tq, hkv, r, 2), &Device::Cpu).unwrap()).unwrap()
-}
-
-/// `n` disjoint random ranges inside `[0, tk)` in random order, plus a padding entry.
-fn random_ranges(rng: &mut StdRng, tk: usize, n: usize) -> Vec<[i32; 2]> {
-    let n = n.min(tk.div_ceil(2));
-    let mut pts: Vec<i32> = (0..=tk as i32).collect();
-    pts.shuffle(rng);
-    let mut pts = pts[..2 * n].to_vec();
-    pts.sort();
-    let mut rs: Vec<[i32; 2]> = pts.chunks(2).map(|p| [p[0], p[1]]).collect();
-    rs.push([7, 3]);
-    rs.shuffle(rng);
-    rs
 }
 
 fn random_blocks(rng: &mut StdRng, nblocks: usize, s: usize) -> Vec<i32> {
@@ -166,7 +102,7 @@ fn single_range_per_query() {
     let rows = (0..b * t * hkv)
         .map(|_| random_ranges(&mut rng, t, 1))
         .collect();
-    check(&x, &ranges_tensor(rows, b, t, hkv), None, "single range");
+    check(&x, &ranges(rows, b, t, hkv), None, "single range");
 }
 
 #[test]
@@ -178,19 +114,14 @@ fn many_ranges_per_query() {
     let fixed = vec![vec![[0, 16], [32, 48], [64, 80]]; b * t * hkv];
     check(
         &x,
-        &ranges_tensor(fixed, b, t, hkv),
+        &ranges(fixed, b, t, hkv),
         None,
         "[[0,16],[32,48],[64,80]]",
     );
     let rows = (0..b * t * hkv)
         .map(|_| random_ranges(&mut rng, t, 6))
         .collect();
-    check(
-        &x,
-        &ranges_tensor(rows, b, t, hkv),
-        None,
-        "six random ranges",
-    );
+    check(&x, &ranges(rows, b, t, hkv), None, "six random ranges");
 }
 
 #[test]
@@ -205,7 +136,7 @@ fn mixed_alignment_and_padding() {
             _ => vec![[5, 5], [17, 29], [1000, 999]], // padding both ways
         })
         .collect();
-    check(&x, &ranges_tensor(rows, b, t, hkv), None, "mixed");
+    check(&x, &ranges(rows, b, t, hkv), None, "mixed");
 }
 
 #[test]
@@ -234,7 +165,7 @@ fn block_aligned_ranges_equal_the_blocks() {
         let (ob, lb) = att.forward(&x.q, &x.k, &x.v, &blocks).unwrap();
         let (or, lr) = att.forward(&x.q, &x.k, &x.v, &ranges).unwrap();
         assert_eq!(rms_ratio(&ob, &or), 0.0);
-        check_lse(&lb.unwrap(), &lr.unwrap(), "blocks vs ranges");
+        check_lse(&lb.unwrap(), &lr.unwrap(), 1e-3, "blocks vs ranges");
     }
 }
 
@@ -272,7 +203,7 @@ fn token_selections_match_the_reference_and_one_token_ranges() {
         let (ot, lt) = att.forward(&x.q, &x.k, &x.v, &sel).unwrap();
         let (or, lr) = att.forward(&x.q, &x.k, &x.v, &ranges).unwrap();
         assert_eq!(rms_ratio(&ot, &or), 0.0, "{what}");
-        check_lse(&lt.unwrap(), &lr.unwrap(), &what);
+        check_lse(&lt.unwrap(), &lr.unwrap(), 1e-3, &what);
     }
     // a duplicate key is an error naming the entry, as for blocks
     let dup = TokenSelection::new(tensor_i32(vec![4, 9, 4], &[1, 1, 1, 3])).unwrap();
@@ -309,7 +240,7 @@ fn decode_and_chunked_prefill_with_q_offset() {
             .collect();
         check(
             &x,
-            &ranges_tensor(rows, 2, tq, hkv),
+            &ranges(rows, 2, tq, hkv),
             q_offset,
             &format!("ranges tq={tq} tk={tk}"),
         );
@@ -364,7 +295,7 @@ fn non_finite_inputs_reach_only_the_queries_that_attend_them() {
             }
         })
         .collect();
-    let sel = ranges_tensor(rows, b, t, hkv);
+    let sel = ranges(rows, b, t, hkv);
     for (min_len, path) in [(0, "kernel"), (usize::MAX, "fallback")] {
         let run = |q: &Tensor, k: &Tensor, v: &Tensor| {
             let (o, lse) = SelectionAttention::new()
@@ -410,7 +341,7 @@ fn a_nan_query_that_attends_nothing_gives_zero_and_minus_infinity() {
     let rows = (0..t)
         .map(|i| if i == 0 { vec![[3, 3]] } else { vec![[0, 1]] })
         .collect();
-    let sel = ranges_tensor(rows, b, t, hkv);
+    let sel = ranges(rows, b, t, hkv);
     for min_len in [0, usize::MAX] {
         let (o, lse) = SelectionAttention::new()
             .min_len(min_len)
@@ -450,7 +381,7 @@ fn empty_rows_give_zero_and_minus_infinity() {
             }
         })
         .collect();
-    let sel = ranges_tensor(rows, b, t, hkv);
+    let sel = ranges(rows, b, t, hkv);
     check(&x, &sel, None, "empty rows");
     let (o, lse) = SelectionAttention::new()
         .min_len(0)
@@ -532,6 +463,7 @@ fn varlen_three_sequences_match_each_sequence_alone() {
             check_lse(
                 &lse.narrow(0, start, tq).unwrap().unsqueeze(0).unwrap(),
                 &want_lse,
+                1e-3,
                 "varlen",
             );
             start += tq;
@@ -554,9 +486,9 @@ fn reference_takes_huge_ranges_and_block_ids() {
     let (b, t, hq, hkv, d) = (1, 30, 2, 1, 16);
     let x = qkv(&mut rng, b, t, t, hq, hkv, d, d, DType::F32);
     let rows = (0..t).map(|_| vec![[0, i32::MAX]]).collect();
-    let huge = ranges_tensor(rows, b, t, hkv);
+    let huge = ranges(rows, b, t, hkv);
     let rows = (0..t).map(|_| vec![[0, t as i32]]).collect();
-    let all = ranges_tensor(rows, b, t, hkv);
+    let all = ranges(rows, b, t, hkv);
     let (o, _) = reference::nsa_selection(&x.q, &x.k, &x.v, &huge, None, None).unwrap();
     let (want, _) = reference::nsa_selection(&x.q, &x.k, &x.v, &all, None, None).unwrap();
     assert_eq!(rel_frobenius(&o, &want), 0.0);
@@ -943,7 +875,7 @@ fn one_failure_is_one_variant_on_every_entry_point() {
     use fp8nsa::nsa::PagedKv;
     let z = |d: &[usize]| Tensor::zeros(d, DType::F32, &Device::Cpu).unwrap();
     let (t, hq, hkv, d) = (8, 3, 2, 16);
-    let ranges = ranges_tensor(vec![vec![[0, 4]]; t * hkv], 1, t, hkv);
+    let ranges = ranges(vec![vec![[0, 4]]; t * hkv], 1, t, hkv);
     for min_len in [0, usize::MAX] {
         let att = SelectionAttention::new().min_len(min_len);
         let (q, k) = (z(&[1, t, hq, d]), z(&[1, t, hkv, d]));
@@ -967,4 +899,8 @@ fn one_failure_is_one_variant_on_every_entry_point() {
             );
         }
     }
+}
+
+fn ranges(rows: Vec<Vec<[i32; 2]>>, b: usize, tq: usize, hkv: usize) -> SelectionRanges {
+    SelectionRanges::new(ranges_rows(rows, b, tq, hkv)).unwrap()
 }

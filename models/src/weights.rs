@@ -331,6 +331,17 @@ impl Weights {
                 let bs = info.ggml_dtype.block_size() as u64;
                 (e / bs).checked_mul(info.ggml_dtype.type_size() as u64)
             });
+            // no tensor of a model is empty, and candle reads an empty one through a pointer
+            // that is not aligned for its element type (an abort under debug assertions)
+            if elems == Some(0) {
+                return Err(file_err(
+                    path,
+                    format!(
+                        "tensor {name} has no elements (dims {:?})",
+                        info.shape.dims()
+                    ),
+                ));
+            }
             let end = bytes
                 .and_then(|b| b.checked_add(info.offset))
                 .and_then(|b| b.checked_add(content.tensor_data_offset));

@@ -121,68 +121,6 @@ fn repeated_names_and_impossible_dims_are_errors() {
     let _ = std::fs::remove_file(&path);
 }
 
-/// A whole one-layer llama GGUF whose metadata claims `context_length` and
-/// `rope.dimension_count`, with random f32 tensors drawn from `seed`.
-fn tiny_llama_gguf(tag: &str, seed: u64, context: u32, rope_dims: u32) -> std::path::PathBuf {
-    use gguf_file::Value as V;
-    let (hidden, ff, vocab) = (32usize, 64usize, 8usize);
-    let path = temp_gguf(tag);
-    let tokens = V::Array((0..vocab).map(|i| V::String(format!("t{i}"))).collect());
-    let (arch, ctx, emb, blocks, ffl, heads, rope, eps) = (
-        V::String("llama".into()),
-        V::U32(context),
-        V::U32(hidden as u32),
-        V::U32(1),
-        V::U32(ff as u32),
-        V::U32(2),
-        V::U32(rope_dims),
-        V::F32(1e-5),
-    );
-    let meta: Vec<(&str, &V)> = vec![
-        ("general.architecture", &arch),
-        ("llama.context_length", &ctx),
-        ("llama.embedding_length", &emb),
-        ("llama.block_count", &blocks),
-        ("llama.feed_forward_length", &ffl),
-        ("llama.attention.head_count", &heads),
-        ("llama.attention.head_count_kv", &heads),
-        ("llama.rope.dimension_count", &rope),
-        ("llama.attention.layer_norm_rms_epsilon", &eps),
-        ("tokenizer.ggml.tokens", &tokens),
-    ];
-    let shapes: Vec<(&str, Vec<usize>)> = vec![
-        ("token_embd.weight", vec![vocab, hidden]),
-        ("output_norm.weight", vec![hidden]),
-        ("blk.0.attn_norm.weight", vec![hidden]),
-        ("blk.0.ffn_norm.weight", vec![hidden]),
-        ("blk.0.attn_q.weight", vec![hidden, hidden]),
-        ("blk.0.attn_k.weight", vec![hidden, hidden]),
-        ("blk.0.attn_v.weight", vec![hidden, hidden]),
-        ("blk.0.attn_output.weight", vec![hidden, hidden]),
-        ("blk.0.ffn_gate.weight", vec![ff, hidden]),
-        ("blk.0.ffn_up.weight", vec![ff, hidden]),
-        ("blk.0.ffn_down.weight", vec![hidden, ff]),
-    ];
-    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
-    let qs: Vec<(&str, QTensor)> = shapes
-        .iter()
-        .map(|(name, dims)| {
-            let n = dims.iter().product();
-            let t = Tensor::from_vec(
-                fp8nsa_test_support::gaussian(&mut rng, n),
-                dims.as_slice(),
-                &Device::Cpu,
-            )
-            .unwrap();
-            (*name, QTensor::quantize(&t, GgmlDType::F32).unwrap())
-        })
-        .collect();
-    let refs: Vec<(&str, &QTensor)> = qs.iter().map(|(n, q)| (*n, q)).collect();
-    let mut f = std::fs::File::create(&path).unwrap();
-    gguf_file::write(&mut f, &meta, &refs).unwrap();
-    path
-}
-
 /// Sizes a GGUF file claims are not allocated from (issue: reliability, item 4): a
 /// `context_length` of 0xFFFFFFFF loads and gives the logits of an honest 4096 (RoPE tables
 /// follow the positions in use), and a `rope.dimension_count` of 2^30 is an error naming the
@@ -192,7 +130,8 @@ fn absurd_context_and_rope_sizes_in_gguf_metadata() {
     use rand::Rng;
     let seed: u64 = fp8nsa_test_support::rng("gguf_absurd_sizes").random();
     let logits = |context: u32, rope: u32| -> Result<Vec<f32>> {
-        let path = tiny_llama_gguf(&format!("ctx{context}-rope{rope}"), seed, context, rope);
+        let path = temp_gguf(&format!("ctx{context}-rope{rope}"));
+        fp8nsa_test_support::gguf::tiny_llama(&path, seed, context, rope);
         let out = (|| {
             let (cfg, w, _) = Weights::load_gguf(&path, &mut |_, _| {})?;
             let model = Llama::new(&cfg, &w, &ModelOptions::default())?;

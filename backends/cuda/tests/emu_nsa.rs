@@ -10,6 +10,7 @@ use fp8nsa_cuda::nsa::{plan_selection, PageLayout, SelKind, SeqArrays};
 use fp8nsa_cuda::step::Dtype;
 use fp8nsa_ops::nsa::{BlockSelection, SelectionRanges};
 use fp8nsa_ops::reference;
+use fp8nsa_test_support::nsa::random_ranges;
 use fp8nsa_test_support::rng;
 use fp8nsa_types::{AttnDims, Seq};
 use rand::rngs::StdRng;
@@ -314,18 +315,6 @@ fn ranges(rows: Vec<Vec<[i32; 2]>>, tq: usize, hkv: usize) -> Sel {
         SelectionRanges::new(Tensor::from_vec(flat, (1, tq, hkv, r, 2), &Device::Cpu).unwrap())
             .unwrap(),
     )
-}
-
-fn random_ranges(rng: &mut StdRng, tk: usize, n: usize) -> Vec<[i32; 2]> {
-    let n = n.min(tk.div_ceil(2));
-    let mut pts: Vec<i32> = (0..=tk as i32).collect();
-    pts.shuffle(rng);
-    let mut pts = pts[..2 * n].to_vec();
-    pts.sort();
-    let mut rs: Vec<[i32; 2]> = pts.chunks(2).map(|p| [p[0], p[1]]).collect();
-    rs.push([7, 3]);
-    rs.shuffle(rng);
-    rs
 }
 
 /// A prefill sequence of `t` tokens with `(hq, hkv)` heads of dims `(d, dv)`.
