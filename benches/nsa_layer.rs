@@ -22,12 +22,7 @@ fn main() {
     let mut c = util::criterion(10, 6);
     let group = "nsa_layer_cpu_hq16_hkv1_d128";
     let dev = Device::Cpu;
-    let dims = NsaDims {
-        hq: 16,
-        hkv: 1,
-        d: 128,
-        dv: 128,
-    };
+    let dims = NsaDims::new(16, 1, 128, 128).unwrap();
     let cfg = NsaConfig::default();
     let nsa = NativeSparseAttention::new(
         cfg.clone(),
@@ -40,9 +35,9 @@ fn main() {
     let dense = SelectionAttention::new().min_len(usize::MAX);
     let mut params = Vec::new();
     for t in [8192usize, 32768] {
-        let q = Tensor::randn(0f32, 1.0, (1, t, dims.hq, dims.d), &dev).unwrap();
-        let k = Tensor::randn(0f32, 1.0, (1, t, dims.hkv, dims.d), &dev).unwrap();
-        let v = Tensor::randn(0f32, 1.0, (1, t, dims.hkv, dims.dv), &dev).unwrap();
+        let q = Tensor::randn(0f32, 1.0, (1, t, dims.hq(), dims.d()), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (1, t, dims.hkv(), dims.d()), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (1, t, dims.hkv(), dims.dv()), &dev).unwrap();
         for (name, tq) in [("prefill256", 256usize), ("decode", 1)] {
             let param = format!("{name}_{}k", t / 1024);
             let ctx = t - tq;

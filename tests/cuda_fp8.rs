@@ -61,13 +61,7 @@ fn applies(
     kernel: CudaFp8Kernel,
 ) -> bool {
     let info = fp8nsa::cuda::device_info(&stream(dev)).unwrap();
-    let shape = fp8nsa::types::LinearShape {
-        m,
-        n,
-        k,
-        bn: block[0],
-        bk: block[1],
-    };
+    let shape = fp8nsa::types::LinearShape::new(m, n, k, block[0], block[1]).unwrap();
     kernels::plan(&info, &shape, act, kernel).is_ok()
 }
 

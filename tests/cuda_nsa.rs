@@ -694,7 +694,7 @@ fn backend_writes_every_element() {
         &v.as_view(),
         &sel,
         &seqs,
-        AttnDims { hq, hkv, d, dv: d },
+        AttnDims::new(hq, hkv, d, d).unwrap(),
         0.125,
         &mut o.as_view_mut(),
         &mut lse.as_view_mut(),

@@ -357,12 +357,7 @@ fn selections() {
 #[test]
 fn nsa_configs() {
     let mut rng = rng("fuzz_nsa_config");
-    let dims = NsaDims {
-        hq: 4,
-        hkv: 2,
-        d: 16,
-        dv: 16,
-    };
+    let dims = NsaDims::new(4, 2, 16, 16).unwrap();
     let pick = |rng: &mut StdRng| -> usize {
         match rng.random_range(0..6) {
             0 => 0,

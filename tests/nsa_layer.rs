@@ -14,15 +14,15 @@ use rand::rngs::StdRng;
 fn qkv(rng: &mut StdRng, tq: usize, tk: usize, dims: NsaDims) -> (Tensor, Tensor, Tensor) {
     let mk = |rng: &mut StdRng, dims: &[usize]| tensor(gaussian(rng, dims.iter().product()), dims);
     (
-        mk(rng, &[1, tq, dims.hq, dims.d]),
-        mk(rng, &[1, tk, dims.hkv, dims.d]),
-        mk(rng, &[1, tk, dims.hkv, dims.dv]),
+        mk(rng, &[1, tq, dims.hq(), dims.d()]),
+        mk(rng, &[1, tk, dims.hkv(), dims.d()]),
+        mk(rng, &[1, tk, dims.hkv(), dims.dv()]),
     )
 }
 
 /// The layer's head layout.
 fn dims(hq: usize, hkv: usize, d: usize, dv: usize) -> NsaDims {
-    NsaDims { hq, hkv, d, dv }
+    NsaDims::new(hq, hkv, d, dv).unwrap()
 }
 
 /// The layer with the mean-pool compressor and fixed gates (what the f64 reference models).
@@ -129,7 +129,7 @@ fn compare_with_reference(
                 near_tie(a, b, ref_imp, 1e-5),
                 "{what}: row {r}: {a:?} vs {b:?}, importance {ref_imp:?}"
             );
-            keep[r / dims.hkv] = false;
+            keep[r / dims.hkv()] = false;
             ties += 1;
         }
     }
@@ -137,7 +137,7 @@ fn compare_with_reference(
         ties * 20 <= ours.len() / n,
         "{what}: {ties} near-ties is too many"
     );
-    let err = rms_rows(&rows(&out.o), &rows(&want.o), dims.hq * dims.dv, &keep);
+    let err = rms_rows(&rows(&out.o), &rows(&want.o), dims.hq() * dims.dv(), &keep);
     assert!(err < 1e-4, "{what}: rms ratio {err:e}");
 }
 
@@ -209,7 +209,7 @@ fn covering_selection_and_window_equal_dense_causal_attention() {
         ("window", &out.window),
         ("gated", &out.o),
     ] {
-        let err = rms_rows(&rows(o), &rows(&dense), dims.hq * dims.dv, &all_rows);
+        let err = rms_rows(&rows(o), &rows(&dense), dims.hq() * dims.dv(), &all_rows);
         assert!(err < 1e-4, "{name} branch vs dense: {err:e}");
     }
 }
@@ -239,7 +239,7 @@ fn non_finite_keys_and_values_reach_no_query_that_does_not_attend_them() {
             .with_attention(SelectionAttention::new().min_len(min_len));
         let bad = nsa.forward_detailed(&x, &q, &kb, &vb).unwrap();
         let good = nsa.forward_detailed(&x, &q, &k, &v).unwrap();
-        let row = dims.hq * dims.dv;
+        let row = dims.hq() * dims.dv();
         for (name, a, b) in [
             ("compressed", &bad.compressed, &good.compressed),
             ("selected", &bad.selected, &good.selected),
@@ -293,7 +293,7 @@ fn prefill_equals_successive_decode_steps() {
     let mut pos = 0;
     let mut keep = vec![true; t];
     let mut o_steps = vec![0f32; o_full.len()];
-    let row = dims.hq * dims.dv;
+    let row = dims.hq() * dims.dv();
     for len in std::iter::once(37).chain(std::iter::repeat_n(1, t - 37)) {
         let n = |x: &Tensor| x.narrow(1, pos, len).unwrap();
         let out = nsa
@@ -306,15 +306,15 @@ fn prefill_equals_successive_decode_steps() {
         let imp = rows(&out.importance);
         let nb_now = (pos + len).div_ceil(cfg.select_block);
         for i in 0..len {
-            for h in 0..dims.hkv {
-                let r = (pos + i) * dims.hkv + h;
-                let a = &sel[(i * dims.hkv + h) * cfg.num_selected..][..cfg.num_selected];
+            for h in 0..dims.hkv() {
+                let r = (pos + i) * dims.hkv() + h;
+                let a = &sel[(i * dims.hkv() + h) * cfg.num_selected..][..cfg.num_selected];
                 let b = &sel_full[r * cfg.num_selected..][..cfg.num_selected];
                 let imp_full_row: Vec<f64> = imp_full[r * nb..r * nb + nb_now]
                     .iter()
                     .map(|&x| x as f64)
                     .collect();
-                let imp_row = &imp[(i * dims.hkv + h) * nb_now..][..nb_now];
+                let imp_row = &imp[(i * dims.hkv() + h) * nb_now..][..nb_now];
                 for (x, y) in imp_row.iter().zip(&imp_full_row) {
                     assert!(
                         (*x as f64 - y).abs() < 1e-5,
@@ -401,7 +401,7 @@ fn top_n_never_looks_ahead_and_keeps_forced_blocks() {
         out.selection.validate(tk).unwrap();
         let sel = sel_rows(&out.selection);
         for (r, row) in sel.chunks(cfg.num_selected).enumerate() {
-            let p = tk - tq + r / dims.hkv;
+            let p = tk - tq + r / dims.hkv();
             let cur = p / cfg.select_block;
             let chosen: Vec<usize> = row
                 .iter()
@@ -442,18 +442,18 @@ fn learned_gates_and_mlp_compressor_load_from_a_varbuilder() {
             .collect();
         w.insert(name.to_string(), tensor(v, dims));
     };
-    put("attn.gate.weight", &[3 * dims.hq, hidden], &mut rng);
-    put("attn.gate.bias", &[3 * dims.hq], &mut rng);
+    put("attn.gate.weight", &[3 * dims.hq(), hidden], &mut rng);
+    put("attn.gate.bias", &[3 * dims.hq()], &mut rng);
     for kv in ["k_compress", "v_compress"] {
-        put(&format!("attn.{kv}.pos"), &[l, dims.d], &mut rng);
+        put(&format!("attn.{kv}.pos"), &[l, dims.d()], &mut rng);
         put(
             &format!("attn.{kv}.fc1.weight"),
-            &[20, l * dims.d],
+            &[20, l * dims.d()],
             &mut rng,
         );
         put(&format!("attn.{kv}.fc1.bias"), &[20], &mut rng);
-        put(&format!("attn.{kv}.fc2.weight"), &[dims.d, 20], &mut rng);
-        put(&format!("attn.{kv}.fc2.bias"), &[dims.d], &mut rng);
+        put(&format!("attn.{kv}.fc2.weight"), &[dims.d(), 20], &mut rng);
+        put(&format!("attn.{kv}.fc2.bias"), &[dims.d()], &mut rng);
     }
     let vb = candle_nn::VarBuilder::from_tensors(w.clone(), DType::F32, &Device::Cpu);
     let nsa = NativeSparseAttention::load(cfg.clone(), dims, hidden, vb.pp("attn")).unwrap();
@@ -471,7 +471,7 @@ fn learned_gates_and_mlp_compressor_load_from_a_varbuilder() {
         .unwrap();
     let g = candle_nn::ops::sigmoid(&lin)
         .unwrap()
-        .reshape((1, t, 3, dims.hq))
+        .reshape((1, t, 3, dims.hq()))
         .unwrap();
     let gate = |i: usize| {
         g.narrow(2, i, 1)
@@ -487,7 +487,7 @@ fn learned_gates_and_mlp_compressor_load_from_a_varbuilder() {
         + out.window.broadcast_mul(&gate(2)).unwrap())
     .unwrap();
     let all = vec![true; t];
-    assert!(rms_rows(&rows(&out.o), &rows(&want), dims.hq * dims.dv, &all) < 1e-6);
+    assert!(rms_rows(&rows(&out.o), &rows(&want), dims.hq() * dims.dv(), &all) < 1e-6);
 
     // MLP compressor: block i = fc2(gelu(fc1(flatten(k[i*s .. i*s + l] + pos))))
     let mut cache = NsaCache::new();
@@ -500,11 +500,11 @@ fn learned_gates_and_mlp_compressor_load_from_a_varbuilder() {
             .unwrap()
             .narrow(2, h, 1)
             .unwrap()
-            .reshape((l, dims.d))
+            .reshape((l, dims.d()))
             .unwrap();
         let flat = (block + &w["attn.k_compress.pos"])
             .unwrap()
-            .reshape((1, l * dims.d))
+            .reshape((1, l * dims.d()))
             .unwrap();
         let lin = |x: &Tensor, n: &str| {
             x.matmul(&w[&format!("attn.k_compress.{n}.weight")].t().unwrap())
@@ -518,7 +518,7 @@ fn learned_gates_and_mlp_compressor_load_from_a_varbuilder() {
             .unwrap()
             .narrow(2, h, 1)
             .unwrap()
-            .reshape((1, dims.d))
+            .reshape((1, dims.d()))
             .unwrap();
         let err = rel_frobenius(&got, &want);
         assert!(err < 1e-5, "compressed key {i}, head {h}: {err:e}");
@@ -648,16 +648,10 @@ fn bad_shapes_are_errors() {
     let (q9, _, _) = qkv(&mut rng, 9, 8, dims);
     let e = nsa.forward(&x, &q9, &k, &v).unwrap_err();
     assert!(matches!(e, fp8nsa::Error::Invalid { arg: "q", .. }), "{e}");
-    let bad_dims = NsaDims { hq: 3, ..dims };
-    let e = NativeSparseAttention::new(
-        small_cfg(),
-        bad_dims,
-        Compressor::MeanPool,
-        Gates::Fixed([1.0; 3]),
-    )
-    .unwrap_err();
+    // dims the layer cannot take cannot be made: refused where they are constructed
+    let e = NsaDims::new(3, 2, 16, 16).unwrap_err();
     assert!(
-        matches!(e, fp8nsa::Error::Invalid { arg: "dims", .. }),
+        matches!(e, fp8nsa::types::Error::Invalid { arg: "hq", .. }),
         "{e}"
     );
     // the cache refuses keys of another shape
@@ -795,16 +789,16 @@ fn the_cache_grows_keeps_batch_rows_apart_and_clones_deep() {
     let mk =
         |rng: &mut StdRng, h: usize, d: usize| tensor(gaussian(rng, b * t * h * d), &[b, t, h, d]);
     let (q, k, v) = (
-        mk(&mut rng, dims.hq, dims.d),
-        mk(&mut rng, dims.hkv, dims.d),
-        mk(&mut rng, dims.hkv, dims.dv),
+        mk(&mut rng, dims.hq(), dims.d()),
+        mk(&mut rng, dims.hkv(), dims.d()),
+        mk(&mut rng, dims.hkv(), dims.dv()),
     );
     let nsa = layer(small_cfg(), dims, [0.4, 0.4, 0.4]);
     let x = zeros((b, t, 4));
     let full = rows(&nsa.forward(&x, &q, &k, &v).unwrap());
     let mut cache = NsaCache::new();
     let mut snapshot = None;
-    let row = dims.hq * dims.dv;
+    let row = dims.hq() * dims.dv();
     let mut pos = 0;
     for len in std::iter::once(5).chain(std::iter::repeat_n(1, t - 5)) {
         let n = |x: &Tensor| x.narrow(1, pos, len).unwrap();
@@ -831,7 +825,7 @@ fn the_cache_grows_keeps_batch_rows_apart_and_clones_deep() {
     }
     assert_eq!(
         cache.keys().unwrap().unwrap().dims(),
-        &[b, t, dims.hkv, dims.d]
+        &[b, t, dims.hkv(), dims.d()]
     );
     assert_eq!(rows(&cache.keys().unwrap().unwrap()), rows(&k));
     assert_eq!(rows(&cache.values().unwrap().unwrap()), rows(&v));
@@ -863,6 +857,6 @@ fn the_cache_grows_keeps_batch_rows_apart_and_clones_deep() {
     nsa.append_kv(&two(&k), &two(&v), &mut fresh).unwrap();
     assert_eq!(
         fresh.keys().unwrap().unwrap().dims(),
-        &[2, 1, dims.hkv, dims.d]
+        &[2, 1, dims.hkv(), dims.d()]
     );
 }

@@ -305,12 +305,10 @@ mod layer_on_pages {
         NsaSeqState, PagePool, SharedAllocator,
     };
 
-    const DIMS: NsaDims = NsaDims {
-        hq: 4,
-        hkv: 2,
-        d: 32,
-        dv: 32,
-    };
+    /// The layer's heads in these tests.
+    fn dims() -> NsaDims {
+        NsaDims::new(4, 2, 32, 32).unwrap()
+    }
 
     fn layer() -> NativeSparseAttention {
         let cfg = NsaConfig {
@@ -325,7 +323,7 @@ mod layer_on_pages {
         };
         NativeSparseAttention::new(
             cfg,
-            DIMS,
+            dims(),
             Compressor::MeanPool,
             Gates::Fixed([0.5, 0.3, 0.2]),
         )
@@ -344,9 +342,9 @@ mod layer_on_pages {
         let mk = |rng: &mut StdRng, h: usize| tensor(gaussian(rng, t * h * D), &[1, t, h, D]);
         Tokens {
             x: Tensor::zeros((1, t, 4), DType::F32, &Device::Cpu).unwrap(),
-            q: mk(rng, DIMS.hq),
-            k: mk(rng, DIMS.hkv),
-            v: mk(rng, DIMS.hkv),
+            q: mk(rng, dims().hq()),
+            k: mk(rng, dims().hkv()),
+            v: mk(rng, dims().hkv()),
         }
     }
 
@@ -395,7 +393,7 @@ mod layer_on_pages {
         for page in [1, 16, 50] {
             let raw = t.div_ceil(page) + 2;
             let cmp = nsa.config().compressed_len(t).div_ceil(page) + 2;
-            let pages = NsaPages::new(DIMS, page, raw, cmp, DType::F32, &Device::Cpu).unwrap();
+            let pages = NsaPages::new(dims(), page, raw, cmp, DType::F32, &Device::Cpu).unwrap();
             let alloc = SharedAllocator::new(PagePool::new(raw, cmp).unwrap());
             let mut state = NsaSeqState::new(&alloc);
             let mut cache = NsaCache::new();
@@ -445,7 +443,7 @@ mod layer_on_pages {
             [tokens(&mut rng, 40), tokens(&mut rng, 40)],
         );
         let (page, raw, cmp) = (16, 24, 6);
-        let pages = NsaPages::new(DIMS, page, raw, cmp, DType::F32, &Device::Cpu).unwrap();
+        let pages = NsaPages::new(dims(), page, raw, cmp, DType::F32, &Device::Cpu).unwrap();
         let alloc = SharedAllocator::new(PagePool::new(raw, cmp).unwrap());
         let (mut a, mut cache_a) = (NsaSeqState::new(&alloc), NsaCache::new());
         feed(
@@ -522,7 +520,7 @@ mod layer_on_pages {
         let nsa = layer();
         let tok = tokens(&mut rng, 64);
         let (page, raw, cmp) = (16, 3, 4);
-        let pages = NsaPages::new(DIMS, page, raw, cmp, DType::F32, &Device::Cpu).unwrap();
+        let pages = NsaPages::new(dims(), page, raw, cmp, DType::F32, &Device::Cpu).unwrap();
         let alloc = SharedAllocator::new(PagePool::new(raw, cmp).unwrap());
         let (mut s, mut cache) = (NsaSeqState::new(&alloc), NsaCache::new());
         feed(&nsa, &tok, (0, 40, 40), &pages, &mut s, &mut cache, "fill");
@@ -561,10 +559,10 @@ mod layer_on_pages {
             "after the error",
         );
         // one sequence per state, and the pages' dtype
-        let two = Tensor::zeros((2, 1, DIMS.hkv, D), DType::F32, &Device::Cpu).unwrap();
+        let two = Tensor::zeros((2, 1, dims().hkv(), D), DType::F32, &Device::Cpu).unwrap();
         let e = nsa.append_kv_paged(&two, &two, &pages, &mut s).unwrap_err();
         assert!(matches!(&e, Error::Shape { arg: "k_new", .. }), "{e}");
-        let half = Tensor::zeros((1, 1, DIMS.hkv, D), DType::F16, &Device::Cpu).unwrap();
+        let half = Tensor::zeros((1, 1, dims().hkv(), D), DType::F16, &Device::Cpu).unwrap();
         let e = nsa
             .append_kv_paged(&half, &half, &pages, &mut s)
             .unwrap_err();
@@ -575,9 +573,9 @@ mod layer_on_pages {
     /// `[1, n, Hkv, D]` keys (and values) whose every element names the token: `base + i`.
     fn numbered(base: usize, n: usize) -> Tensor {
         let v: Vec<f32> = (0..n)
-            .flat_map(|i| std::iter::repeat_n((base + i) as f32, DIMS.hkv * D))
+            .flat_map(|i| std::iter::repeat_n((base + i) as f32, dims().hkv() * D))
             .collect();
-        tensor(v, &[1, n, DIMS.hkv, D])
+        tensor(v, &[1, n, dims().hkv(), D])
     }
 
     /// The keys a state holds, read from the pool through its page list (one number per
@@ -590,7 +588,7 @@ mod layer_on_pages {
             .unwrap()
             .to_vec1::<f32>()
             .unwrap();
-        let row = DIMS.hkv * D;
+        let row = dims().hkv() * D;
         (0..s.len())
             .map(|p| {
                 let at = (s.pages(NsaPool::Raw)[p / ps] * ps + p % ps) * row;
@@ -604,7 +602,7 @@ mod layer_on_pages {
     fn a_dropped_state_returns_its_pages() {
         // 20 tokens take 2 of the 4 pages: without the drop, the third sequence has none left
         let nsa = layer();
-        let pages = NsaPages::new(DIMS, 16, 4, 4, DType::F32, &Device::Cpu).unwrap();
+        let pages = NsaPages::new(dims(), 16, 4, 4, DType::F32, &Device::Cpu).unwrap();
         let alloc = SharedAllocator::new(PagePool::new(4, 4).unwrap());
         for _ in 0..5 {
             let mut s = NsaSeqState::new(&alloc);
@@ -622,7 +620,7 @@ mod layer_on_pages {
         // to nothing (or dropped) leaves A the only holder, so A's next tokens need no copy
         let nsa = layer();
         for drop_it in [false, true] {
-            let pages = NsaPages::new(DIMS, 16, 3, 4, DType::F32, &Device::Cpu).unwrap();
+            let pages = NsaPages::new(dims(), 16, 3, 4, DType::F32, &Device::Cpu).unwrap();
             let alloc = SharedAllocator::new(PagePool::new(3, 4).unwrap());
             let mut a = NsaSeqState::new(&alloc);
             nsa.append_kv_paged(&numbered(0, 40), &numbered(0, 40), &pages, &mut a)
@@ -686,7 +684,7 @@ mod layer_on_pages {
             (4, usize::MAX, "compressed_pages"),
             (usize::MAX / 16 + 2, 4, "raw_pages"),
         ] {
-            let e = NsaPages::new(DIMS, 16, raw, cmp, DType::F32, &Device::Cpu).unwrap_err();
+            let e = NsaPages::new(dims(), 16, raw, cmp, DType::F32, &Device::Cpu).unwrap_err();
             assert!(
                 matches!(&e, Error::Invalid { arg: a, .. } if *a == arg),
                 "{e}"
@@ -707,7 +705,7 @@ mod layer_on_pages {
         let nsa = layer();
         let cfg = nsa.config().clone();
         let (ps, raw, cmp) = (8, 14, 6);
-        let pages = NsaPages::new(DIMS, ps, raw, cmp, DType::F32, &Device::Cpu).unwrap();
+        let pages = NsaPages::new(dims(), ps, raw, cmp, DType::F32, &Device::Cpu).unwrap();
         let alloc = SharedAllocator::new(PagePool::new(raw, cmp).unwrap());
         // each live state and the tokens it should read
         let mut live: Vec<(NsaSeqState, Vec<f32>)> = Vec::new();

@@ -318,13 +318,7 @@ fn inspector_reads_our_compiled_fp8_program() {
     let Some(rt) = runtime() else { return };
     use fp8nsa_inspect::{inspect, ProgramFormat, Variant};
     use fp8nsa_pjrt::programs::{fp8_linear, LinearShape};
-    let shape = LinearShape {
-        m: 8,
-        n: 96,
-        k: 300,
-        bn: 64,
-        bk: 128,
-    };
+    let shape = LinearShape::new(8, 96, 300, 64, 128).unwrap();
     let text = fp8_linear(shape, ActQuant::Group, false);
     rt.executable("inspect-test", || text.clone()).unwrap();
     let hlo = rt.optimized_hlo("inspect-test").unwrap();

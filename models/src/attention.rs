@@ -237,12 +237,7 @@ impl Attention {
         let imp = match &opts.attention {
             AttentionKind::Dense => Impl::Dense,
             AttentionKind::Nsa(nsa_cfg) => {
-                let dims = NsaDims {
-                    hq,
-                    hkv,
-                    d: hd,
-                    dv: hd,
-                };
+                let dims = NsaDims::new(hq, hkv, hd, hd).map_err(fp8nsa_ops::Error::from)?;
                 let gate = format!("{prefix}.nsa.gate");
                 let gates = match (
                     w.get_opt(&format!("{gate}.weight")),

@@ -7,7 +7,7 @@
 //! ```
 //! use fp8nsa_types::{ActQuant, LinearShape, Spans};
 //!
-//! let shape = LinearShape { m: 7, n: 576, k: 3884, bn: 128, bk: 128 };
+//! let shape = LinearShape::new(7, 576, 3884, 128, 128).unwrap();
 //! assert_eq!((shape.n_blocks(), shape.k_blocks()), (5, 31));
 //! assert!(ActQuant::Block2d { bm: 0 }.validate().is_err());
 //!

@@ -1,90 +1,132 @@
 use crate::error::{check_positive, Result};
 
 /// An fp8 linear problem: `x [m, k]`, `W [n, k]` in `bn x bk` blocks (edge blocks partial),
-/// `y [m, n]`.
+/// `y [m, n]`. Constructed only valid (every size at least 1), so no layer or backend checks
+/// it again.
 ///
 /// ```
 /// use fp8nsa_types::LinearShape;
-/// let s = LinearShape { m: 1, n: 576, k: 3884, bn: 128, bk: 128 };
+/// let s = LinearShape::new(1, 576, 3884, 128, 128)?;
 /// assert_eq!((s.n_blocks(), s.k_blocks()), (5, 31));
-/// assert!(LinearShape { bk: 0, ..s }.validate().is_err());
+/// assert!(LinearShape::new(1, 576, 3884, 128, 0).is_err());
+/// assert_eq!(s.with_m(7)?.m(), 7);
+/// # Ok::<(), fp8nsa_types::Error>(())
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct LinearShape {
-    pub m: usize,
-    pub n: usize,
-    pub k: usize,
-    pub bn: usize,
-    pub bk: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    bn: usize,
+    bk: usize,
 }
 
 impl LinearShape {
+    /// `m` rows of `x`, a `[n, k]` weight in `bn x bk` blocks; each at least 1 (else
+    /// `Error::Invalid` naming it).
+    pub fn new(m: usize, n: usize, k: usize, bn: usize, bk: usize) -> Result<Self> {
+        for (arg, v) in [("m", m), ("n", n), ("k", k), ("bn", bn), ("bk", bk)] {
+            check_positive(arg, v)?;
+        }
+        Ok(Self { m, n, k, bn, bk })
+    }
+
+    /// The same weight for `m` rows.
+    pub fn with_m(self, m: usize) -> Result<Self> {
+        check_positive("m", m)?;
+        Ok(Self { m, ..self })
+    }
+
+    pub fn m(&self) -> usize {
+        self.m
+    }
+
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    pub fn bn(&self) -> usize {
+        self.bn
+    }
+
+    pub fn bk(&self) -> usize {
+        self.bk
+    }
+
     /// Rows of the weight-scale matrix, `ceil(n / bn)`.
     pub fn n_blocks(&self) -> usize {
-        self.n.div_ceil(self.bn.max(1))
+        self.n.div_ceil(self.bn)
     }
 
     /// Columns of the weight-scale matrix (and activation K-groups), `ceil(k / bk)`.
     pub fn k_blocks(&self) -> usize {
-        self.k.div_ceil(self.bk.max(1))
-    }
-
-    /// Every field must be at least 1.
-    pub fn validate(&self) -> Result<()> {
-        for (arg, v) in [
-            ("m", self.m),
-            ("n", self.n),
-            ("k", self.k),
-            ("bn", self.bn),
-            ("bk", self.bk),
-        ] {
-            check_positive(arg, v)?;
-        }
-        Ok(())
+        self.k.div_ceil(self.bk)
     }
 }
 
 /// Attention head counts and head dims: `hq = G * hkv` query heads of dim `d`, keys of dim
-/// `d`, values of dim `dv`.
+/// `d`, values of dim `dv`. Constructed only valid (every size at least 1, `hq` a multiple
+/// of `hkv`), so the layers and backends that take it check nothing again.
 ///
 /// ```
 /// use fp8nsa_types::AttnDims;
-/// let dims = AttnDims { hq: 16, hkv: 1, d: 128, dv: 128 };
-/// assert_eq!(dims.group(), 16);
-/// assert!(dims.validate().is_ok());
-/// assert!(AttnDims { hq: 3, hkv: 2, ..dims }.validate().is_err());
+/// let dims = AttnDims::new(16, 1, 128, 128)?;
+/// assert_eq!((dims.group(), dims.hq(), dims.dv()), (16, 16, 128));
+/// assert!(AttnDims::new(3, 2, 128, 128).is_err());
+/// assert!(AttnDims::new(4, 2, 0, 128).is_err());
+/// # Ok::<(), fp8nsa_types::Error>(())
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct AttnDims {
-    pub hq: usize,
-    pub hkv: usize,
-    pub d: usize,
-    pub dv: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    dv: usize,
 }
 
 impl AttnDims {
-    /// Query heads per kv head, `G = hq / hkv`.
-    pub fn group(&self) -> usize {
-        self.hq / self.hkv.max(1)
-    }
-
-    /// Every field at least 1 and `hq` a multiple of `hkv`.
-    pub fn validate(&self) -> Result<()> {
-        for (arg, v) in [
-            ("hq", self.hq),
-            ("hkv", self.hkv),
-            ("d", self.d),
-            ("dv", self.dv),
-        ] {
+    /// Every size at least 1 and `hq` a multiple of `hkv` (else `Error::Invalid` naming the
+    /// size).
+    pub fn new(hq: usize, hkv: usize, d: usize, dv: usize) -> Result<Self> {
+        for (arg, v) in [("hq", hq), ("hkv", hkv), ("d", d), ("dv", dv)] {
             check_positive(arg, v)?;
         }
-        if !self.hq.is_multiple_of(self.hkv) {
+        if !hq.is_multiple_of(hkv) {
             return Err(crate::Error::Invalid {
                 arg: "hq",
-                msg: format!("must be a multiple of hkv = {}, got {}", self.hkv, self.hq),
+                msg: format!("must be a multiple of hkv = {hkv}, got {hq}"),
             });
         }
-        Ok(())
+        Ok(Self { hq, hkv, d, dv })
+    }
+
+    /// Query heads.
+    pub fn hq(&self) -> usize {
+        self.hq
+    }
+
+    /// Key / value heads.
+    pub fn hkv(&self) -> usize {
+        self.hkv
+    }
+
+    /// Query and key head dim.
+    pub fn d(&self) -> usize {
+        self.d
+    }
+
+    /// Value head dim.
+    pub fn dv(&self) -> usize {
+        self.dv
+    }
+
+    /// Query heads per kv head, `G = hq / hkv`.
+    pub fn group(&self) -> usize {
+        self.hq / self.hkv
     }
 }
 
@@ -123,22 +165,129 @@ impl Seq {
 /// `j % page_size` of page `table[i * max_pages + j / page_size]`. Entries past a sequence's
 /// last page are not read.
 ///
+/// Constructed only checked ([`Pages::new`]): every entry a sequence uses is a page of the pool
+/// and every sequence's keys fit in its row, so the kernels that read through it check
+/// nothing again (once per call, however many paths look at it).
+///
 /// ```
-/// use fp8nsa_types::Pages;
-/// let p = Pages { table: &[3, 0, -1, -1, 1, 2, 4, -1], max_pages: 4, page_size: 16 };
+/// use fp8nsa_types::{Pages, Seq};
+/// let seq = |k_len| Seq { q_start: 0, q_len: 1, k_start: 0, k_len, q_offset: k_len - 1 };
+/// let seqs = [seq(20), seq(41)];
+/// let table = [3, 0, -1, -1, 1, 2, 4, -1];
+/// let p = Pages::new(&table, 4, 16, &seqs, 5 * 16)?; // a pool of 5 pages
 /// assert_eq!(p.row(0, 17), 1); // page 0, token 1: pool row 0 * 16 + 1
 /// assert_eq!(p.row(1, 40), 4 * 16 + 8);
+/// // page 4 is past a pool of 4 pages; 41 keys need more than a row of 2 pages
+/// assert!(Pages::new(&table, 4, 16, &seqs, 4 * 16).is_err());
+/// assert!(Pages::new(&table[..4], 2, 16, &seqs, 5 * 16).is_err());
+/// # Ok::<(), fp8nsa_types::Error>(())
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Pages<'a> {
-    pub table: &'a [i32],
-    pub max_pages: usize,
-    pub page_size: usize,
+    table: &'a [i32],
+    max_pages: usize,
+    page_size: usize,
+    /// Sequences (table rows) and pool tokens the table was checked for.
+    seqs: usize,
+    pool_tokens: usize,
 }
 
-impl Pages<'_> {
-    /// The pool row (token index within the pool) of sequence `seq`'s logical key `j`, for an
-    /// entry already checked to be a page of the pool.
+impl<'a> Pages<'a> {
+    /// Checks a block table of `seqs.len()` rows of `max_pages` entries against the sequences'
+    /// key counts (`k_len`) and a pool of `pool_tokens` tokens in pages of `page_size`: every
+    /// entry a sequence reads (its first `ceil(k_len / page_size)`) must be a page of the
+    /// pool, and its keys must fit in its row. Errors are `Error::Invalid` naming
+    /// `block_table`, `seq_lens` or `page_size`, and the sequence and entry.
+    pub fn new(
+        table: &'a [i32],
+        max_pages: usize,
+        page_size: usize,
+        seqs: &[crate::Seq],
+        pool_tokens: usize,
+    ) -> Result<Self> {
+        use crate::Error::Invalid;
+        check_positive("page_size", page_size)?;
+        let overflow = || Invalid {
+            arg: "block_table",
+            msg: "its size overflows usize".into(),
+        };
+        let rows = seqs.len().checked_mul(max_pages).ok_or_else(overflow)?;
+        if table.len() != rows {
+            return Err(Invalid {
+                arg: "block_table",
+                msg: format!(
+                    "{} entries for {} sequences of {max_pages} pages",
+                    table.len(),
+                    seqs.len()
+                ),
+            });
+        }
+        let covered = max_pages.checked_mul(page_size).ok_or_else(overflow)?;
+        let pool_pages = pool_tokens / page_size;
+        for (i, s) in seqs.iter().enumerate() {
+            if s.k_len > covered {
+                return Err(Invalid {
+                    arg: "seq_lens",
+                    msg: format!(
+                        "sequence {i}: {} keys exceed its block table row ({max_pages} pages \
+                         of {page_size})",
+                        s.k_len
+                    ),
+                });
+            }
+            let row = &table[i * max_pages..][..s.k_len.div_ceil(page_size)];
+            if let Some((e, &p)) = row
+                .iter()
+                .enumerate()
+                .find(|&(_, &p)| p < 0 || p as usize >= pool_pages)
+            {
+                return Err(Invalid {
+                    arg: "block_table",
+                    msg: format!(
+                        "sequence {i}, entry {e}: page {p} is not a page of the pool \
+                         (0..{pool_pages})"
+                    ),
+                });
+            }
+        }
+        Ok(Self {
+            table,
+            max_pages,
+            page_size,
+            seqs: seqs.len(),
+            pool_tokens,
+        })
+    }
+
+    pub fn table(&self) -> &'a [i32] {
+        self.table
+    }
+
+    pub fn max_pages(&self) -> usize {
+        self.max_pages
+    }
+
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// How many sequences (table rows) the table was checked for.
+    pub fn seqs(&self) -> usize {
+        self.seqs
+    }
+
+    /// The pool size (tokens) the table was checked against.
+    pub fn pool_tokens(&self) -> usize {
+        self.pool_tokens
+    }
+
+    /// Keys a row holds at most, `max_pages · page_size` (no overflow: checked in `new`).
+    pub fn row_capacity(&self) -> usize {
+        self.max_pages * self.page_size
+    }
+
+    /// The pool row (token index within the pool) of sequence `seq`'s logical key `j`, for a
+    /// key the sequence holds (checked when the table was made).
     #[inline]
     pub fn row(&self, seq: usize, j: usize) -> usize {
         let page = self.table[seq * self.max_pages + j / self.page_size] as usize;

@@ -34,14 +34,9 @@ impl ExpertsShape {
         self.n.div_ceil(self.bn) * self.k.div_ceil(self.bk)
     }
 
-    fn linear(&self, m: usize) -> LinearShape {
-        LinearShape {
-            m,
-            n: self.n,
-            k: self.k,
-            bn: self.bn,
-            bk: self.bk,
-        }
+    /// One expert's problem for `m >= 1` rows.
+    fn linear(&self, m: usize) -> Result<LinearShape> {
+        Ok(LinearShape::new(m, self.n, self.k, self.bn, self.bk)?)
     }
 }
 
@@ -122,7 +117,7 @@ pub fn grouped(
     // prefill-sized groups: the panel GEMM, one expert at a time, each parallel inside
     for (e, (&m, &r0)) in counts.iter().zip(&starts).enumerate() {
         if m > GEMV_MAX_M {
-            plan(s.linear(m), act)?.assume_nan_free(nan_free).run(
+            plan(s.linear(m)?, act)?.assume_nan_free(nan_free).run(
                 &x[r0 * s.k..(r0 + m) * s.k],
                 &w[e * nk..(e + 1) * nk],
                 &sw[e * spe..(e + 1) * spe],
@@ -131,19 +126,19 @@ pub fn grouped(
             )?;
         }
     }
-    let small: Vec<(usize, usize, usize)> = counts
+    let small: Vec<(usize, usize, usize, LinearShape)> = counts
         .iter()
         .zip(&starts)
         .enumerate()
         .filter(|(_, (&m, _))| m > 0 && m <= GEMV_MAX_M)
-        .map(|(e, (&m, &r0))| (e, m, r0))
-        .collect();
+        .map(|(e, (&m, &r0))| Ok((e, m, r0, s.linear(m)?)))
+        .collect::<Result<_>>()?;
     if small.is_empty() {
         return Ok(());
     }
     // read once: a concurrent `Tier::cap` must not change the path mid-call
     let tier = Tier::current();
-    let rows_small: usize = small.iter().map(|&(_, m, _)| m).sum();
+    let rows_small: usize = small.iter().map(|&(_, m, _, _)| m).sum();
     with_f32(rows_small * s.k, |abuf| -> Result<()> {
         with_f32(rows_small * s.n, |ybuf| -> Result<()> {
             // each small expert's quantized rows and transposed output yt [n, m], carved from
@@ -151,7 +146,7 @@ pub fn grouped(
             let mut acts: Vec<QuantizedAct<'_>> = Vec::with_capacity(small.len());
             let mut yts: Vec<&mut [f32]> = Vec::with_capacity(small.len());
             let (mut arest, mut yrest) = (&mut abuf[..], &mut ybuf[..]);
-            for &(_, m, r0) in &small {
+            for &(_, m, r0, _) in &small {
                 let (a, ar) = std::mem::take(&mut arest).split_at_mut(m * s.k);
                 let (y, yr) = std::mem::take(&mut yrest).split_at_mut(m * s.n);
                 (arest, yrest) = (ar, yr);
@@ -163,18 +158,18 @@ pub fn grouped(
             let xbs: Vec<Option<Vec<u16>>> = small
                 .iter()
                 .zip(&acts)
-                .map(|(&(_, m, _), xq)| gemv_bf16_act(tier, xq, act, s.linear(m)))
+                .map(|(&(_, _, _, shape), xq)| gemv_bf16_act(tier, xq, act, shape))
                 .collect();
             // every task of every small expert in one parallel region
             let mut tasks = Vec::new();
-            for ((i, &(e, m, _)), yt) in small.iter().enumerate().zip(yts) {
+            for ((i, &(e, m, _, _)), yt) in small.iter().enumerate().zip(yts) {
                 let rows = gemv_task_rows(tier, m);
                 for (c, chunk) in yt.chunks_mut(rows * m).enumerate() {
                     tasks.push((i, e, c * rows, chunk));
                 }
             }
             tasks.into_par_iter().for_each(|(i, e, n0, yt)| {
-                let m = small[i].1;
+                let shape = small[i].3;
                 gemv_task(
                     tier,
                     GemvAct {
@@ -183,14 +178,14 @@ pub fn grouped(
                     },
                     &w[e * nk..(e + 1) * nk],
                     &sw[e * spe..(e + 1) * spe],
-                    s.linear(m),
+                    shape,
                     n0,
                     yt,
                     nan_free,
                 )
             });
             let mut off = 0;
-            for &(_, m, r0) in &small {
+            for &(_, m, r0, _) in &small {
                 let yt = &ybuf[off..off + m * s.n];
                 untranspose(yt, m, &mut out[r0 * s.n..(r0 + m) * s.n]);
                 off += m * s.n;
@@ -248,7 +243,7 @@ mod tests {
                 if m == 0 {
                     continue;
                 }
-                let shape = s.linear(m);
+                let shape = s.linear(m).unwrap();
                 let (nk, spe) = (s.n * s.k, s.scales_per_expert());
                 let mut want = vec![0f32; m * s.n];
                 fp8_linear(

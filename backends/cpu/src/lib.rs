@@ -8,8 +8,8 @@
 //! use fp8nsa_types::{ActQuant, LinearShape};
 //! // A 2x3 weight with one 1x2 block scale row; x is one token.
 //! let w = [0.5f32, -1.0, 2.0, 4.0, 0.25, -8.0];
-//! let shape = LinearShape { m: 1, n: 2, k: 3, bn: 128, bk: 128 };
-//! let (wq, sw) = quant::quantize_weight(&w, shape.n, shape.k, shape.bn, shape.bk).unwrap();
+//! let shape = LinearShape::new(1, 2, 3, 128, 128).unwrap();
+//! let (wq, sw) = quant::quantize_weight(&w, shape.n(), shape.k(), shape.bn(), shape.bk()).unwrap();
 //! let mut y = [0f32; 2];
 //! fp8_linear(&[1.0, 1.0, 1.0], &wq, &sw, None, shape, ActQuant::None, &mut y).unwrap();
 //! assert!((y[0] - 1.5).abs() < 1e-6 && (y[1] + 3.75).abs() < 1e-6);

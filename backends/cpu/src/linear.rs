@@ -38,7 +38,7 @@ pub const GEMV_MAX_M: usize = 16;
 /// use fp8nsa_cpu::linear::plan;
 /// use fp8nsa_types::{ActQuant, CpuFp8Kernel, LinearShape, Tier};
 ///
-/// let shape = LinearShape { m: 1, n: 2, k: 3, bn: 128, bk: 128 };
+/// let shape = LinearShape::new(1, 2, 3, 128, 128)?;
 /// let p = plan(shape, ActQuant::Group)?;
 /// assert_eq!(p.path().kernel, CpuFp8Kernel::Gemv);
 /// assert_eq!(p.path().tier, Tier::current());
@@ -46,7 +46,7 @@ pub const GEMV_MAX_M: usize = 16;
 /// let mut y = [0f32; 2];
 /// p.run(&[2.0, 2.0, 2.0], &w, &[0.5], None, &mut y)?;
 /// assert!(y.iter().all(|y| (y - 3.0).abs() < 1e-5), "{y:?}"); // 0.5 * (2 + 2 + 2)
-/// assert!(plan(LinearShape { bk: 0, ..shape }, ActQuant::Group).is_err());
+/// assert!(plan(shape, ActQuant::Block2d { bm: 0 }).is_err());
 /// # Ok::<(), fp8nsa_cpu::Error>(())
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,12 +63,11 @@ pub struct LinearPlan {
 /// `BF16_TILE_MIN_M` rows on the AVX512-BF16 tier, where the panel GEMM's micro-kernel runs
 /// them as one tile; the panel GEMM past that.
 pub fn plan(shape: LinearShape, act: ActQuant) -> Result<LinearPlan> {
-    shape.validate()?;
     if let ActQuant::Block2d { bm } = act {
         check_positive("bm", bm)?;
     }
     let tier = Tier::current();
-    let m = shape.m;
+    let m = shape.m();
     let kernel = if m > GEMV_MAX_M || (m >= BF16_TILE_MIN_M && uses_bf16(tier, act)) {
         CpuFp8Kernel::PanelGemm
     } else {
@@ -119,14 +118,14 @@ impl LinearPlan {
         out: &mut [f32],
     ) -> Result<()> {
         let (s, act, kernel) = (self.shape, self.act, self.kernel);
-        check_len("x", x.len(), s.m * s.k)?;
-        check_len("weight", w.len(), s.n * s.k)?;
+        check_len("x", x.len(), s.m() * s.k())?;
+        check_len("weight", w.len(), s.n() * s.k())?;
         check_len("weight scales", sw.len(), s.n_blocks() * s.k_blocks())?;
-        check_len("out", out.len(), s.m * s.n)?;
+        check_len("out", out.len(), s.m() * s.n())?;
         if let Some(b) = bias {
-            check_len("bias", b.len(), s.n)?;
+            check_len("bias", b.len(), s.n())?;
         }
-        let (m, k, bk) = (s.m, s.k, s.bk);
+        let (m, k, bk) = (s.m(), s.k(), s.bk());
         // the activations' quantized copy (none for W8A16) lives in a reused buffer
         let act_len = if act == ActQuant::None { 0 } else { m * k };
         // the plan's tier: detected on this CPU (so its SIMD code may run), and fixed for the
@@ -155,7 +154,7 @@ impl LinearPlan {
                     if m == 1 {
                         gemv(out)?;
                     } else {
-                        with_f32(s.n * m, |yt| -> Result<()> {
+                        with_f32(s.n() * m, |yt| -> Result<()> {
                             gemv(yt)?;
                             untranspose(yt, m, out);
                             Ok(())
@@ -177,7 +176,7 @@ impl LinearPlan {
             Ok(())
         })?;
         if let Some(b) = bias {
-            out.par_chunks_mut(s.n).for_each(|row| {
+            out.par_chunks_mut(s.n()).for_each(|row| {
                 for (y, b) in row.iter_mut().zip(b) {
                     *y += b;
                 }
@@ -237,8 +236,8 @@ pub(crate) fn gemv_bf16_act(
 ) -> Option<Vec<u16>> {
     #[cfg(target_arch = "x86_64")]
     if uses_bf16(tier, act) {
-        let x = &xq.values[..s.m * s.k];
-        return Some(crate::avx512bf16::act_layout(x, s.k, s.bk));
+        let x = &xq.values[..s.m() * s.k()];
+        return Some(crate::avx512bf16::act_layout(x, s.k(), s.bk()));
     }
     let _ = (tier, xq, act, s);
     None
@@ -260,9 +259,9 @@ pub(crate) fn gemv_task(
     let xq = xa.q;
     if let Some(xb) = xa.bf16 {
         gemv_rows_bf16(tier, xq, xb, w, sw, s, n0, yt)
-    } else if tier >= Tier::Avx2 && s.m > 1 {
+    } else if tier >= Tier::Avx2 && s.m() > 1 {
         // scaled activations (`gemv_wants_scaled_act`; W8A16's are their own values)
-        with_f32(3 * s.k, |buf| {
+        with_f32(3 * s.k(), |buf| {
             gemv_small_rows(tier, &xq.values, w, sw, s, n0, yt, buf)
         })
     } else if tier >= Tier::Avx2 {
@@ -321,7 +320,7 @@ fn gemv_rows_impl<A: Arith>(
     yt: &mut [f32],
 ) {
     const CHUNK: usize = 256;
-    let (m, k, kbs) = (s.m, s.k, s.k_blocks());
+    let (m, k, kbs) = (s.m(), s.k(), s.k_blocks());
     let x = &xq.values[..];
     let mut buf = [0f32; CHUNK];
     let mut part = [0f32; GEMV_MAX_M];
@@ -330,9 +329,9 @@ fn gemv_rows_impl<A: Arith>(
         acc.fill(0.0);
         let n = n0 + r;
         let wrow = &w[n * k..(n + 1) * k];
-        let sw_row = &sw[(n / s.bn) * kbs..(n / s.bn + 1) * kbs];
+        let sw_row = &sw[(n / s.bn()) * kbs..(n / s.bn() + 1) * kbs];
         for (kb, &swv) in sw_row.iter().enumerate() {
-            let (k0, k1) = (kb * s.bk, (kb * s.bk + s.bk).min(k));
+            let (k0, k1) = (kb * s.bk(), (kb * s.bk() + s.bk()).min(k));
             if m == 1 {
                 let d = dot_fp8::<A>(&x[k0..k1], &wrow[k0..k1]);
                 acc[0] += d * (xq.scale(0, kb) * swv);
@@ -388,7 +387,7 @@ fn gemv1_rows(
             yt: &mut [f32],
             nan_free: bool,
         ) {
-            let (k, kbs) = (s.k, s.k_blocks());
+            let (k, kbs) = (s.k(), s.k_blocks());
             let x = &xq.values[..];
             let rows = yt.len();
             let (prod, nb0) = scale_products(xq, sw, s, n0, rows);
@@ -396,16 +395,16 @@ fn gemv1_rows(
                 // a short last group repeats its last row rather than branching per row
                 let n = [0, 1, 2, 3].map(|i| n0 + (r0 + i).min(rows - 1));
                 let wr = n.map(|n| &w[n * k..(n + 1) * k]);
-                let sc = n.map(|n| &prod[(n / s.bn - nb0) * kbs..(n / s.bn - nb0 + 1) * kbs]);
+                let sc = n.map(|n| &prod[(n / s.bn() - nb0) * kbs..(n / s.bn() - nb0 + 1) * kbs]);
                 // SAFETY: the callers below are compiled for the features of the kernel they
                 // pick (AVX-512 F/BW/VL with WIDE, AVX2 + FMA + F16C in both), which they
                 // checked the CPU has.
                 let acc = unsafe {
                     match (WIDE, nan_free) {
-                        (true, true) => crate::avx512::dot4_blocks::<false>(x, wr, s.bk, sc),
-                        (true, false) => crate::avx512::dot4_blocks::<true>(x, wr, s.bk, sc),
-                        (false, true) => crate::x86::dot4_blocks::<false>(x, wr, s.bk, sc),
-                        (false, false) => crate::x86::dot4_blocks::<true>(x, wr, s.bk, sc),
+                        (true, true) => crate::avx512::dot4_blocks::<false>(x, wr, s.bk(), sc),
+                        (true, false) => crate::avx512::dot4_blocks::<true>(x, wr, s.bk(), sc),
+                        (false, true) => crate::x86::dot4_blocks::<false>(x, wr, s.bk(), sc),
+                        (false, false) => crate::x86::dot4_blocks::<true>(x, wr, s.bk(), sc),
                     }
                 };
                 let take = (rows - r0).min(4);
@@ -460,8 +459,8 @@ fn scale_products(
     rows: usize,
 ) -> (Vec<f32>, usize) {
     let kbs = s.k_blocks();
-    let nb0 = n0 / s.bn;
-    let mut prod = vec![0f32; ((n0 + rows - 1) / s.bn + 1 - nb0) * kbs];
+    let nb0 = n0 / s.bn();
+    let mut prod = vec![0f32; ((n0 + rows - 1) / s.bn() + 1 - nb0) * kbs];
     for (i, p) in prod.chunks_exact_mut(kbs).enumerate() {
         for (kb, v) in p.iter_mut().enumerate() {
             *v = xq.scale(0, kb) * sw[(nb0 + i) * kbs + kb];
@@ -487,10 +486,10 @@ fn gemv_rows_bf16(
     yt: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if tier >= Tier::Avx512Bf16 && s.m > 1 {
+    if tier >= Tier::Avx512Bf16 && s.m() > 1 {
         use crate::avx512bf16::{block_words, decode_row, dot_4x2_blocks};
-        let (m, k, kbs) = (s.m, s.k, s.k_blocks());
-        let rw = kbs * block_words(s.bk);
+        let (m, k, kbs) = (s.m(), s.k(), s.k_blocks());
+        let rw = kbs * block_words(s.bk());
         let rows = yt.len() / m;
         let mut wd = vec![0u16; 2 * rw];
         let sx_row = |i: usize| {
@@ -502,18 +501,19 @@ fn gemv_rows_bf16(
             let n = [0, 1].map(|j| n0 + (g0 + j).min(rows - 1));
             for (j, dst) in wd.chunks_exact_mut(rw).enumerate() {
                 // SAFETY: as below; the row holds k codes and `dst` its blocks.
-                unsafe { decode_row(&w[n[j] * k..(n[j] + 1) * k], k, s.bk, dst) };
+                unsafe { decode_row(&w[n[j] * k..(n[j] + 1) * k], k, s.bk(), dst) };
             }
             let wr = [&wd[..rw], &wd[rw..]];
-            let swr = n.map(|n| &sw[(n / s.bn) * kbs..(n / s.bn + 1) * kbs]);
+            let swr = n.map(|n| &sw[(n / s.bn()) * kbs..(n / s.bn() + 1) * kbs]);
             for i0 in (0..m).step_by(4) {
                 let xi = [0, 1, 2, 3].map(|i| (i0 + i).min(m - 1));
                 let xr = xi.map(|i| &xb[i * rw..(i + 1) * rw]);
                 // SAFETY: `tier` came from `Tier::current()`, never above the detected tier,
                 // and that tier is only detected with AVX-512 F/BW/VL/VBMI/BF16; every row
                 // holds kbs blocks of block_words(bk) words, every scale row kbs entries.
-                let d =
-                    unsafe { dot_4x2_blocks(xr, wr, kbs, block_words(s.bk), xi.map(sx_row), swr) };
+                let d = unsafe {
+                    dot_4x2_blocks(xr, wr, kbs, block_words(s.bk()), xi.map(sx_row), swr)
+                };
                 for j in 0..(rows - g0).min(2) {
                     for (i, row) in d.iter().enumerate().take(m - i0) {
                         yt[(g0 + j) * m + i0 + i] = row[j];
@@ -525,18 +525,18 @@ fn gemv_rows_bf16(
     }
     #[cfg(target_arch = "x86_64")]
     if tier >= Tier::Avx512Bf16 {
-        let (k, kbs) = (s.k, s.k_blocks());
+        let (k, kbs) = (s.k(), s.k_blocks());
         let rows = yt.len();
         let (prod, nb0) = scale_products(xq, sw, s, n0, rows);
         for r0 in (0..rows).step_by(4) {
             // a short last group repeats its last row rather than branching per row
             let n = [0, 1, 2, 3].map(|i| n0 + (r0 + i).min(rows - 1));
             let wr = n.map(|n| &w[n * k..(n + 1) * k]);
-            let sc = n.map(|n| &prod[(n / s.bn - nb0) * kbs..(n / s.bn - nb0 + 1) * kbs]);
+            let sc = n.map(|n| &prod[(n / s.bn() - nb0) * kbs..(n / s.bn() - nb0 + 1) * kbs]);
             // SAFETY: `tier` came from `Tier::current()`, never above the detected tier, and
             // that tier is only detected with AVX-512 F/BW/VL/VBMI/BF16; `xb` was laid out for
             // this shape by `gemv_bf16_act` and every row holds `k` codes.
-            let acc = unsafe { crate::avx512bf16::dot4_blocks(xb, wr, k, s.bk, sc) };
+            let acc = unsafe { crate::avx512bf16::dot4_blocks(xb, wr, k, s.bk(), sc) };
             let take = (rows - r0).min(4);
             yt[r0..r0 + take].copy_from_slice(&acc[..take]);
         }
@@ -578,7 +578,7 @@ fn gemv_small_rows(
             yt: &mut [f32],
             buf: &mut [f32],
         ) {
-            let (m, k) = (s.m, s.k);
+            let (m, k) = (s.m(), s.k());
             let rows = yt.len() / m;
             for g0 in (0..rows).step_by(3) {
                 // a short last group repeats its last row rather than branching per row
@@ -619,13 +619,13 @@ fn gemv_small_rows(
 fn dequant_row(w: &[u8], sw: &[f32], s: LinearShape, n: usize, dst: &mut [f32]) {
     let kbs = s.k_blocks();
     for kb in 0..kbs {
-        let (k0, k1) = (kb * s.bk, (kb * s.bk + s.bk).min(s.k));
+        let (k0, k1) = (kb * s.bk(), (kb * s.bk() + s.bk()).min(s.k()));
         // SAFETY: this function is compiled for AVX2 + FMA + F16C, which its caller (compiled
         // for them itself) checked the CPU has.
         unsafe {
             crate::x86::decode_scaled(
-                &w[n * s.k + k0..n * s.k + k1],
-                sw[(n / s.bn) * kbs + kb],
+                &w[n * s.k() + k0..n * s.k() + k1],
+                sw[(n / s.bn()) * kbs + kb],
                 &mut dst[k0..k1],
             )
         };
@@ -655,10 +655,13 @@ fn dequant_tile(
         let n = n0 + r;
         let mut c = c0;
         while c < c1 {
-            let kb = c / s.bk;
-            let end = ((kb + 1) * s.bk).min(c1);
-            let scale = sw[(n / s.bn) * kbs + kb];
-            let (src, dst) = (&w[n * s.k + c..n * s.k + end], &mut row[c - c0..end - c0]);
+            let kb = c / s.bk();
+            let end = ((kb + 1) * s.bk()).min(c1);
+            let scale = sw[(n / s.bn()) * kbs + kb];
+            let (src, dst) = (
+                &w[n * s.k() + c..n * s.k() + end],
+                &mut row[c - c0..end - c0],
+            );
             decode_scaled(src, scale, dst);
             c = end;
         }
@@ -669,13 +672,14 @@ fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: LinearShape, out: &mut [f32]) 
     let threads = rayon::current_num_threads();
     // a multiple of `threads` panels of at most PANEL_ROWS rows, so every thread gets the same
     // number of equal panels (the last may be a little shorter)
-    let panels = s.n.div_ceil(threads * PANEL_ROWS) * threads;
-    let p = s.n.div_ceil(panels);
+    let panels = s.n().div_ceil(threads * PANEL_ROWS) * threads;
+    let p = s.n().div_ceil(panels);
     // K in equal tiles of about TILE_K (576 is one tile, not 512 + a thin 64 whose product
     // would re-read and re-write the whole output block for little work)
-    let kc =
-        s.k.div_ceil((s.k as f64 / TILE_K as f64).round().max(1.0) as usize);
-    let per_panel = s.n.div_ceil(p) >= threads;
+    let kc = s
+        .k()
+        .div_ceil((s.k() as f64 / TILE_K as f64).round().max(1.0) as usize);
+    let per_panel = s.n().div_ceil(p) >= threads;
     let inner = if per_panel {
         gemm::Parallelism::None
     } else {
@@ -683,38 +687,38 @@ fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: LinearShape, out: &mut [f32]) 
     };
     // panel i computes its own row-major [m, rows] block
     let panel = |i: usize, dst: &mut [f32], buf: &mut [f32]| {
-        let rows = dst.len() / s.m;
-        for c0 in (0..s.k).step_by(kc) {
-            let c1 = (c0 + kc).min(s.k);
+        let rows = dst.len() / s.m();
+        for c0 in (0..s.k()).step_by(kc) {
+            let c1 = (c0 + kc).min(s.k());
             let tile = &mut buf[..rows * (c1 - c0)];
             dequant_tile(w, sw, s, i * p, c0, c1, tile);
             let lhs = Operand {
                 data: &x[c0..],
-                ld: s.k,
+                ld: s.k(),
             };
             let rhs = Operand {
                 data: tile,
                 ld: c1 - c0,
             };
-            gemm_nt(s.m, rows, c1 - c0, lhs, rhs, dst, c0 > 0, inner);
+            gemm_nt(s.m(), rows, c1 - c0, lhs, rhs, dst, c0 > 0, inner);
         }
     };
-    with_f32(s.m * s.n, |blocks| {
+    with_f32(s.m() * s.n(), |blocks| {
         if per_panel {
             blocks
-                .par_chunks_mut(p * s.m)
+                .par_chunks_mut(p * s.m())
                 .enumerate()
                 .for_each(|(i, dst)| with_f32(p * kc, |buf| panel(i, dst, buf)));
         } else {
             with_f32(p * kc, |buf| {
-                for (i, dst) in blocks.chunks_mut(p * s.m).enumerate() {
+                for (i, dst) in blocks.chunks_mut(p * s.m()).enumerate() {
                     panel(i, dst, buf);
                 }
             });
         }
-        out.par_chunks_mut(s.n).enumerate().for_each(|(r, row)| {
-            for (i, block) in blocks.chunks(p * s.m).enumerate() {
-                let rows = block.len() / s.m;
+        out.par_chunks_mut(s.n()).enumerate().for_each(|(r, row)| {
+            for (i, block) in blocks.chunks(p * s.m()).enumerate() {
+                let rows = block.len() / s.m();
                 row[i * p..i * p + rows].copy_from_slice(&block[r * rows..(r + 1) * rows]);
             }
         });
@@ -765,7 +769,7 @@ fn panel_gemm_bf16(
     #[cfg(target_arch = "x86_64")]
     if tier >= Tier::Avx512Bf16 {
         use crate::avx512bf16::{act_layout, block_words, decode_row, gemm_tile, pair_columns};
-        let (m, n, k, bk, kbs) = (s.m, s.n, s.k, s.bk, s.k_blocks());
+        let (m, n, k, bk, kbs) = (s.m(), s.n(), s.k(), s.bk(), s.k_blocks());
         let (bw, m_pad) = (block_words(bk), m.next_multiple_of(16));
         let ppb = bw / 2;
         let a = pair_columns(&act_layout(&xq.values[..m * k], k, bk), m, m_pad);
@@ -806,7 +810,7 @@ fn panel_gemm_bf16(
                         wt[rows * tw..p * tw].fill(0);
                         for g in (0..p).step_by(BF16_NR) {
                             let swr: [&[f32]; BF16_NR] = std::array::from_fn(|r| {
-                                let o = ((n0 + g + r).min(n - 1) / s.bn) * kbs + kb0;
+                                let o = ((n0 + g + r).min(n - 1) / s.bn()) * kbs + kb0;
                                 &sw[o..o + nb]
                             });
                             let wg = &wt[g * tw..p * tw];
@@ -920,13 +924,7 @@ mod tests {
             let x: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.1)
                 .collect();
-            let shape = LinearShape {
-                m,
-                n,
-                k,
-                bn: 16,
-                bk: 128,
-            };
+            let shape = LinearShape::new(m, n, k, 16, 128).unwrap();
             let p = plan(shape, ActQuant::Group).unwrap();
             let mut clean = vec![0f32; m * n];
             p.run(&x, &wq, &sw, None, &mut clean).unwrap();
@@ -944,7 +942,7 @@ mod tests {
             // the portable GEMV, whichever tier this CPU runs
             let mm = m.min(GEMV_MAX_M);
             let xq = quantize_act(&x[..mm * k], mm, k, 128, ActQuant::Group, false).unwrap();
-            let s = LinearShape { m: mm, ..shape };
+            let s = shape.with_m(mm).unwrap();
             let (mut a, mut b) = (vec![0f32; 8 * mm], vec![f32::NAN; 8 * mm]);
             gemv_rows(&xq, &wq, &sw, s, 8, &mut a);
             gemv_rows(&xq, &wq, &sw, s, 8, &mut b);

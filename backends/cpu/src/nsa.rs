@@ -79,7 +79,7 @@ simd_dispatch!(fn fold_chunk => fold_chunk_impl(
 /// use fp8nsa_cpu::nsa::plan;
 /// use fp8nsa_types::{AttnDims, Pages, Seq, Spans};
 ///
-/// let dims = AttnDims { hq: 2, hkv: 1, d: 4, dv: 4 };
+/// let dims = AttnDims::new(2, 1, 4, 4)?;
 /// let seqs = [Seq { q_start: 0, q_len: 1, k_start: 0, k_len: 3, q_offset: 2 }];
 /// let p = plan(dims, &seqs, 3, None)?;
 /// let (q, kv) = (vec![1f32; 8], vec![1f32; 12]);
@@ -113,7 +113,6 @@ pub fn plan<'s>(
     tk: usize,
     block_size: Option<usize>,
 ) -> Result<SelectionPlan<'s>> {
-    dims.validate()?;
     if let Some(bs) = block_size {
         check_positive("block_size", bs)?;
     }
@@ -145,25 +144,25 @@ pub fn plan<'s>(
 
 /// [`plan`] for keys and values in a page pool of `pool_tokens` tokens (`k [pool_tokens, hkv,
 /// d]`, `v [pool_tokens, hkv, dv]`): sequence `i` reads its `k_len` keys through row `i` of
-/// `pages.table` (its `k_start` is not used). Every table entry a sequence uses must be a page
-/// of the pool, and `k_len` within the row's `max_pages · page_size`; errors name the sequence.
+/// `pages` (its `k_start` is not used). The table was checked when `pages` was made
+/// ([`Pages::new`]); here only that it was made for these sequences and this pool.
 ///
 /// ```
 /// use fp8nsa_cpu::nsa::plan_paged;
 /// use fp8nsa_types::{AttnDims, Pages, Seq, Spans};
 ///
-/// let dims = AttnDims { hq: 1, hkv: 1, d: 2, dv: 2 };
+/// let dims = AttnDims::new(1, 1, 2, 2)?;
 /// let seqs = [Seq { q_start: 0, q_len: 1, k_start: 0, k_len: 3, q_offset: 2 }];
 /// // a pool of 3 pages of 2 tokens; the sequence's keys 0, 1 on page 2, key 2 on page 0
-/// let pages = Pages { table: &[2, 0], max_pages: 2, page_size: 2 };
+/// let pages = Pages::new(&[2, 0], 2, 2, &seqs, 6)?;
 /// let p = plan_paged(dims, &seqs, 6, None, pages)?;
 /// let kv = [9f32, 9., 9., 9., 0., 0., 0., 0., 1., 1., 1., 1.]; // pages 0, 1, 2
 /// let (mut o, mut lse) = ([0f32; 2], [0f32; 1]);
 /// let one_key = Spans::Ranges { ranges: &[2, 3][..], per_row: 1 };
 /// p.run(&[1f32, 0.], &kv, &kv, one_key, 1.0, &mut o, &mut lse)?;
 /// assert_eq!(o, [9.0, 9.0]); // key 2: page 0, token 0
-/// let bad = Pages { table: &[2, 3], ..pages };
-/// assert!(plan_paged(dims, &seqs, 6, None, bad).is_err()); // page 3 is past the pool
+/// assert!(Pages::new(&[2, 3], 2, 2, &seqs, 6).is_err()); // page 3 is past the pool
+/// assert!(plan_paged(dims, &seqs, 4, None, pages).is_err()); // not the pool it was checked for
 /// # Ok::<(), fp8nsa_cpu::Error>(())
 /// ```
 pub fn plan_paged<'s>(
@@ -173,44 +172,26 @@ pub fn plan_paged<'s>(
     block_size: Option<usize>,
     pages: Pages<'s>,
 ) -> Result<SelectionPlan<'s>> {
-    let Pages {
-        table,
-        max_pages,
-        page_size,
-    } = pages;
-    check_positive("page_size", page_size)?;
-    let overflow = || Error::Invalid {
-        arg: "block_table",
-        msg: "its size overflows usize".into(),
-    };
-    let rows = seqs.len().checked_mul(max_pages).ok_or_else(overflow)?;
-    check_len("block_table", table.len(), rows)?;
-    let covered = max_pages.checked_mul(page_size).ok_or_else(overflow)?;
-    let pool_pages = pool_tokens / page_size;
-    for (i, s) in seqs.iter().enumerate() {
-        if s.k_len > covered {
-            return Err(Error::Invalid {
-                arg: "seq_lens",
-                msg: format!(
-                    "sequence {i}: {} keys exceed its block table row ({max_pages} pages of \
-                     {page_size})",
-                    s.k_len
-                ),
-            });
-        }
-        let row = &table[i * max_pages..][..s.k_len.div_ceil(page_size)];
-        if let Some((e, &p)) = row
-            .iter()
-            .enumerate()
-            .find(|&(_, &p)| p < 0 || p as usize >= pool_pages)
-        {
-            return Err(Error::Invalid {
-                arg: "block_table",
-                msg: format!(
-                    "sequence {i}, entry {e}: page {p} is not a page of the pool (0..{pool_pages})"
-                ),
-            });
-        }
+    if pages.seqs() != seqs.len() || pages.pool_tokens() != pool_tokens {
+        return Err(Error::Invalid {
+            arg: "pages",
+            msg: format!(
+                "checked for {} sequences on a pool of {} tokens, used for {} on {pool_tokens}",
+                pages.seqs(),
+                pages.pool_tokens(),
+                seqs.len()
+            ),
+        });
+    }
+    let covered = pages.row_capacity();
+    if let Some((i, s)) = seqs.iter().enumerate().find(|(_, s)| s.k_len > covered) {
+        return Err(Error::Invalid {
+            arg: "seq_lens",
+            msg: format!(
+                "sequence {i}: {} keys exceed its block table row ({covered} keys)",
+                s.k_len
+            ),
+        });
     }
     // the same checks as packed keys, each sequence's keys counted from 0 within its row
     let packed: Vec<Seq> = seqs.iter().map(|s| Seq { k_start: 0, ..*s }).collect();
@@ -251,11 +232,11 @@ impl SelectionPlan<'_> {
         T: Copy + Into<f32> + Send + Sync,
     {
         let (dims, seqs, tq, tk) = (self.dims, self.seqs, self.tq, self.tk);
-        check_len("q", q.len(), tq * dims.hq * dims.d)?;
-        check_len("k", k.len(), tk * dims.hkv * dims.d)?;
-        check_len("v", v.len(), tk * dims.hkv * dims.dv)?;
-        check_len("out", out.len(), tq * dims.hq * dims.dv)?;
-        check_len("lse", lse.len(), tq * dims.hq)?;
+        check_len("q", q.len(), tq * dims.hq() * dims.d())?;
+        check_len("k", k.len(), tk * dims.hkv() * dims.d())?;
+        check_len("v", v.len(), tk * dims.hkv() * dims.dv())?;
+        check_len("out", out.len(), tq * dims.hq() * dims.dv())?;
+        check_len("lse", lse.len(), tq * dims.hq())?;
         let block_size = match spans {
             Spans::Blocks { block_size, .. } => Some(block_size),
             Spans::Ranges { .. } => None,
@@ -270,12 +251,12 @@ impl SelectionPlan<'_> {
             });
         }
         if spans.per_row() > 0 {
-            check_len("selection rows", spans.rows(), tq * dims.hkv)?;
+            check_len("selection rows", spans.rows(), tq * dims.hkv())?;
         }
         if tq == 0 {
             return Ok(());
         }
-        let AttnDims { hq, dv, .. } = dims;
+        let (hq, dv) = (dims.hq(), dims.dv());
         // Split a token's heads across threads only when there are too few tokens to go around,
         // and then as little as fills every thread evenly: each unit gathers its rows' selected
         // keys again (scattered rows, for a token-level selection mostly cache misses).
@@ -345,8 +326,7 @@ pub fn selection_attention<T>(
 where
     T: Copy + Into<f32> + Send + Sync,
 {
-    dims.validate()?;
-    let tk = k.len() / (dims.hkv * dims.d);
+    let tk = k.len() / (dims.hkv() * dims.d());
     let block_size = match spans {
         Spans::Blocks { block_size, .. } => Some(block_size),
         Spans::Ranges { .. } => None,
@@ -402,7 +382,7 @@ fn attend_heads<T: Copy + Into<f32>>(
     lse: &mut [f32],
     sc: &mut Scratch,
 ) {
-    let AttnDims { hq, hkv, d, dv } = a.dims;
+    let (hq, hkv, d, dv) = (a.dims.hq(), a.dims.hkv(), a.dims.d(), a.dims.dv());
     let g = hq / hkv;
     let mut h = heads.start;
     while h < heads.end {
@@ -480,7 +460,7 @@ pub struct HeadMajor<'a> {
 /// use fp8nsa_cpu::nsa::{decode_attention, HeadMajor};
 /// use fp8nsa_types::AttnDims;
 ///
-/// let dims = AttnDims { hq: 2, hkv: 1, d: 2, dv: 1 };
+/// let dims = AttnDims::new(2, 1, 2, 1)?;
 /// // two keys in a buffer with room for four rows
 /// let k = [1f32, 0.0, 0.0, 1.0, 9.0, 9.0, 9.0, 9.0];
 /// let v = [1f32, 3.0, 9.0, 9.0];
@@ -502,10 +482,7 @@ pub fn decode_attention(
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
-    let AttnDims { hq, hkv, d, dv } = dims;
-    for (arg, x) in [("hq", hq), ("hkv", hkv), ("d", d), ("dv", dv)] {
-        check_positive(arg, x)?;
-    }
+    let (hq, hkv, d, dv) = (dims.hq(), dims.hkv(), dims.d(), dims.dv());
     if !hq.is_multiple_of(hkv) {
         return Err(Error::Invalid {
             arg: "hq",
@@ -569,7 +546,7 @@ mod tests {
         let (hq, hkv, d, dv) = (9, 3, 64, 48);
         for len in [1usize, 63, 64, 65, 200] {
             let cap = len + 7;
-            let dims = AttnDims { hq, hkv, d, dv };
+            let dims = AttnDims::new(hq, hkv, d, dv).unwrap();
             let k: Vec<f32> = gaussian(&mut r, hkv * cap * d);
             let v: Vec<f32> = gaussian(&mut r, hkv * cap * dv);
             let q: Vec<f32> = gaussian(&mut r, hq * d).iter().map(|x| x * 4.0).collect();
@@ -618,12 +595,7 @@ mod tests {
 
     #[test]
     fn decode_attention_nan_keys_empty_cache_and_bad_views() {
-        let dims = AttnDims {
-            hq: 4,
-            hkv: 2,
-            d: 2,
-            dv: 2,
-        };
+        let dims = AttnDims::new(4, 2, 2, 2).unwrap();
         let mut k = vec![1f32; 2 * 3 * 2];
         let v = vec![2f32; 2 * 3 * 2];
         k[3 * 2 + 2] = f32::NAN; // kv head 1, row 1
@@ -663,21 +635,15 @@ mod tests {
             decode_attention(&[1.0; 8], kv, short, dims, 3, 1.0, &mut out),
             "v"
         ));
-        let odd = AttnDims { hq: 3, ..dims };
-        let r = decode_attention(&[1.0; 6], kv, vv, odd, 3, 1.0, &mut out[..6]);
-        assert!(invalid(r, "hq"));
+        // dims with Hq not a multiple of Hkv cannot be made, so never reach the kernel
+        assert!(AttnDims::new(3, dims.hkv(), dims.d(), dims.dv()).is_err());
         let r = decode_attention(&[1.0; 7], kv, vv, dims, 3, 1.0, &mut out);
         assert!(matches!(r, Err(Error::Shape { arg: "q", .. })), "{r:?}");
     }
 
     #[test]
     fn one_key_gives_its_value_and_empty_rows_give_zero() {
-        let dims = AttnDims {
-            hq: 2,
-            hkv: 1,
-            d: 2,
-            dv: 3,
-        };
+        let dims = AttnDims::new(2, 1, 2, 3).unwrap();
         let q = [1.0f32, 0.0, 0.0, 1.0];
         let k = [0.5f32, 0.5, 9.0, 9.0];
         let v = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];

@@ -20,6 +20,19 @@ pub enum Error {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// The vocabulary's own checks (shapes, dims) report as ours.
+impl From<fp8nsa_types::Error> for Error {
+    fn from(e: fp8nsa_types::Error) -> Self {
+        match e {
+            fp8nsa_types::Error::Invalid { arg, msg } => Error::Invalid { arg, msg },
+            fp8nsa_types::Error::Setting { var, .. } => Error::Invalid {
+                arg: var,
+                msg: e.to_string(),
+            },
+        }
+    }
+}
+
 impl From<CublasError> for Error {
     fn from(e: CublasError) -> Self {
         Error::Cublas(e)

@@ -194,7 +194,7 @@ fn run_plan_with(
         SeqArrays::new(&ks).unwrap()
     };
     let info = device_info_for((9, 0), sms, 227 * 1024).unwrap();
-    let dims = AttnDims { hq, hkv, d, dv };
+    let dims = AttnDims::new(hq, hkv, d, dv).unwrap();
     let scale = 1.0 / (d as f32).sqrt();
     let (p, plan) = plan_selection(
         &info,

@@ -185,7 +185,7 @@ fn fp8_linear_module(
     bias: bool,
     sharding: Option<&LinearShardings>,
 ) -> String {
-    let LinearShape { m, n, k, bn, bk } = s;
+    let (m, n, k, bn, bk) = (s.m(), s.n(), s.k(), s.bn(), s.bk());
     let (kb, nb) = (k.div_ceil(bk), n.div_ceil(bn));
     let kp = kb * bk;
     let rows = match act {
@@ -321,11 +321,10 @@ pub fn sharded_fp8_linear(
     parts: usize,
     split: MatmulSplit,
 ) -> crate::Result<String> {
-    s.validate()?;
     act.validate()?;
     let (side, len, block) = match split {
-        MatmulSplit::Columns => ("n", s.n, s.bn),
-        MatmulSplit::Rows => ("k", s.k, s.bk),
+        MatmulSplit::Columns => ("n", s.n(), s.bn()),
+        MatmulSplit::Rows => ("k", s.k(), s.bk()),
     };
     if parts == 0 || !len.is_multiple_of(block) || !(len / block).is_multiple_of(parts) {
         let works = whole_block_parts(len, block);

@@ -207,13 +207,7 @@ impl PjrtRuntime {
                 format!("{} values for [{m}, {}]", x.len(), w.k),
             ));
         }
-        let shape = LinearShape {
-            m,
-            n: w.n,
-            k: w.k,
-            bn: w.block[0],
-            bk: w.block[1],
-        };
+        let shape = LinearShape::new(m, w.n, w.k, w.block[0], w.block[1])?;
         if act == (ActQuant::Block2d { bm: 0 }) {
             return Err(invalid("act", "Block2d needs bm >= 1"));
         }

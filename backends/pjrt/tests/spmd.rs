@@ -208,9 +208,9 @@ impl Fp8Data {
     fn random(r: &mut rand::rngs::StdRng, s: LinearShape, bias: bool) -> Self {
         let (nb, kb) = (s.n_blocks(), s.k_blocks());
         // token-by-K-group magnitudes over 1e-3..1e3, so per-group activation scales differ
-        let x = hetero(r, s.m, s.k, 1, s.bk);
+        let x = hetero(r, s.m(), s.k(), 1, s.bk());
         // every finite e4m3 code (the low mantissa bits of a Gaussian are close to uniform)
-        let codes = gaussian(r, s.n * s.k)
+        let codes = gaussian(r, s.n() * s.k())
             .iter()
             .map(|g| match g.to_bits() as u8 {
                 c if c & 0x7f == 0x7f => c ^ 1,
@@ -222,7 +222,7 @@ impl Fp8Data {
             .iter()
             .map(|g| 10f32.powf((1.5 * g).clamp(-3.0, 3.0)))
             .collect();
-        let bias = bias.then(|| gaussian(r, s.n));
+        let bias = bias.then(|| gaussian(r, s.n()));
         Self {
             x,
             codes,
@@ -269,7 +269,7 @@ fn fp8_unsharded(
             &fp8nsa_pjrt::proto::compile_options(0, 1, 1),
         )
         .expect("compiles");
-    let dims = [s.m, s.n, s.k, s.n_blocks(), s.k_blocks()];
+    let dims = [s.m(), s.n(), s.k(), s.n_blocks(), s.k_blocks()];
     let args = fp8_args(client, d, dims, v, act);
     let out = exe
         .execute(&args.iter().collect::<Vec<_>>())
@@ -310,7 +310,7 @@ fn fp8_sharded(
     split: MatmulSplit,
 ) -> (Vec<f32>, Vec<String>) {
     let parts = devices.len();
-    let LinearShape { m, n, k, .. } = s;
+    let (m, n, k) = (s.m(), s.n(), s.k());
     let (nb, kb) = (s.n_blocks(), s.k_blocks());
     let code = sharded_fp8_linear(s, act, v.bias.is_some(), parts, split).expect("legal split");
     let exe = client
@@ -403,7 +403,7 @@ fn round_e4m3(q: f32) -> f32 {
 /// docs/numerics.md's result, accumulated in f64: to tell a different summation order from a
 /// different quantization when two programs disagree.
 fn contract(s: LinearShape, act: ActQuant, v: &Fp8Data) -> Vec<f64> {
-    let LinearShape { m, n, k, bn, bk } = s;
+    let (m, n, k, bn, bk) = (s.m(), s.n(), s.k(), s.bn(), s.bk());
     let kb = s.k_blocks();
     let bm = match act {
         ActQuant::None => 0,
@@ -476,13 +476,7 @@ fn sharded_fp8_linear_matches_the_unsharded_program() {
     ] {
         // M = 7 and 9 with bm = 4 leave a partial row block
         for m in [1, 7, 9] {
-            let s = LinearShape {
-                m,
-                n,
-                k,
-                bn: 128,
-                bk: 128,
-            };
+            let s = LinearShape::new(m, n, k, 128, 128).unwrap();
             let v = Fp8Data::random(&mut r, s, m != 1);
             for act in acts {
                 let exact = contract(s, act, &v);
@@ -530,13 +524,7 @@ fn sharded_fp8_linear_matches_the_unsharded_program() {
 
 #[test]
 fn a_split_that_cuts_a_scale_block_is_an_error() {
-    let s = LinearShape {
-        m: 3,
-        n: 384,
-        k: 3884,
-        bn: 128,
-        bk: 128,
-    };
+    let s = LinearShape::new(3, 384, 3884, 128, 128).unwrap();
     let err = |s: LinearShape, act, parts, split| {
         sharded_fp8_linear(s, act, true, parts, split)
             .map(|_| ())
@@ -548,12 +536,17 @@ fn a_split_that_cuts_a_scale_block_is_an_error() {
         // N = 384 is 3 blocks: 2 parts would cut one
         (s, 2, MatmulSplit::Columns, "[1, 3]"),
         (
-            LinearShape { k: 1024, ..s },
+            LinearShape::new(s.m(), s.n(), 1024, s.bn(), s.bk()).unwrap(),
             3,
             MatmulSplit::Rows,
             "[1, 2, 4, 8]",
         ),
-        (LinearShape { n: 576, ..s }, 2, MatmulSplit::Columns, "[1]"),
+        (
+            LinearShape::new(s.m(), 576, s.k(), s.bn(), s.bk()).unwrap(),
+            2,
+            MatmulSplit::Columns,
+            "[1]",
+        ),
         (s, 0, MatmulSplit::Columns, "[1, 3]"),
     ];
     for (s, parts, split, works) in cases {
@@ -568,13 +561,12 @@ fn a_split_that_cuts_a_scale_block_is_an_error() {
     assert!(sharded_fp8_linear(s, ActQuant::None, false, 3, MatmulSplit::Columns).is_ok());
     let e = err(s, ActQuant::Block2d { bm: 0 }, 3, MatmulSplit::Columns);
     assert!(matches!(e, Error::Invalid { .. }), "{e}");
-    let e = err(
-        LinearShape { bk: 0, ..s },
-        ActQuant::Group,
-        1,
-        MatmulSplit::Rows,
+    // a shape with an empty block cannot be made, so it never reaches the split
+    let e = LinearShape::new(3, 384, 3884, 128, 0).unwrap_err();
+    assert!(
+        matches!(e, fp8nsa_types::Error::Invalid { arg: "bk", .. }),
+        "{e}"
     );
-    assert!(matches!(e, Error::Invalid { .. }), "{e}");
 }
 
 #[test]

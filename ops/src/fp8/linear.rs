@@ -207,7 +207,7 @@ impl Fp8Linear {
             CallPlan::Cuda(cuda::plan(self, x.device(), m, x.dtype())?)
         } else if x.device().is_cpu() && self.weight.device().is_cpu() {
             let [bn, bk] = self.weight.block();
-            let shape = LinearShape { m, n, k, bn, bk };
+            let shape = LinearShape::new(m, n, k, bn, bk)?;
             CallPlan::Cpu(fp8nsa_cpu::linear::plan(shape, self.act)?)
         } else {
             return Err(Error::Unsupported {

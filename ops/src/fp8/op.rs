@@ -89,7 +89,7 @@ impl<'a> Fp8LinearOp<'a> {
                 })
             }
         };
-        let mut out = vec![0f32; s.m * s.n];
+        let mut out = vec![0f32; s.m() * s.n()];
         let nan_free = self.layer.weight().nan_free(&codes);
         plan.assume_nan_free(nan_free)
             .run(&x, &codes, scales, self.layer.bias_host(), &mut out)?;
@@ -111,7 +111,7 @@ impl CustomOp1 for Fp8LinearOp<'_> {
                 ));
             };
             let s = plan.shape();
-            Ok((self.cpu(plan, xs, xl)?, Shape::from((s.m, s.n))))
+            Ok((self.cpu(plan, xs, xl)?, Shape::from((s.m(), s.n()))))
         })())
     }
 

@@ -4,7 +4,7 @@ use fp8nsa_types::{AttnDims, Pages, Seq, Settings, Spans};
 use super::op::{SelPlan, SelectionOp};
 use super::sdpa::masked_sdpa;
 use super::selection::{host_selection, validate_host, Selection};
-use crate::backend::{use_cuda, Backend};
+use crate::backend::{use_cuda, Backend, PjrtRuntime};
 use crate::error::{invalid, shape_err, Error, Result};
 
 pub use fp8nsa_types::{DEFAULT_MIN_LEN, NSA_MIN_LEN_ENV as MIN_LEN_ENV};
@@ -87,13 +87,38 @@ pub(crate) struct PoolRef<'a> {
     pub(crate) num_pages: usize,
 }
 
+/// Where one selection call runs, decided once per call (the backend resolved, CUDA or not,
+/// `min_len` read) and handed to the path that runs it.
+enum Route {
+    /// A PJRT runtime: a masked program per sequence (no `min_len`: it has one program).
+    Pjrt(std::sync::Arc<PjrtRuntime>),
+    /// CUDA tensors: our kernel from `min_len` keys (where it takes the call), else the
+    /// masked SDPA on the GPU.
+    Cuda { min_len: usize },
+    /// Host-side paths: the CPU kernel from `min_len` keys for CPU tensors (`cpu`), else
+    /// Candle's masked SDPA.
+    Host { min_len: usize, cpu: bool },
+}
+
+impl Route {
+    /// Whether a kernel that reads a page pool in place gets a call whose longest sequence
+    /// has `max_tk` keys: the CPU kernel or the CUDA one, from `min_len` keys. (The CUDA
+    /// kernel may still refuse the call; it then gathers and falls back.)
+    fn reads_pages(&self, max_tk: usize) -> bool {
+        match *self {
+            Route::Cuda { min_len } | Route::Host { min_len, cpu: true } => max_tk >= min_len,
+            Route::Host { cpu: false, .. } | Route::Pjrt(_) => false,
+        }
+    }
+}
+
 /// Each sequence's keys and values gathered out of the pools `[num_pages * page_size, Hkv, *]`,
 /// packed one after another, with `seqs` pointed at them: for the paths that do not read pages.
 fn gather_pages(
     pool_k: &Tensor,
     pool_v: &Tensor,
     seqs: &[Seq],
-    pages: Pages<'_>,
+    pages: &Pages<'_>,
 ) -> Result<(Tensor, Tensor, Vec<Seq>)> {
     let mut rows = Vec::new();
     let mut packed = seqs.to_vec();
@@ -176,11 +201,27 @@ impl SelectionAttention {
         self
     }
 
-    /// The `min_len` in force: the one set, else the settings' (an unparsable
-    /// `FP8NSA_NSA_MIN_LEN` is an error here, not a silent default).
-    fn resolved_min_len(&self) -> Result<usize> {
-        self.min_len
-            .map_or_else(|| Ok(Settings::global().nsa_min_len.clone()?), Ok)
+    /// Decides where a call on `q`'s device runs: the backend resolved once, and the
+    /// `min_len` in force (the one set, else the settings'; an unparsable
+    /// `FP8NSA_NSA_MIN_LEN` is an error here, not a silent default, for the paths that use it).
+    fn route(&self, q: &Tensor) -> Result<Route> {
+        let backend = self.backend.resolve()?;
+        if let Backend::Pjrt(rt) = backend {
+            return Ok(Route::Pjrt(rt));
+        }
+        let cuda = use_cuda(&backend, q.device(), "SelectionAttention")?;
+        let min_len = match self.min_len {
+            Some(n) => n,
+            None => Settings::global().nsa_min_len.clone()?,
+        };
+        Ok(if cuda {
+            Route::Cuda { min_len }
+        } else {
+            Route::Host {
+                min_len,
+                cpu: q.device().is_cpu(),
+            }
+        })
     }
 
     /// Also return the log-sum-exp of the scores.
@@ -246,6 +287,7 @@ impl SelectionAttention {
             sel,
             [b, tq, hkv],
             None,
+            &self.route(q)?,
         )?;
         let lse = match lse {
             Some(l) => Some(l.reshape((b, tq, hq))?),
@@ -323,7 +365,7 @@ impl SelectionAttention {
                 q_offset,
             });
         }
-        self.run(q, k, v, &seqs, sel, [1, tq, hkv], None)
+        self.run(q, k, v, &seqs, sel, [1, tq, hkv], None, &self.route(q)?)
     }
 
     /// Selection attention over a paged KV cache (see [`PagedKv`]), the shape of a
@@ -441,19 +483,8 @@ impl SelectionAttention {
                 q_offset,
             });
         }
-        let pages = Pages {
-            table: &table,
-            max_pages,
-            page_size: ps,
-        };
-        // the table against the pool and seq_lens, for every path
-        let dims = AttnDims {
-            hq: hkv,
-            hkv,
-            d,
-            dv,
-        };
-        fp8nsa_cpu::nsa::plan_paged(dims, &seqs, np * ps, None, pages)?;
+        // the table against the pool and seq_lens, once, for every path
+        let pages = Pages::new(&table, max_pages, ps, &seqs, np * ps)?;
         let q_packed = q.reshape((b * tq, hq, d))?;
         let pool_k = kv.k_pages.reshape((np * ps, hkv, d))?;
         let pool_v = kv.v_pages.reshape((np * ps, hkv, dv))?;
@@ -463,7 +494,9 @@ impl SelectionAttention {
             table: kv.block_table,
             num_pages: np,
         };
-        let (o, lse, path) = if self.reads_pages(&self.backend.resolve()?, q, max_tk)? {
+        let route = self.route(q)?;
+        let (o, lse, path) = if route.reads_pages(max_tk) {
+            let pool = Some(pool);
             self.run(
                 &q_packed,
                 &pool_k,
@@ -471,11 +504,12 @@ impl SelectionAttention {
                 &seqs,
                 sel,
                 [b, tq, hkv],
-                Some(pool),
+                pool,
+                &route,
             )?
         } else {
-            let (k, v, seqs) = gather_pages(&pool_k, &pool_v, &seqs, pages)?;
-            self.run(&q_packed, &k, &v, &seqs, sel, [b, tq, hkv], None)?
+            let (k, v, seqs) = gather_pages(&pool_k, &pool_v, &seqs, &pages)?;
+            self.run(&q_packed, &k, &v, &seqs, sel, [b, tq, hkv], None, &route)?
         };
         let lse = match lse {
             Some(l) => Some(l.reshape((b, tq, hq))?),
@@ -484,17 +518,9 @@ impl SelectionAttention {
         Ok((o.reshape((b, tq, hq, dv))?, lse, path))
     }
 
-    /// Whether a selection kernel that reads a page pool in place gets the call: the CPU
-    /// kernel (CPU tensors, no CUDA or PJRT backend) or the CUDA one, at least `min_len` keys.
-    /// (The CUDA kernel may still refuse the call; it then gathers and falls back.)
-    fn reads_pages(&self, backend: &Backend, q: &Tensor, max_tk: usize) -> Result<bool> {
-        let cuda = use_cuda(backend, q.device(), "SelectionAttention")?;
-        let cpu = q.device().is_cpu() && !cuda && !matches!(backend, Backend::Pjrt(_));
-        Ok((cpu || cuda) && max_tk >= self.resolved_min_len()?)
-    }
-
-    /// Token-packed core shared by the entry points; `pages` (only where a kernel reads them)
-    /// means `k` / `v` are a page pool read through the block table.
+    /// Token-packed core shared by the entry points, on the `route` the entry point decided;
+    /// `pages` (only where that route reads them) means `k` / `v` are a page pool read through
+    /// the block table.
     #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
@@ -505,6 +531,7 @@ impl SelectionAttention {
         sel: Selection<'_>,
         sel_dims: [usize; 3],
         pages: Option<PoolRef<'_>>,
+        route: &Route,
     ) -> Result<PathOutput> {
         let (tq, hq, d) = q.dims3()?;
         let (_, hkv, _) = k.dims3()?;
@@ -564,16 +591,14 @@ impl SelectionAttention {
         }
         let scale = self.scale.unwrap_or(1.0 / (d as f32).sqrt());
         let max_tk = seqs.iter().map(|s| s.k_len).max().unwrap_or(0);
-        let backend = self.backend.resolve()?;
-        if pages.is_some() && !self.reads_pages(&backend, q, max_tk)? {
-            return Err(invalid(
-                "k",
-                "paged keys reached a path that needs them gathered (internal error)",
-            ));
-        }
-        if use_cuda(&backend, q.device(), "SelectionAttention")? {
-            return self.run_cuda(q, k, v, seqs, sel, scale, max_tk, pages);
-        }
+        debug_assert!(pages.is_none() || route.reads_pages(max_tk));
+        let min_len = match *route {
+            Route::Cuda { min_len } => {
+                return self.run_cuda(q, k, v, seqs, sel, scale, max_tk, min_len, pages);
+            }
+            Route::Host { min_len, .. } => Some(min_len),
+            Route::Pjrt(_) => None,
+        };
         let host = host_selection(sel)?;
         let mut seq_of = vec![0usize; tq];
         for (i, s) in seqs.iter().enumerate() {
@@ -588,7 +613,7 @@ impl SelectionAttention {
             },
             hkv,
         )?;
-        if let Backend::Pjrt(rt) = &backend {
+        if let Route::Pjrt(rt) = route {
             let (o, lse) = super::pjrt::selection(rt, q, k, v, seqs, &host, scale)?;
             return Ok((
                 o.to_dtype(q.dtype())?,
@@ -596,7 +621,7 @@ impl SelectionAttention {
                 NsaPath::Pjrt,
             ));
         }
-        let min_len = self.resolved_min_len()?;
+        let min_len = min_len.unwrap_or(0); // Route::Pjrt returned above
         let reason = if max_tk < min_len {
             Some(SdpaReason::BelowMinLen {
                 tk: max_tk,
@@ -620,7 +645,7 @@ impl SelectionAttention {
                 NsaPath::Sdpa(reason),
             ));
         }
-        let dims = AttnDims { hq, hkv, d, dv };
+        let dims = AttnDims::new(hq, hkv, d, dv)?;
         let block_size = match &host {
             Spans::Blocks { block_size, .. } => Some(*block_size),
             Spans::Ranges { .. } => None,
@@ -653,6 +678,7 @@ impl SelectionAttention {
         sel: Selection<'_>,
         scale: f32,
         max_tk: usize,
+        min_len: usize,
         pages: Option<PoolRef<'_>>,
     ) -> Result<PathOutput> {
         let (tq, hq, d) = q.dims3()?;
@@ -676,7 +702,6 @@ impl SelectionAttention {
                 .transpose()?;
             return Ok((o, lse, NsaPath::Empty));
         }
-        let min_len = self.resolved_min_len()?;
         let planned = if max_tk < min_len {
             Err(SdpaReason::BelowMinLen {
                 tk: max_tk,
@@ -694,7 +719,7 @@ impl SelectionAttention {
                 let (o, lse) = match pages {
                     None => masked_sdpa(&q, &k, &v, seqs, &host, scale)?,
                     Some(p) => {
-                        let (k, v, seqs) = gather_pages(&k, &v, seqs, p.host)?;
+                        let (k, v, seqs) = gather_pages(&k, &v, seqs, &p.host)?;
                         masked_sdpa(&q, &k, &v, &seqs, &host, scale)?
                     }
                 };
@@ -706,7 +731,7 @@ impl SelectionAttention {
             }
         };
         let op = SelectionOp::new(
-            AttnDims { hq, hkv, d, dv },
+            AttnDims::new(hq, hkv, d, dv)?,
             scale,
             SelPlan::Cuda(Box::new(call)),
         );

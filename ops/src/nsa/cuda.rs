@@ -58,7 +58,7 @@ mod imp {
         let (_, hq, d) = q.dims3()?;
         let (_, hkv, _) = k.dims3()?;
         let dv = v.dims()[2];
-        let dims = AttnDims { hq, hkv, d, dv };
+        let dims = AttnDims::new(hq, hkv, d, dv)?;
         let per_row = sel.dims()[3];
         let (entries, kind) = match sel {
             Selection::Blocks(s) => (
@@ -119,11 +119,12 @@ mod imp {
 
     fn run_typed<T: fp8nsa_cuda::Element + CudaDType>(
         c: &CudaSel,
-        AttnDims { hq, dv, .. }: AttnDims,
+        dims: AttnDims,
         (qs, ql): (&CudaStorage, &Layout),
         (ks, kl): (&CudaStorage, &Layout),
         (vs, vl): (&CudaStorage, &Layout),
     ) -> Result<(CudaStorage, CudaStorage)> {
+        let (hq, dv) = (dims.hq(), dims.dv());
         let stream = stream_of(qs);
         let tq = ql.dims()[0];
         let (q, k, v) = (

@@ -70,7 +70,7 @@ pub fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Resul
         }
     }
     let op = DecodeOp {
-        dims: AttnDims { hq, hkv, d, dv },
+        dims: AttnDims::new(hq, hkv, d, dv)?,
         tk,
         scale,
         err: ParkedError::new(),
@@ -133,7 +133,7 @@ impl CustomOp3 for DecodeOp {
         vl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         self.err.park((|| {
-            let AttnDims { hq, d, dv, .. } = self.dims;
+            let (hq, d, dv) = (self.dims.hq(), self.dims.d(), self.dims.dv());
             let CpuStorage::F32(qd) = qs else {
                 return Err(Error::DType {
                     arg: "q",

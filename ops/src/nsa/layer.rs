@@ -70,7 +70,7 @@ const CMP_CHUNK: usize = 256;
 /// use fp8nsa_ops::nsa::{Compressor, Gates, NativeSparseAttention, NsaCache, NsaConfig, NsaDims};
 ///
 /// let dev = Device::Cpu;
-/// let dims = NsaDims { hq: 4, hkv: 1, d: 32, dv: 32 };
+/// let dims = NsaDims::new(4, 1, 32, 32)?;
 /// let nsa = NativeSparseAttention::new(NsaConfig::default(), dims, Compressor::MeanPool,
 ///                                      Gates::Fixed([1.0, 1.0, 1.0]))?;
 /// let (q, k, v) = (Tensor::randn(0f32, 1.0, (1, 100, 4, 32), &dev)?,
@@ -100,18 +100,8 @@ impl NativeSparseAttention {
         compressor: Compressor,
         gates: Gates,
     ) -> Result<Self> {
+        // `dims` is valid by construction (`NsaDims::new`)
         cfg.validate()?;
-        if dims.hkv == 0
-            || dims.hq == 0
-            || !dims.hq.is_multiple_of(dims.hkv)
-            || dims.d == 0
-            || dims.dv == 0
-        {
-            return Err(invalid(
-                "dims",
-                format!("need Hq a positive multiple of Hkv and D, Dv >= 1, got {dims:?}"),
-            ));
-        }
         if compressor.kind() != cfg.compressor {
             return Err(invalid(
                 "compressor",
@@ -122,11 +112,11 @@ impl NativeSparseAttention {
                 ),
             ));
         }
-        if cfg.compressor == CompressorKind::Mlp && dims.d != dims.dv {
+        if cfg.compressor == CompressorKind::Mlp && dims.d() != dims.dv() {
             return Err(invalid("dims", "the MLP compressor needs Dv == D"));
         }
         Ok(Self {
-            scale: 1.0 / (dims.d as f32).sqrt(),
+            scale: 1.0 / (dims.d() as f32).sqrt(),
             cfg,
             dims,
             compressor,
@@ -138,19 +128,19 @@ impl NativeSparseAttention {
     /// Loads the gate projection `gate` (`hidden -> 3 * Hq`, with bias) and, for the MLP
     /// compressor, `k_compress.*` / `v_compress.*` (see [`MlpCompressor::load`]).
     pub fn load(cfg: NsaConfig, dims: NsaDims, hidden: usize, vb: VarBuilder) -> Result<Self> {
-        let gates = Gates::Learned(candle_nn::linear(hidden, 3 * dims.hq, vb.pp("gate"))?);
+        let gates = Gates::Learned(candle_nn::linear(hidden, 3 * dims.hq(), vb.pp("gate"))?);
         let compressor = match cfg.compressor {
             CompressorKind::MeanPool => Compressor::MeanPool,
             CompressorKind::Mlp => {
                 let l = cfg.compress_block;
                 let h = if cfg.mlp_hidden == 0 {
-                    l * dims.d / 4
+                    l * dims.d() / 4
                 } else {
                     cfg.mlp_hidden
                 };
                 Compressor::Mlp {
-                    k: MlpCompressor::load(vb.pp("k_compress"), l, dims.d, h)?,
-                    v: MlpCompressor::load(vb.pp("v_compress"), l, dims.dv, h)?,
+                    k: MlpCompressor::load(vb.pp("k_compress"), l, dims.d(), h)?,
+                    v: MlpCompressor::load(vb.pp("v_compress"), l, dims.dv(), h)?,
                 }
             }
         };
@@ -205,7 +195,7 @@ impl NativeSparseAttention {
     }
 
     pub(crate) fn check_kv(&self, k: &Tensor, v: &Tensor) -> Result<usize> {
-        let NsaDims { hkv, d, dv, .. } = self.dims;
+        let (hkv, d, dv) = (self.dims.hkv(), self.dims.d(), self.dims.dv());
         let (b, tk, h, dk) = k
             .dims4()
             .map_err(|_| shape_err("k", "[B, Tk, Hkv, D]", k.dims()))?;
@@ -223,7 +213,7 @@ impl NativeSparseAttention {
     }
 
     fn gate_values(&self, gate_input: &Tensor, b: usize, tq: usize) -> Result<Tensor> {
-        let hq = self.dims.hq;
+        let hq = self.dims.hq();
         match &self.gates {
             Gates::Fixed(w) => {
                 let t = Tensor::new(&w[..], gate_input.device())?;
@@ -272,7 +262,7 @@ impl NativeSparseAttention {
         ck: &Tensor,
         cv: &Tensor,
     ) -> Result<NsaOutput> {
-        let NsaDims { hq, hkv, d, .. } = self.dims;
+        let (hq, hkv, d) = (self.dims.hq(), self.dims.hkv(), self.dims.d());
         let (b, tq, hq2, d2) = q
             .dims4()
             .map_err(|_| shape_err("q", "[B, Tq, Hq, D]", q.dims()))?;
@@ -344,7 +334,7 @@ impl NativeSparseAttention {
         q_offset: usize,
         dev: &Device,
     ) -> Result<SelectionRanges> {
-        let hkv = self.dims.hkv;
+        let hkv = self.dims.hkv();
         let rows = QueryRows {
             b,
             tq,
@@ -366,7 +356,12 @@ impl NativeSparseAttention {
         q_offset: usize,
         tk: usize,
     ) -> Result<(Tensor, Tensor, BlockSelection)> {
-        let NsaDims { hq, hkv, d, dv } = self.dims;
+        let (hq, hkv, d, dv) = (
+            self.dims.hq(),
+            self.dims.hkv(),
+            self.dims.d(),
+            self.dims.dv(),
+        );
         let g = hq / hkv;
         let (b, tq, _, _) = q.dims4()?;
         let n_c = ck.dims()[1];
@@ -439,7 +434,7 @@ impl NativeSparseAttention {
         q_offset: usize,
         dev: &Device,
     ) -> Result<BlockSelection> {
-        let (hkv, n) = (self.dims.hkv, self.cfg.num_selected);
+        let (hkv, n) = (self.dims.hkv(), self.cfg.num_selected);
         let rows = QueryRows {
             b,
             tq,

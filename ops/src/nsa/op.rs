@@ -41,7 +41,12 @@ impl<'a> SelectionOp<'a> {
 
     /// Applies the op to token-packed `q`, `k`, `v`: `(o, lse)`.
     pub(crate) fn apply(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let AttnDims { hq, hkv, d, dv } = self.dims;
+        let (hq, hkv, d, dv) = (
+            self.dims.hq(),
+            self.dims.hkv(),
+            self.dims.d(),
+            self.dims.dv(),
+        );
         let (backend, kernel) = match &self.plan {
             SelPlan::Cpu(..) => ("cpu", "cpu-selection".to_string()),
             SelPlan::Cuda(c) => ("cuda", format!("cuda-selection, {}", c.describe())),
@@ -71,7 +76,7 @@ impl<'a> SelectionOp<'a> {
         (ks, kl): (&CpuStorage, &Layout),
         (vs, vl): (&CpuStorage, &Layout),
     ) -> Result<(CpuStorage, Shape)> {
-        let AttnDims { hq, dv, .. } = self.dims;
+        let (hq, dv) = (self.dims.hq(), self.dims.dv());
         let tq = ql.dims()[0];
         let mut o = vec![0f32; tq * hq * dv];
         let mut lse = vec![0f32; tq * hq];
@@ -149,7 +154,7 @@ impl CustomOp3 for SelectionOp<'_> {
             };
             let (o, lse) = cuda::run(call, self.dims, (qs, ql), (ks, kl), (vs, vl))?;
             let tq = ql.dims()[0];
-            let AttnDims { hq, dv, .. } = self.dims;
+            let (hq, dv) = (self.dims.hq(), self.dims.dv());
             self.lse.put(Storage::Cuda(lse), (tq, hq));
             Ok((o, Shape::from((tq, hq, dv))))
         })())

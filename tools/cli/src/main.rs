@@ -232,13 +232,7 @@ fn dump_programs(out: &std::path::Path, plugin: Option<&str>) -> Result<()> {
         path: out.to_path_buf(),
         source,
     })?;
-    let shape = LinearShape {
-        m: 16,
-        n: 576,
-        k: 3884,
-        bn: 128,
-        bk: 128,
-    };
+    let shape = LinearShape::new(16, 576, 3884, 128, 128).unwrap();
     let attn = AttnShape {
         tq: 64,
         tk: 512,

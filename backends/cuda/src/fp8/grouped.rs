@@ -79,13 +79,8 @@ pub fn plan_grouped(
 ) -> Result<CudaFp8Path> {
     check_grouped(w, counts, act)?;
     let most = counts.iter().copied().max().unwrap_or(0);
-    let shape = LinearShape {
-        m: most.min(SMALL_M_MAX),
-        n: w.n,
-        k: w.k,
-        bn: w.bn,
-        bk: w.bk,
-    };
+    // (a call without rows plans as one row: the planner needs a valid problem)
+    let shape = LinearShape::new(most.clamp(1, SMALL_M_MAX), w.n, w.k, w.bn, w.bk)?;
     // the grouped small-M kernel takes groups of any size (in chunks of 16 tokens)
     let a = applicability(info, &shape, act);
     let small = || CudaFp8Path::SmallM {

@@ -88,13 +88,7 @@ pub fn plan_call<T: Element>(
 ) -> Result<Fp8Call> {
     check_call(layout, m, act)?;
     let g = gpu(stream)?;
-    let shape = LinearShape {
-        m,
-        n: layout.n,
-        k: layout.k,
-        bn: layout.bn,
-        bk: layout.bk,
-    };
+    let shape = LinearShape::new(m, layout.n, layout.k, layout.bn, layout.bk)?;
     let dtype = Dtype::of::<T>();
     let mut path = plan(&g.info, &shape, act, kernel)?;
     let mut fallback = None;

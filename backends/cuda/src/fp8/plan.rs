@@ -177,13 +177,7 @@ mod tests {
     }
 
     fn shape(m: usize, n: usize, k: usize, b: [usize; 2]) -> LinearShape {
-        LinearShape {
-            m,
-            n,
-            k,
-            bn: b[0],
-            bk: b[1],
-        }
+        LinearShape::new(m, n, k, b[0], b[1]).unwrap()
     }
 
     const H100: (i32, i32) = (9, 0);

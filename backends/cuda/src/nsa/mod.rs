@@ -11,7 +11,7 @@
 //! use fp8nsa_types::{AttnDims, Seq};
 //!
 //! let stream = CudaContext::new(0)?.default_stream();
-//! let dims = AttnDims { hq: 16, hkv: 1, d: 128, dv: 128 };
+//! let dims = AttnDims::new(16, 1, 128, 128)?;
 //! let (tq, tk) = (1, 4096);
 //! let q = stream.alloc_zeros::<half::bf16>(tq * 16 * 128)?;
 //! let k = stream.alloc_zeros::<half::bf16>(tk * 128)?;
@@ -223,7 +223,7 @@ pub fn plan_selection(
             "f32 inputs (the kernel takes bf16 and f16)",
         ));
     }
-    let AttnDims { hq, hkv, d, dv } = dims;
+    let (hq, hkv, d, dv) = (dims.hq(), dims.hkv(), dims.d(), dims.dv());
     if hkv == 0 || hq % hkv != 0 {
         return Err(invalid(
             "hq",
@@ -482,7 +482,12 @@ fn run_call<T: Element>(
         ));
     }
     let arrays = &call.arrays;
-    let AttnDims { hq, hkv, d, dv } = call.dims;
+    let (hq, hkv, d, dv) = (
+        call.dims.hq(),
+        call.dims.hkv(),
+        call.dims.d(),
+        call.dims.dv(),
+    );
     let tq = arrays.total_q;
     let (tk, table_len) = match call.pages {
         Some(l) => (l.num_pages * l.page_size, arrays.q_off.len() * l.max_pages),

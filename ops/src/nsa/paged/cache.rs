@@ -23,7 +23,7 @@ const CACHE_PAGE: usize = 64;
 /// use fp8nsa_ops::nsa::*;
 ///
 /// let dev = Device::Cpu;
-/// let dims = NsaDims { hq: 4, hkv: 1, d: 32, dv: 32 };
+/// let dims = NsaDims::new(4, 1, 32, 32)?;
 /// let nsa = NativeSparseAttention::new(NsaConfig::default(), dims, Compressor::MeanPool,
 ///                                      Gates::Fixed([1.0, 1.0, 1.0]))?;
 /// let mut cache = NsaCache::new();

@@ -47,7 +47,7 @@ impl NsaPages {
                 got: dtype,
             });
         }
-        let NsaDims { hkv, d, dv, .. } = dims;
+        let (hkv, d, dv) = (dims.hkv(), dims.d(), dims.dv());
         for (arg, pages, size) in [
             ("raw_pages", raw_pages, dtype.size_in_bytes()),
             (

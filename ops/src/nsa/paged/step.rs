@@ -6,7 +6,7 @@ use super::state::block_table;
 use super::{NsaPages, NsaPool, NsaSeqState};
 use crate::error::{invalid, shape_err, Error, Result};
 use crate::nsa::layer::{check_step_queries, Kv, NativeSparseAttention, NsaOutput};
-use crate::nsa::{NsaDims, PagedKv};
+use crate::nsa::PagedKv;
 
 impl NativeSparseAttention {
     /// [`Self::forward_step`] on server-owned pages: appends `k_new` / `v_new [1, Tn, Hkv, ..]`
@@ -24,7 +24,7 @@ impl NativeSparseAttention {
     /// use fp8nsa_ops::nsa::*;
     ///
     /// let dev = Device::Cpu;
-    /// let dims = NsaDims { hq: 4, hkv: 1, d: 32, dv: 32 };
+    /// let dims = NsaDims::new(4, 1, 32, 32)?;
     /// let nsa = NativeSparseAttention::new(NsaConfig::default(), dims, Compressor::MeanPool,
     ///                                      Gates::Fixed([1.0, 1.0, 1.0]))?;
     /// let pages = NsaPages::new(dims, 16, 64, 8, DType::F32, &dev)?; // the server's pools
@@ -89,7 +89,7 @@ impl NativeSparseAttention {
         state: &mut NsaSeqState,
     ) -> Result<()> {
         let tn = self.check_kv(k_new, v_new)?;
-        let NsaDims { hkv, d, dv, .. } = self.dims();
+        let (hkv, d, dv) = (self.dims().hkv(), self.dims().d(), self.dims().dv());
         if k_new.dims()[0] != 1 {
             return Err(shape_err(
                 "k_new",
