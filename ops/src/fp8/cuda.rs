@@ -4,10 +4,6 @@
 //! a padded copy is made. Each call is planned by fp8nsa-cuda before the op is applied; the
 //! op's `cuda_fwd` quantizes the activations on the GPU and runs that plan.
 
-use super::linear::Prepared;
-use super::Fp8Linear;
-use crate::error::Result;
-
 #[cfg(feature = "cuda")]
 mod imp {
     use std::sync::Arc;
@@ -21,7 +17,7 @@ mod imp {
 
     use crate::cuda::{stream_of, view, with_storage};
     use crate::error::{Error, Result};
-    use crate::fp8::Fp8Linear;
+    use crate::fp8::{ActQuant, Fp8BlockWeight};
 
     /// A buffer of the weight on the device: the layer's own tensor, or a padded copy.
     #[derive(Debug)]
@@ -74,8 +70,12 @@ mod imp {
         Ok(Part::Padded(padded))
     }
 
-    pub(crate) fn prepare(layer: &Fp8Linear, dev: &Device) -> Result<Arc<CudaWeight>> {
-        let w = layer.weight();
+    /// The weight `w` (and its f32 `bias`) made ready for the kernels on `dev`.
+    pub(crate) fn prepare(
+        w: &Fp8BlockWeight,
+        bias: Option<&[f32]>,
+        dev: &Device,
+    ) -> Result<Arc<CudaWeight>> {
         let layout = WeightLayout::new(w.shape(), w.block())?;
         let [n, k] = w.shape();
         let [nb, kb] = layout.scale_dims();
@@ -89,7 +89,7 @@ mod imp {
             layout.scales_need_padding(),
             [nb, kb, layout.scale_ld],
         )?;
-        let bias = match layer.bias_host() {
+        let bias = match bias {
             Some(b) => {
                 let cuda = dev.as_cuda_device()?;
                 Some(
@@ -138,7 +138,7 @@ mod imp {
     /// fp8nsa-cuda's plan for `m` rows of `dtype` on `dev`, made from the weight's shape
     /// alone (a refusal uploads nothing); then the weight `prepared` for `dev`.
     pub(crate) fn plan(
-        layer: &Fp8Linear,
+        (w, act): (&Fp8BlockWeight, ActQuant),
         dev: &Device,
         m: usize,
         dtype: DType,
@@ -146,9 +146,7 @@ mod imp {
         prepared: impl FnOnce() -> Result<Arc<CudaWeight>>,
     ) -> Result<CudaCall> {
         let stream = dev.as_cuda_device()?.cuda_stream();
-        let w = layer.weight();
         let layout = &WeightLayout::new(w.shape(), w.block())?;
-        let act = layer.act();
         let call = match dtype {
             DType::F32 => kernels::plan_call::<f32>(&stream, layout, m, act, kernel),
             DType::BF16 => kernels::plan_call::<half::bf16>(&stream, layout, m, act, kernel),
@@ -230,7 +228,7 @@ mod imp {
     use fp8nsa_types::{CudaFp8Kernel, CudaFp8Path};
 
     use crate::error::{Error, Result};
-    use crate::fp8::Fp8Linear;
+    use crate::fp8::{ActQuant, Fp8BlockWeight};
 
     #[derive(Debug)]
     pub(crate) enum CudaWeight {}
@@ -247,7 +245,11 @@ mod imp {
         match *w {}
     }
 
-    pub(crate) fn prepare(_: &Fp8Linear, dev: &Device) -> Result<Arc<CudaWeight>> {
+    pub(crate) fn prepare(
+        _: &Fp8BlockWeight,
+        _: Option<&[f32]>,
+        dev: &Device,
+    ) -> Result<Arc<CudaWeight>> {
         Err(Error::Unsupported {
             op: "Fp8Linear",
             device: format!("{dev:?}"),
@@ -256,7 +258,7 @@ mod imp {
     }
 
     pub(crate) fn plan(
-        _: &Fp8Linear,
+        _: (&Fp8BlockWeight, ActQuant),
         dev: &Device,
         _: usize,
         _: DType,
@@ -273,32 +275,4 @@ mod imp {
 
 #[cfg(feature = "cuda")]
 pub(crate) use imp::run;
-pub(crate) use imp::{CudaCall, CudaWeight};
-
-/// Plans `m` rows of `dtype` on `dev`, then prepares the weight for it (once per device, kept
-/// with the layer): every refusal (a forced kernel that does not apply, sizes past the kernels'
-/// indexing, no `cuda` feature) is a typed error here, before the op runs.
-pub(crate) fn plan(
-    layer: &Fp8Linear,
-    dev: &candle_core::Device,
-    m: usize,
-    dtype: candle_core::DType,
-) -> Result<CudaCall> {
-    let kernel = layer.cuda_kernel()?;
-    imp::plan(layer, dev, m, dtype, kernel, || prepared(layer, dev))
-}
-
-/// The layer's weight prepared for `dev`: the one kept in its slot, or a new one put there.
-fn prepared(layer: &Fp8Linear, dev: &candle_core::Device) -> Result<std::sync::Arc<CudaWeight>> {
-    let loc = dev.location();
-    layer.prepared(
-        |p| match p {
-            Prepared::Cuda(w) if imp::is_on(w, &loc) => Some(w.clone()),
-            _ => None,
-        },
-        || {
-            let w = imp::prepare(layer, dev)?;
-            Ok((Prepared::Cuda(w.clone()), w))
-        },
-    )
-}
+pub(crate) use imp::{is_on, plan, prepare, CudaCall, CudaWeight};

@@ -6,7 +6,7 @@
 
 use candle_core::Tensor;
 
-use super::parallel::check_gather;
+use super::comm::check_gather;
 use crate::error::{invalid, Result};
 
 /// Dimensions an uneven all-gather over a fixed-size collective (NCCL) can describe.

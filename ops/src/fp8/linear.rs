@@ -199,12 +199,12 @@ impl Fp8Linear {
         *out_dims.last_mut().expect("x has a last dim") = n;
         let backend = self.backend.resolve()?;
         if let Backend::Pjrt(rt) = &backend {
-            let (y, kernel) = pjrt::fp8_linear(self, rt, x, m)?;
+            let (y, kernel) = self.run_pjrt(rt, x, m)?;
             return Ok((y.reshape(out_dims)?, Fp8Path::Pjrt(kernel)));
         }
         let _span = tracing::debug_span!("fp8nsa::fp8_linear", m, n, k).entered();
         let plan = if use_cuda(&backend, x.device(), "Fp8Linear")? {
-            CallPlan::Cuda(cuda::plan(self, x.device(), m, x.dtype())?)
+            CallPlan::Cuda(self.plan_cuda(x.device(), m, x.dtype())?)
         } else if x.device().is_cpu() && self.weight.device().is_cpu() {
             let [bn, bk] = self.weight.block();
             let shape = LinearShape::new(m, n, k, bn, bk)?;
@@ -216,7 +216,7 @@ impl Fp8Linear {
                 hint: "the CPU kernels need x and the weight on the CPU (CUDA tensors run on CUDA with the `cuda` feature)",
             });
         };
-        let op = Fp8LinearOp::new(self, plan);
+        let op = Fp8LinearOp::new(&self.weight, self.bias_host(), plan);
         let y = op.apply(&x.reshape((m, k))?.contiguous()?)?;
         let path = op.path();
         let (backend, kernel) = match path {
@@ -232,5 +232,57 @@ impl Fp8Linear {
 impl Module for Fp8Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         Ok(self.forward_t(x)?)
+    }
+}
+
+/// The accelerator paths, which keep the prepared weight in the layer's one slot.
+impl Fp8Linear {
+    /// Plans `m` rows of `dtype` on `dev`, then prepares the weight for it (once per device,
+    /// kept with the layer): every refusal (a forced kernel that does not apply, sizes past
+    /// the kernels' indexing, no `cuda` feature) is a typed error here, before the op runs.
+    fn plan_cuda(
+        &self,
+        dev: &candle_core::Device,
+        m: usize,
+        dtype: DType,
+    ) -> Result<cuda::CudaCall> {
+        let kernel = self.cuda_kernel()?;
+        let loc = dev.location();
+        cuda::plan((&self.weight, self.act), dev, m, dtype, kernel, || {
+            self.prepared(
+                |p| match p {
+                    Prepared::Cuda(w) if cuda::is_on(w, &loc) => Some(w.clone()),
+                    _ => None,
+                },
+                || {
+                    let w = cuda::prepare(&self.weight, self.bias_host(), dev)?;
+                    Ok((Prepared::Cuda(w.clone()), w))
+                },
+            )
+        })
+    }
+
+    /// `x` with `m` rows of K -> `y [m, N]` and the kernel variant that ran; the weight is
+    /// uploaded on the first call for `rt` and kept with the layer.
+    fn run_pjrt(
+        &self,
+        rt: &Arc<crate::backend::PjrtRuntime>,
+        x: &Tensor,
+        m: usize,
+    ) -> Result<(Tensor, TpuKernel)> {
+        let variant = self.tpu_kernel()?;
+        pjrt::check(rt, variant)?;
+        let w = self.prepared(
+            |p| match p {
+                Prepared::Pjrt(w) if Arc::ptr_eq(pjrt::runtime(w), rt) => Some(w.clone()),
+                _ => None,
+            },
+            || {
+                let w = pjrt::upload(&self.weight, self.bias_host(), rt)?;
+                Ok((Prepared::Pjrt(w.clone()), w))
+            },
+        )?;
+        let y = pjrt::run((&w, self.weight.shape(), self.act), x, m, variant)?;
+        Ok((y, variant))
     }
 }

@@ -1,5 +1,6 @@
 //! The fp8 e4m3fn block-scaled format and the layer built on it.
 
+mod comm;
 mod cuda;
 mod experts;
 mod experts_cuda;
@@ -11,8 +12,10 @@ mod nccl;
 mod op;
 mod parallel;
 mod pjrt;
+mod shard;
 pub(crate) mod weight;
 
+pub use comm::{Communicator, HostGroup};
 pub use experts::Fp8Experts;
 pub use fp8nsa_cpu::linear::{BF16_TILE_MIN_M, GEMV_MAX_M};
 pub use fp8nsa_types::{ActQuant, ScaleDType};
@@ -22,7 +25,6 @@ pub use moe::{Fp8Moe, MoeRouter, Routing};
 #[cfg(feature = "nccl")]
 pub use nccl::NcclGroup;
 pub use op::Fp8Path;
-pub use parallel::{
-    ColumnParallel, Communicator, ExpertParallel, HeadShard, HostGroup, RowParallel, Shard, Split,
-};
+pub use parallel::{ColumnParallel, ExpertParallel, RowParallel};
+pub use shard::{HeadShard, Shard, Split};
 pub use weight::Fp8BlockWeight;

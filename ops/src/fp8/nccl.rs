@@ -8,7 +8,7 @@ use candle_core::{CudaStorage, DType, Storage, Tensor};
 use cudarc::driver::CudaStream;
 use cudarc::nccl::{Comm, Id, ReduceOp};
 
-use super::parallel::Communicator;
+use super::comm::Communicator;
 use crate::cuda::{view, with_storage};
 use crate::error::{invalid, Result};
 

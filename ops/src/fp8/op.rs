@@ -8,7 +8,7 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage, Tensor};
 use fp8nsa_cpu::linear::LinearPlan;
 use fp8nsa_types::{CpuFp8Path, CudaFp8Path, TpuKernel};
 
-use super::{cuda, Fp8Linear};
+use super::{cuda, Fp8BlockWeight};
 use crate::error::{invalid, Error, Result};
 use crate::storage::{f32_slice, fp8_bytes, from_f32, ParkedError};
 
@@ -31,7 +31,9 @@ pub(crate) enum CallPlan {
 }
 
 pub(crate) struct Fp8LinearOp<'a> {
-    layer: &'a Fp8Linear,
+    weight: &'a Fp8BlockWeight,
+    /// The bias as f32 on the host (the CPU kernels add it).
+    bias: Option<&'a [f32]>,
     plan: CallPlan,
     /// What ran on CUDA when it differs from the plan (a cuBLASLt refusal at run time).
     ran: Mutex<Option<CudaFp8Path>>,
@@ -39,9 +41,10 @@ pub(crate) struct Fp8LinearOp<'a> {
 }
 
 impl<'a> Fp8LinearOp<'a> {
-    pub(crate) fn new(layer: &'a Fp8Linear, plan: CallPlan) -> Self {
+    pub(crate) fn new(weight: &'a Fp8BlockWeight, bias: Option<&'a [f32]>, plan: CallPlan) -> Self {
         Self {
-            layer,
+            weight,
+            bias,
             plan,
             ran: Mutex::new(None),
             err: ParkedError::new(),
@@ -67,7 +70,7 @@ impl<'a> Fp8LinearOp<'a> {
     fn cpu(&self, plan: &LinearPlan, xs: &CpuStorage, xl: &Layout) -> Result<CpuStorage> {
         let s = plan.shape();
         let x = f32_slice("x", xs, xl)?;
-        let w = self.layer.weight();
+        let w = self.weight;
         let (data, dl) = w.data().storage_and_layout();
         let (scales, sl) = w.scales().storage_and_layout();
         let (Storage::Cpu(data), Storage::Cpu(scales)) = (&*data, &*scales) else {
@@ -90,9 +93,9 @@ impl<'a> Fp8LinearOp<'a> {
             }
         };
         let mut out = vec![0f32; s.m() * s.n()];
-        let nan_free = self.layer.weight().nan_free(&codes);
+        let nan_free = self.weight.nan_free(&codes);
         plan.assume_nan_free(nan_free)
-            .run(&x, &codes, scales, self.layer.bias_host(), &mut out)?;
+            .run(&x, &codes, scales, self.bias, &mut out)?;
         Ok(from_f32(out, xs.dtype()))
     }
 }

@@ -6,8 +6,7 @@ use std::sync::Arc;
 use candle_core::Tensor;
 use fp8nsa_types::TpuKernel;
 
-use super::linear::Prepared;
-use super::Fp8Linear;
+use super::{ActQuant, Fp8BlockWeight};
 use crate::backend::PjrtRuntime;
 use crate::error::Result;
 
@@ -34,8 +33,12 @@ mod imp {
         Ok(rt.check_kernel(variant)?)
     }
 
-    pub(crate) fn upload(layer: &Fp8Linear, rt: &Arc<PjrtRuntime>) -> Result<Arc<PjrtWeight>> {
-        let w = layer.weight();
+    /// Uploads `w` (and its f32 `bias`) to `rt`'s device.
+    pub(crate) fn upload(
+        w: &Fp8BlockWeight,
+        bias: Option<&[f32]>,
+        rt: &Arc<PjrtRuntime>,
+    ) -> Result<Arc<PjrtWeight>> {
         let [n, k] = w.shape();
         let codes = crate::fp8::weight::host_bytes("data", w.data())?;
         let scales = w
@@ -43,29 +46,28 @@ mod imp {
             .to_device(&Device::Cpu)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        let weight = rt.upload_weight(&codes, &scales, layer.bias_host(), n, k, w.block())?;
+        let weight = rt.upload_weight(&codes, &scales, bias, n, k, w.block())?;
         Ok(Arc::new(PjrtWeight {
             runtime: rt.clone(),
             weight,
         }))
     }
 
+    /// `x` with `m` rows of K through the uploaded weight `w` (`[n, k]`, `act`).
     pub(crate) fn run(
-        layer: &Fp8Linear,
-        w: &PjrtWeight,
+        (w, [n, k], act): (&PjrtWeight, [usize; 2], ActQuant),
         x: &Tensor,
         m: usize,
         variant: TpuKernel,
     ) -> Result<Tensor> {
         let rt = &w.runtime;
-        let [n, k] = layer.weight().shape();
         let xs = x
             .to_device(&Device::Cpu)?
             .to_dtype(DType::F32)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        let y = rt.fp8_linear(&xs, m, &w.weight, layer.act(), variant)?;
-        tracing::debug!(op = "fp8_linear", backend = "pjrt", platform = rt.platform(), kernel = ?variant, m, n, k, act = ?layer.act());
+        let y = rt.fp8_linear(&xs, m, &w.weight, act, variant)?;
+        tracing::debug!(op = "fp8_linear", backend = "pjrt", platform = rt.platform(), kernel = ?variant, m, n, k, act = ?act);
         Ok(Tensor::from_vec(y, (m, n), x.device())?.to_dtype(x.dtype())?)
     }
 }
@@ -86,7 +88,11 @@ mod imp {
         Ok(())
     }
 
-    pub(crate) fn upload(_: &Fp8Linear, rt: &Arc<PjrtRuntime>) -> Result<Arc<PjrtWeight>> {
+    pub(crate) fn upload(
+        _: &Fp8BlockWeight,
+        _: Option<&[f32]>,
+        rt: &Arc<PjrtRuntime>,
+    ) -> Result<Arc<PjrtWeight>> {
         Err(crate::error::Error::Unsupported {
             op: "Fp8Linear",
             device: rt.platform().to_string(),
@@ -95,8 +101,7 @@ mod imp {
     }
 
     pub(crate) fn run(
-        _: &Fp8Linear,
-        w: &PjrtWeight,
+        (w, _, _): (&PjrtWeight, [usize; 2], ActQuant),
         _: &Tensor,
         _: usize,
         _: TpuKernel,
@@ -105,27 +110,4 @@ mod imp {
     }
 }
 
-pub(crate) use imp::PjrtWeight;
-
-/// `x` with `m` rows of K -> `y [m, N]` and the kernel variant that ran; the weight is
-/// uploaded on the first call for `rt` and kept with the layer.
-pub(crate) fn fp8_linear(
-    layer: &Fp8Linear,
-    rt: &Arc<PjrtRuntime>,
-    x: &Tensor,
-    m: usize,
-) -> Result<(Tensor, TpuKernel)> {
-    let variant = layer.tpu_kernel()?;
-    imp::check(rt, variant)?;
-    let w = layer.prepared(
-        |p| match p {
-            Prepared::Pjrt(w) if Arc::ptr_eq(imp::runtime(w), rt) => Some(w.clone()),
-            _ => None,
-        },
-        || {
-            let w = imp::upload(layer, rt)?;
-            Ok((Prepared::Pjrt(w.clone()), w))
-        },
-    )?;
-    Ok((imp::run(layer, &w, x, m, variant)?, variant))
-}
+pub(crate) use imp::{check, run, runtime, upload, PjrtWeight};

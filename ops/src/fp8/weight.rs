@@ -1,6 +1,10 @@
+use std::ops::Range;
+
+use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
+use super::shard::{check_on_blocks, Shard, Split};
 use crate::error::{invalid, shape_err, Error, Result};
 use fp8nsa_types::ScaleDType;
 
@@ -281,11 +285,11 @@ impl Fp8BlockWeight {
         device: &Device,
     ) -> Result<Self> {
         // the whole weight is the one shard of a group of one
-        let whole = super::Shard {
+        let whole = Shard {
             rank: 0,
             world_size: 1,
         };
-        Self::load_shard(st, prefix, block, super::Split::Column, whole, device)
+        Self::load_shard(st, prefix, block, Split::Column, whole, device)
     }
 
     /// The real weight `[N, K]` in `dtype`, on the weight's device.
@@ -343,5 +347,153 @@ impl Fp8BlockWeight {
 
     pub fn device(&self) -> &Device {
         self.data.device()
+    }
+}
+
+/// Loading one rank's slice of a checkpoint's weight.
+impl Fp8BlockWeight {
+    /// This rank's slice of `{prefix}.weight` (F8_E4M3 or U8 codes) and the matching rows or
+    /// columns of `{prefix}.weight_scale_inv`, read from safetensors without touching the
+    /// other ranks' bytes (the file is memory-mapped; only this slice is copied). The result is
+    /// an ordinary weight `[N_r, K]` (column split) or `[N, K_r]` (row split) on `device`.
+    pub fn load_shard(
+        st: &MmapedSafetensors,
+        prefix: &str,
+        block: [usize; 2],
+        split: Split,
+        shard: Shard,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::load_slice(st, prefix, block, split, Slice::Shard(shard), device)
+    }
+
+    /// Rows (`Split::Column`) or columns (`Split::Row`) `range` of `{prefix}.weight` and the
+    /// matching scales, as [`Self::load_shard`] reads them: for splits that are not an even
+    /// deal of blocks, such as a rank's attention heads ([`Shard::heads`]). The range must
+    /// fall on blocks.
+    pub fn load_range(
+        st: &MmapedSafetensors,
+        prefix: &str,
+        block: [usize; 2],
+        split: Split,
+        range: Range<usize>,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::load_slice(st, prefix, block, split, Slice::Range(range), device)
+    }
+
+    fn load_slice(
+        st: &MmapedSafetensors,
+        prefix: &str,
+        block: [usize; 2],
+        split: Split,
+        slice: Slice,
+        device: &Device,
+    ) -> Result<Self> {
+        use safetensors::Dtype;
+        let name = format!("{prefix}.weight");
+        let view = st.get(&name)?;
+        if !matches!(view.dtype(), Dtype::F8_E4M3 | Dtype::U8) {
+            return Err(invalid(
+                "weight",
+                format!(
+                    "{name} is stored as {:?}; fp8 weights are F8_E4M3 (or U8 codes)",
+                    view.dtype()
+                ),
+            ));
+        }
+        let (n, k) = match *view.shape() {
+            [n, k] => (n, k),
+            _ => {
+                return Err(invalid(
+                    "weight",
+                    format!("{name} is not 2-D: {:?}", view.shape()),
+                ))
+            }
+        };
+        let bytes = view.data();
+        if block[0] == 0 || block[1] == 0 {
+            return Err(invalid("block", format!("{block:?} has a zero side")));
+        }
+        let (rows, cols) = match split {
+            Split::Column => (slice.resolve(n, block[0])?, 0..k),
+            Split::Row => (0..n, slice.resolve(k, block[1])?),
+        };
+        let mut codes = Vec::with_capacity(rows.len() * cols.len());
+        for r in rows.clone() {
+            codes.extend_from_slice(&bytes[r * k + cols.start..r * k + cols.end]);
+        }
+        let scale_name = format!("{prefix}.weight_scale_inv");
+        let scales = st.load(&scale_name, &Device::Cpu)?;
+        if !scales.dtype().is_float() || scales.dtype() == DType::F8E4M3 {
+            return Err(invalid(
+                "scales",
+                format!("{scale_name} is stored as {:?}", scales.dtype()),
+            ));
+        }
+        let scales = scales.to_dtype(DType::F32)?;
+        let expected = [n.div_ceil(block[0]), k.div_ceil(block[1])];
+        if scales.dims() != expected {
+            return Err(crate::error::shape_err(
+                "scales",
+                format!("{expected:?} for {name} {:?} in blocks {block:?}", [n, k]),
+                scales.dims(),
+            ));
+        }
+        let scales = match split {
+            Split::Column => {
+                scales.narrow(0, rows.start / block[0], rows.len().div_ceil(block[0]))?
+            }
+            Split::Row => scales.narrow(1, cols.start / block[1], cols.len().div_ceil(block[1]))?,
+        };
+        let data = Tensor::from_vec(codes, (rows.len(), cols.len()), device)?;
+        Self::from_parts(data, scales.contiguous()?.to_device(device)?, block)
+    }
+
+    /// This rank's slice of a weight already in memory (the same blocks as
+    /// [`Self::load_shard`] would read).
+    pub fn shard(&self, split: Split, shard: Shard) -> Result<Self> {
+        let [n, k] = self.shape();
+        let block = self.block();
+        let range = match split {
+            Split::Column => shard.range(n, block[0])?,
+            Split::Row => shard.range(k, block[1])?,
+        };
+        self.slice(split, range)
+    }
+
+    /// Rows (`Split::Column`) or columns (`Split::Row`) `range` of a weight in memory, with
+    /// the matching scales; the range must fall on blocks.
+    pub fn slice(&self, split: Split, range: Range<usize>) -> Result<Self> {
+        let [n, k] = self.shape();
+        let block = self.block();
+        let (dim, len, b) = match split {
+            Split::Column => (0, n, block[0]),
+            Split::Row => (1, k, block[1]),
+        };
+        check_on_blocks("range", &range, len, b)?;
+        let data = self.data().narrow(dim, range.start, range.len())?;
+        let scales = self
+            .scales()
+            .narrow(dim, range.start / b, range.len().div_ceil(b))?;
+        Self::from_parts(data.contiguous()?, scales.contiguous()?, block)
+    }
+}
+
+/// What part of the split dimension a load takes.
+enum Slice {
+    Shard(Shard),
+    Range(Range<usize>),
+}
+
+impl Slice {
+    fn resolve(self, len: usize, block: usize) -> Result<Range<usize>> {
+        match self {
+            Slice::Shard(s) => s.range(len, block),
+            Slice::Range(r) => {
+                check_on_blocks("range", &r, len, block)?;
+                Ok(r)
+            }
+        }
     }
 }

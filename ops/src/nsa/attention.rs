@@ -2,6 +2,7 @@ use candle_core::{DType, Tensor};
 use fp8nsa_types::{AttnDims, Pages, Seq, Settings, Spans};
 
 use super::op::{SelPlan, SelectionOp};
+use super::paged_kv::{PagedKv, PoolRef};
 use super::sdpa::masked_sdpa;
 use super::selection::{host_selection, validate_host, Selection};
 use crate::backend::{use_cuda, Backend, PjrtRuntime};
@@ -58,34 +59,8 @@ impl std::fmt::Display for SdpaReason {
     }
 }
 
-/// A paged KV cache as a server holds it (the NHD layout of vLLM v1 / FlashInfer): keys and
-/// values in a pool of pages the server allocates, a block table naming each sequence's pages
-/// in order, and each sequence's length. See [`SelectionAttention::forward_paged`].
-#[derive(Clone, Copy, Debug)]
-pub struct PagedKv<'a> {
-    /// `[num_pages, page_size, Hkv, D]`, any positive page size.
-    pub k_pages: &'a Tensor,
-    /// `[num_pages, page_size, Hkv, Dv]`.
-    pub v_pages: &'a Tensor,
-    /// `[B, max_pages]` i32: row `b` lists sequence `b`'s pages; entries past its last page
-    /// are not read (`-1` is customary).
-    pub block_table: &'a Tensor,
-    /// Keys held by each of the `B` sequences.
-    pub seq_lens: &'a [usize],
-}
-
 /// `(o, lse, the path that ran)`.
 pub type PathOutput = (Tensor, Option<Tensor>, NsaPath);
-
-/// A page pool a kernel reads in place: the table checked on the host, and the table tensor
-/// as the caller gave it (the CUDA kernel reads it on the device).
-#[derive(Clone, Copy)]
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) struct PoolRef<'a> {
-    pub(crate) host: Pages<'a>,
-    pub(crate) table: &'a Tensor,
-    pub(crate) num_pages: usize,
-}
 
 /// Where one selection call runs, decided once per call (the backend resolved, CUDA or not,
 /// `min_len` read) and handed to the path that runs it.

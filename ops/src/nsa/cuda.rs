@@ -8,7 +8,7 @@
 use candle_core::Tensor;
 use fp8nsa_types::Seq;
 
-use super::attention::PoolRef;
+use super::paged_kv::PoolRef;
 use super::selection::Selection;
 use crate::error::Result;
 

@@ -28,12 +28,13 @@ mod decode;
 mod layer;
 mod op;
 mod paged;
+mod paged_kv;
 mod pjrt;
 mod sdpa;
 mod selection;
 
 pub use attention::{
-    NsaPath, PagedKv, PathOutput, SdpaReason, SelectionAttention, DEFAULT_MIN_LEN, MIN_LEN_ENV,
+    NsaPath, PathOutput, SdpaReason, SelectionAttention, DEFAULT_MIN_LEN, MIN_LEN_ENV,
 };
 pub use compress::{Compressor, MlpCompressor};
 pub use config::{CompressorKind, NsaConfig};
@@ -42,4 +43,5 @@ pub use layer::{AttnDims, Gates, NativeSparseAttention, NsaDims, NsaOutput};
 pub use paged::{
     NsaCache, NsaPages, NsaPool, NsaSeqState, PageAllocator, PagePool, SharedAllocator,
 };
+pub use paged_kv::PagedKv;
 pub use selection::{BlockSelection, Selection, SelectionRanges, TokenSelection};
