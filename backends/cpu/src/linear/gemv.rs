@@ -1,0 +1,349 @@
+//! The GEMV variants of the decode kernel (M <= `GEMV_MAX_M`), one per tier and row count;
+//! [`super::gemv_task`] picks one per task.
+
+use super::*;
+
+/// Dot product of f32 activations with fp8 codes, decoding in registers.
+#[inline(always)]
+fn dot_fp8<A: Arith>(x: &[f32], w: &[u8]) -> f32 {
+    const L: usize = 16;
+    let n = x.len().min(w.len());
+    let (x, w) = (&x[..n], &w[..n]);
+    let mut acc = [0f32; L];
+    let (cx, cw) = (x.chunks_exact(L), w.chunks_exact(L));
+    let (rx, rw) = (cx.remainder(), cw.remainder());
+    for (a, b) in cx.zip(cw) {
+        for i in 0..L {
+            acc[i] = A::mul_add(a[i], e4m3_to_f32(b[i]), acc[i]);
+        }
+    }
+    let mut tail = 0f32;
+    for (a, b) in rx.iter().zip(rw) {
+        tail = A::mul_add(*a, e4m3_to_f32(*b), tail);
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Fills `yt [rows, m]` for weight rows `n0..` (overwriting it): one pass over those weight
+/// rows.
+#[inline(always)]
+fn gemv_rows_impl<A: Arith>(
+    xq: &QuantizedAct<'_>,
+    w: &[u8],
+    sw: &[f32],
+    s: LinearShape,
+    n0: usize,
+    yt: &mut [f32],
+) {
+    const CHUNK: usize = 256;
+    let (m, k, kbs) = (s.m(), s.k(), s.k_blocks());
+    let x = &xq.values[..];
+    let mut buf = [0f32; CHUNK];
+    let mut part = [0f32; GEMV_MAX_M];
+    for (r, acc) in yt.chunks_exact_mut(m).enumerate() {
+        // `yt` is a reused buffer (or the caller's output): start each sum from zero
+        acc.fill(0.0);
+        let n = n0 + r;
+        let wrow = &w[n * k..(n + 1) * k];
+        let sw_row = &sw[(n / s.bn()) * kbs..(n / s.bn() + 1) * kbs];
+        for (kb, &swv) in sw_row.iter().enumerate() {
+            let (k0, k1) = (kb * s.bk(), (kb * s.bk() + s.bk()).min(k));
+            if m == 1 {
+                let d = dot_fp8::<A>(&x[k0..k1], &wrow[k0..k1]);
+                acc[0] += d * (xq.scale(0, kb) * swv);
+                continue;
+            }
+            part[..m].fill(0.0);
+            let mut c0 = k0;
+            while c0 < k1 {
+                let c1 = (c0 + CHUNK).min(k1);
+                let b = &mut buf[..c1 - c0];
+                decode_scaled(&wrow[c0..c1], 1.0, b);
+                for (mi, p) in part[..m].iter_mut().enumerate() {
+                    *p += dot::<A>(&x[mi * k + c0..mi * k + c1], b);
+                }
+                c0 = c1;
+            }
+            for (mi, a) in acc.iter_mut().enumerate() {
+                *a += part[mi] * (xq.scale(mi, kb) * swv);
+            }
+        }
+    }
+}
+
+simd_dispatch!(pub(super) fn gemv_rows => gemv_rows_impl(
+    xq: &QuantizedAct<'_>, w: &[u8], sw: &[f32], s: LinearShape, n0: usize, yt: &mut [f32]
+));
+
+/// [`gemv_rows`] at M = 1 (`yt` is `[rows]`), on the AVX2 tier and up: four weight rows per
+/// pass share each activation load, each decoded through F16C in registers (16 codes per step
+/// on AVX2, 32 on AVX-512).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemv1_rows(
+    tier: Tier,
+    xq: &QuantizedAct<'_>,
+    w: &[u8],
+    sw: &[f32],
+    s: LinearShape,
+    n0: usize,
+    yt: &mut [f32],
+    nan_free: bool,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        /// The kernel's body, compiled into each tier's copy below; `WIDE` picks the AVX-512
+        /// row kernel.
+        #[inline(always)]
+        unsafe fn body<const WIDE: bool>(
+            xq: &QuantizedAct<'_>,
+            w: &[u8],
+            sw: &[f32],
+            s: LinearShape,
+            n0: usize,
+            yt: &mut [f32],
+            nan_free: bool,
+        ) {
+            let (k, kbs) = (s.k(), s.k_blocks());
+            let x = &xq.values[..];
+            let rows = yt.len();
+            let (prod, nb0) = scale_products(xq, sw, s, n0, rows);
+            for r0 in (0..rows).step_by(4) {
+                // a short last group repeats its last row rather than branching per row
+                let n = [0, 1, 2, 3].map(|i| n0 + (r0 + i).min(rows - 1));
+                let wr = n.map(|n| &w[n * k..(n + 1) * k]);
+                let sc = n.map(|n| &prod[(n / s.bn() - nb0) * kbs..(n / s.bn() - nb0 + 1) * kbs]);
+                // SAFETY: the callers below are compiled for the features of the kernel they
+                // pick (AVX-512 F/BW/VL with WIDE, AVX2 + FMA + F16C in both), which they
+                // checked the CPU has.
+                let acc = unsafe {
+                    match (WIDE, nan_free) {
+                        (true, true) => crate::avx512::dot4_blocks::<false>(x, wr, s.bk(), sc),
+                        (true, false) => crate::avx512::dot4_blocks::<true>(x, wr, s.bk(), sc),
+                        (false, true) => crate::x86::dot4_blocks::<false>(x, wr, s.bk(), sc),
+                        (false, false) => crate::x86::dot4_blocks::<true>(x, wr, s.bk(), sc),
+                    }
+                };
+                let take = (rows - r0).min(4);
+                yt[r0..r0 + take].copy_from_slice(&acc[..take]);
+            }
+        }
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+        unsafe fn run512(
+            xq: &QuantizedAct<'_>,
+            w: &[u8],
+            sw: &[f32],
+            s: LinearShape,
+            n0: usize,
+            yt: &mut [f32],
+            nan_free: bool,
+        ) {
+            body::<true>(xq, w, sw, s, n0, yt, nan_free)
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn run(
+            xq: &QuantizedAct<'_>,
+            w: &[u8],
+            sw: &[f32],
+            s: LinearShape,
+            n0: usize,
+            yt: &mut [f32],
+            nan_free: bool,
+        ) {
+            body::<false>(xq, w, sw, s, n0, yt, nan_free)
+        }
+        if tier >= Tier::Avx512 {
+            // SAFETY: `tier` came from `Tier::current()`, which is never above the detected
+            // tier, and the AVX-512 tier is only detected with AVX-512 F/BW/VL, AVX2, FMA and
+            // F16C present.
+            return unsafe { run512(xq, w, sw, s, n0, yt, nan_free) };
+        }
+        if tier >= Tier::Avx2 {
+            // SAFETY: as above; the AVX2 tier is only detected with AVX2, FMA and F16C present.
+            return unsafe { run(xq, w, sw, s, n0, yt, nan_free) };
+        }
+    }
+    gemv_rows(xq, w, sw, s, n0, yt)
+}
+
+/// For the weight-row blocks of rows `n0..n0 + rows` (from block `nb0`, returned): the M = 1
+/// activation scale times the weight scale of each K-block, `[blocks, k_blocks]`.
+fn scale_products(
+    xq: &QuantizedAct<'_>,
+    sw: &[f32],
+    s: LinearShape,
+    n0: usize,
+    rows: usize,
+) -> (Vec<f32>, usize) {
+    let kbs = s.k_blocks();
+    let nb0 = n0 / s.bn();
+    let mut prod = vec![0f32; ((n0 + rows - 1) / s.bn() + 1 - nb0) * kbs];
+    for (i, p) in prod.chunks_exact_mut(kbs).enumerate() {
+        for (kb, v) in p.iter_mut().enumerate() {
+            *v = xq.scale(0, kb) * sw[(nb0 + i) * kbs + kb];
+        }
+    }
+    (prod, nb0)
+}
+
+/// [`gemv_rows`] on the AVX512-BF16 tier, with the activations in that tier's layout (`xb`,
+/// from [`gemv_bf16_act`]; `yt` is `[rows, m]`). At M = 1 four weight rows per pass are decoded
+/// by table lookup in registers; for M > 1 two weight rows at a time are decoded into a buffer
+/// once, then multiplied with four activation rows at a time, and each (row, row, K-block)
+/// partial is scaled by `sx · sw` as at M = 1.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemv_rows_bf16(
+    tier: Tier,
+    xq: &QuantizedAct<'_>,
+    xb: &[u16],
+    w: &[u8],
+    sw: &[f32],
+    s: LinearShape,
+    n0: usize,
+    yt: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if tier >= Tier::Avx512Bf16 && s.m() > 1 {
+        use crate::avx512bf16::{block_words, decode_row, dot_4x2_blocks};
+        let (m, k, kbs) = (s.m(), s.k(), s.k_blocks());
+        let rw = kbs * block_words(s.bk());
+        let rows = yt.len() / m;
+        let mut wd = vec![0u16; 2 * rw];
+        let sx_row = |i: usize| {
+            let r = i / xq.rows_per_scale;
+            &xq.scales[r * kbs..(r + 1) * kbs]
+        };
+        for g0 in (0..rows).step_by(2) {
+            // a short last pair repeats its last row rather than branching per row
+            let n = [0, 1].map(|j| n0 + (g0 + j).min(rows - 1));
+            for (j, dst) in wd.chunks_exact_mut(rw).enumerate() {
+                // SAFETY: as below; the row holds k codes and `dst` its blocks.
+                unsafe { decode_row(&w[n[j] * k..(n[j] + 1) * k], k, s.bk(), dst) };
+            }
+            let wr = [&wd[..rw], &wd[rw..]];
+            let swr = n.map(|n| &sw[(n / s.bn()) * kbs..(n / s.bn() + 1) * kbs]);
+            for i0 in (0..m).step_by(4) {
+                let xi = [0, 1, 2, 3].map(|i| (i0 + i).min(m - 1));
+                let xr = xi.map(|i| &xb[i * rw..(i + 1) * rw]);
+                // SAFETY: `tier` came from `Tier::current()`, never above the detected tier,
+                // and that tier is only detected with AVX-512 F/BW/VL/VBMI/BF16; every row
+                // holds kbs blocks of block_words(bk) words, every scale row kbs entries.
+                let d = unsafe {
+                    dot_4x2_blocks(xr, wr, kbs, block_words(s.bk()), xi.map(sx_row), swr)
+                };
+                for j in 0..(rows - g0).min(2) {
+                    for (i, row) in d.iter().enumerate().take(m - i0) {
+                        yt[(g0 + j) * m + i0 + i] = row[j];
+                    }
+                }
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if tier >= Tier::Avx512Bf16 {
+        let (k, kbs) = (s.k(), s.k_blocks());
+        let rows = yt.len();
+        let (prod, nb0) = scale_products(xq, sw, s, n0, rows);
+        for r0 in (0..rows).step_by(4) {
+            // a short last group repeats its last row rather than branching per row
+            let n = [0, 1, 2, 3].map(|i| n0 + (r0 + i).min(rows - 1));
+            let wr = n.map(|n| &w[n * k..(n + 1) * k]);
+            let sc = n.map(|n| &prod[(n / s.bn() - nb0) * kbs..(n / s.bn() - nb0 + 1) * kbs]);
+            // SAFETY: `tier` came from `Tier::current()`, never above the detected tier, and
+            // that tier is only detected with AVX-512 F/BW/VL/VBMI/BF16; `xb` was laid out for
+            // this shape by `gemv_bf16_act` and every row holds `k` codes.
+            let acc = unsafe { crate::avx512bf16::dot4_blocks(xb, wr, k, s.bk(), sc) };
+            let take = (rows - r0).min(4);
+            yt[r0..r0 + take].copy_from_slice(&acc[..take]);
+        }
+        return;
+    }
+    // `gemv_bf16_act` lays the activations out only on that tier
+    let _ = (tier, xq, xb, w, sw, s, n0, yt);
+    unreachable!("the bf16 layout exists only on the AVX512-BF16 tier")
+}
+
+/// [`gemv_rows`] for `m > 1` on the AVX2 tier and up (`yt` is `[rows, m]`, `xd` the activations
+/// already multiplied by their scales): three weight rows at a time are decoded with their
+/// block scales into `buf`, then multiplied with four activation rows at a time in registers.
+/// Scaling each factor by its own block scale before the product is the contract's per-K-block
+/// scaling, distributed over the sum, as in the panel GEMM. The AVX-512 tier runs the same
+/// 256-bit code, decode included: on an Ice Lake-class Xeon a 16-lane `dot_4x3` measured
+/// 10-25% slower, and the 16-lane row decode alone ~10% slower at M = 16 (not profiled
+/// further; a lower clock under 512-bit instructions would explain it).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemv_small_rows(
+    tier: Tier,
+    xd: &[f32],
+    w: &[u8],
+    sw: &[f32],
+    s: LinearShape,
+    n0: usize,
+    yt: &mut [f32],
+    buf: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        fn run(
+            xd: &[f32],
+            w: &[u8],
+            sw: &[f32],
+            s: LinearShape,
+            n0: usize,
+            yt: &mut [f32],
+            buf: &mut [f32],
+        ) {
+            let (m, k) = (s.m(), s.k());
+            let rows = yt.len() / m;
+            for g0 in (0..rows).step_by(3) {
+                // a short last group repeats its last row rather than branching per row
+                let r = [0, 1, 2].map(|j| (g0 + j).min(rows - 1));
+                for (j, dst) in buf[..3 * k].chunks_exact_mut(k).enumerate() {
+                    dequant_row(w, sw, s, n0 + r[j], dst);
+                }
+                let wr = [&buf[..k], &buf[k..2 * k], &buf[2 * k..3 * k]];
+                for i0 in (0..m).step_by(4) {
+                    let xi = [0, 1, 2, 3].map(|i| (i0 + i).min(m - 1));
+                    let xr = xi.map(|i| &xd[i * k..(i + 1) * k]);
+                    // SAFETY: this function is compiled for AVX2 + FMA + F16C, which the caller
+                    // checked the CPU has.
+                    let d = unsafe { crate::x86::dot_4x3(xr, wr) };
+                    for (j, _) in r.iter().enumerate().take(rows - g0) {
+                        for (i, row) in d.iter().enumerate().take(m - i0) {
+                            yt[(g0 + j) * m + i0 + i] = row[j];
+                        }
+                    }
+                }
+            }
+        }
+        if tier >= Tier::Avx2 {
+            // SAFETY: `tier` came from `Tier::current()`, which is never above the detected
+            // tier, and the AVX2 tier is only detected with AVX2, FMA and F16C present.
+            return unsafe { run(xd, w, sw, s, n0, yt, buf) };
+        }
+    }
+    // callers take this path only with an AVX2 `tier`, the value passed here
+    let _ = (tier, xd, w, sw, s, n0, yt, buf);
+    unreachable!("gemv_small_rows runs on the AVX2 tier only")
+}
+
+/// Weight row `n` decoded and multiplied by its block scales into `dst [k]`, by the AVX2
+/// decoder on every tier that has it (the caller's tier).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn dequant_row(w: &[u8], sw: &[f32], s: LinearShape, n: usize, dst: &mut [f32]) {
+    let kbs = s.k_blocks();
+    for kb in 0..kbs {
+        let (k0, k1) = (kb * s.bk(), (kb * s.bk() + s.bk()).min(s.k()));
+        // SAFETY: this function is compiled for AVX2 + FMA + F16C, which its caller (compiled
+        // for them itself) checked the CPU has.
+        unsafe {
+            crate::x86::decode_scaled(
+                &w[n * s.k() + k0..n * s.k() + k1],
+                sw[(n / s.bn()) * kbs + kb],
+                &mut dst[k0..k1],
+            )
+        };
+    }
+}

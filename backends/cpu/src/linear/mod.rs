@@ -1,0 +1,345 @@
+//! `y = x · Wᵀ` with fp8 block-scaled weights, two kernels:
+//! - [`CpuFp8Kernel::Gemv`] for `m <= GEMV_MAX_M` (decode): streams each weight byte once. At
+//!   M = 1 it decodes in registers and applies `sx · sw` per K-block to the f32 partial dot
+//!   product (four weight rows per pass on the AVX2 tier). For M > 1 on the AVX2 tier it
+//!   decodes three weight rows at a time with their block scales into a small buffer and
+//!   multiplies them with activations already multiplied by theirs (the panel GEMM's
+//!   distribution of the scaling, below), four activation rows at a time in registers; the
+//!   portable tier applies `sx · sw` per K-block as at M = 1;
+//! - [`CpuFp8Kernel::PanelGemm`] otherwise: dequantizes a cache-sized panel of weight rows (codes
+//!   times their block scale) and multiplies it with the dequantized activations using the `gemm`
+//!   crate. Scaling each factor by its own block scale before the product is the contract's
+//!   per-K-block scaling, distributed over the sum.
+//!
+//! On CPUs with AVX512-BF16 and VBMI (`Tier::Avx512Bf16`), W8A8 calls of both kernels multiply
+//! bf16 pairs instead (`avx512bf16`): the e4m3 weights and activations are exact in bf16, the
+//! products exact in f32, and each (row, row, K-block) partial is scaled by `sx · sw`. There calls
+//! of 10..=16 rows are planned as the panel GEMM (its micro-kernel on a single tile of rows).
+//! [`plan`] decides kernel and tier once; the path it reports is the one [`LinearPlan::run`]
+//! runs.
+
+use rayon::prelude::*;
+
+use crate::error::{check_len, check_positive, Result};
+use crate::fp8::{decode_scaled, e4m3_to_f32};
+use crate::quant::{quantize_act_in, QuantizedAct};
+use crate::scratch::with_f32;
+use crate::simd::{dot, simd_dispatch, Arith, Tier};
+use fp8nsa_types::{ActQuant, CpuFp8Kernel, CpuFp8Path, LinearShape};
+
+mod gemv;
+mod panel;
+
+use gemv::{gemv1_rows, gemv_rows, gemv_rows_bf16, gemv_small_rows};
+use panel::{panel_gemm, panel_gemm_bf16};
+
+/// Largest `m` served by the GEMV kernel.
+pub const GEMV_MAX_M: usize = 16;
+
+/// One checked call: a valid shape and activation scheme, and the kernel and SIMD tier chosen
+/// for them. Made once by [`plan`]; [`LinearPlan::run`] executes it without deciding anything
+/// again, so [`LinearPlan::path`] is the path that runs.
+///
+/// ```
+/// use fp8nsa_cpu::linear::plan;
+/// use fp8nsa_types::{ActQuant, CpuFp8Kernel, LinearShape, Tier};
+///
+/// let shape = LinearShape::new(1, 2, 3, 128, 128)?;
+/// let p = plan(shape, ActQuant::Group)?;
+/// assert_eq!(p.path().kernel, CpuFp8Kernel::Gemv);
+/// assert_eq!(p.path().tier, Tier::current());
+/// let w = [0x38u8; 6]; // e4m3 1.0
+/// let mut y = [0f32; 2];
+/// p.run(&[2.0, 2.0, 2.0], &w, &[0.5], None, &mut y)?;
+/// assert!(y.iter().all(|y| (y - 3.0).abs() < 1e-5), "{y:?}"); // 0.5 * (2 + 2 + 2)
+/// assert!(plan(shape, ActQuant::Block2d { bm: 0 }).is_err());
+/// # Ok::<(), fp8nsa_cpu::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinearPlan {
+    shape: LinearShape,
+    act: ActQuant,
+    kernel: CpuFp8Kernel,
+    tier: Tier,
+    nan_free: bool,
+}
+
+/// Checks a call's shape and activation scheme and picks its kernel at the tier in force
+/// ([`Tier::current`], read once here): the GEMV up to [`GEMV_MAX_M`] rows, except from
+/// `BF16_TILE_MIN_M` rows on the AVX512-BF16 tier, where the panel GEMM's micro-kernel runs
+/// them as one tile; the panel GEMM past that.
+pub fn plan(shape: LinearShape, act: ActQuant) -> Result<LinearPlan> {
+    if let ActQuant::Block2d { bm } = act {
+        check_positive("bm", bm)?;
+    }
+    let tier = Tier::current();
+    let m = shape.m();
+    let kernel = if m > GEMV_MAX_M || (m >= BF16_TILE_MIN_M && uses_bf16(tier, act)) {
+        CpuFp8Kernel::PanelGemm
+    } else {
+        CpuFp8Kernel::Gemv
+    };
+    Ok(LinearPlan {
+        shape,
+        act,
+        kernel,
+        tier,
+        nan_free: false,
+    })
+}
+
+impl LinearPlan {
+    /// The kernel and tier [`Self::run`] runs.
+    pub fn path(&self) -> CpuFp8Path {
+        CpuFp8Path {
+            kernel: self.kernel,
+            tier: self.tier,
+        }
+    }
+
+    pub fn shape(&self) -> LinearShape {
+        self.shape
+    }
+
+    /// Declares that the weight this plan runs on holds no NaN code (`0x7f` / `0xff`), which
+    /// lets the M = 1 AVX2 kernel skip its per-code NaN scan (~15% of its time). Weights are
+    /// immutable, so a caller checks once per weight (`Fp8BlockWeight` does). A false claim
+    /// gives finite garbage instead of NaN in the affected outputs, nothing worse.
+    pub fn assume_nan_free(mut self, nan_free: bool) -> Self {
+        self.nan_free = nan_free;
+        self
+    }
+
+    /// Computes `out [m, n] = x [m, k] · dequant(W)ᵀ + bias` per the numerics contract.
+    ///
+    /// `w` holds e4m3fn codes `[n, k]`, `sw` the scales `[ceil(n/bn), ceil(k/bk)]`, `bias` has
+    /// `n` entries. Activations are quantized dynamically according to the plan's scheme. The
+    /// buffers must have the plan's sizes (`Error::Shape` naming the buffer otherwise).
+    pub fn run(
+        &self,
+        x: &[f32],
+        w: &[u8],
+        sw: &[f32],
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let (s, act, kernel) = (self.shape, self.act, self.kernel);
+        check_len("x", x.len(), s.m() * s.k())?;
+        check_len("weight", w.len(), s.n() * s.k())?;
+        check_len("weight scales", sw.len(), s.n_blocks() * s.k_blocks())?;
+        check_len("out", out.len(), s.m() * s.n())?;
+        if let Some(b) = bias {
+            check_len("bias", b.len(), s.n())?;
+        }
+        let (m, k, bk) = (s.m(), s.k(), s.bk());
+        // the activations' quantized copy (none for W8A16) lives in a reused buffer
+        let act_len = if act == ActQuant::None { 0 } else { m * k };
+        // the plan's tier: detected on this CPU (so its SIMD code may run), and fixed for the
+        // call even if a test caps the tier meanwhile
+        let tier = self.tier;
+        with_f32(act_len, |abuf| -> Result<()> {
+            match kernel {
+                CpuFp8Kernel::Gemv => {
+                    let rows = gemv_task_rows(tier, m);
+                    // each task fills a contiguous run of the transposed output yt [n, m]; at
+                    // M = 1 that is `out` itself
+                    let mut gemv = |yt: &mut [f32]| -> Result<()> {
+                        let deq = gemv_wants_scaled_act(tier, m, act);
+                        let xq = quantize_act_in(x, m, k, bk, act, deq, abuf)?;
+                        let xb = gemv_bf16_act(tier, &xq, act, s);
+                        let nan_free = self.nan_free;
+                        yt.par_chunks_mut(rows * m).enumerate().for_each(|(c, yt)| {
+                            let xq = GemvAct {
+                                q: &xq,
+                                bf16: xb.as_deref(),
+                            };
+                            gemv_task(tier, xq, w, sw, s, c * rows, yt, nan_free)
+                        });
+                        Ok(())
+                    };
+                    if m == 1 {
+                        gemv(out)?;
+                    } else {
+                        with_f32(s.n() * m, |yt| -> Result<()> {
+                            gemv(yt)?;
+                            untranspose(yt, m, out);
+                            Ok(())
+                        })?;
+                    }
+                }
+                CpuFp8Kernel::PanelGemm => {
+                    if uses_bf16(tier, act) {
+                        // from BF16_TILE_MIN_M rows: each weight tile decoded once, all rows
+                        // of a short call in one tile
+                        let xq = quantize_act_in(x, m, k, bk, act, false, abuf)?;
+                        panel_gemm_bf16(tier, &xq, w, sw, s, out);
+                    } else {
+                        let xd = quantize_act_in(x, m, k, bk, act, true, abuf)?;
+                        panel_gemm(&xd.values, w, sw, s, out);
+                    }
+                }
+            }
+            Ok(())
+        })?;
+        if let Some(b) = bias {
+            out.par_chunks_mut(s.n()).for_each(|row| {
+                for (y, b) in row.iter_mut().zip(b) {
+                    *y += b;
+                }
+            });
+        }
+        Ok(())
+    }
+}
+
+/// `out [m, n]` from the GEMV's transposed output `yt [n, m]`.
+pub(crate) fn untranspose(yt: &[f32], m: usize, out: &mut [f32]) {
+    let n = out.len() / m;
+    for (r, row) in out.chunks_exact_mut(n).enumerate() {
+        for (j, y) in row.iter_mut().enumerate() {
+            *y = yt[j * m + r];
+        }
+    }
+}
+
+/// Weight rows per GEMV task: enough work to amortize the hand-off at M = 1.
+pub(crate) fn gemv_task_rows(tier: Tier, m: usize) -> usize {
+    if tier >= Tier::Avx2 && m == 1 {
+        32
+    } else {
+        8
+    }
+}
+
+/// Whether [`gemv_task`] takes the activations already multiplied by their scales
+/// (`quantize_act(.., dequantize = true)`) for this tier, `m` and scheme.
+pub(crate) fn gemv_wants_scaled_act(tier: Tier, m: usize, act: ActQuant) -> bool {
+    tier >= Tier::Avx2 && m > 1 && !uses_bf16(tier, act)
+}
+
+/// The activations of a GEMV call: quantized as [`gemv_wants_scaled_act`] says, and in the
+/// AVX512-BF16 kernel's layout when [`gemv_bf16_act`] made one.
+#[derive(Clone, Copy)]
+pub(crate) struct GemvAct<'a> {
+    pub q: &'a QuantizedAct<'a>,
+    pub bf16: Option<&'a [u16]>,
+}
+
+/// Whether a call runs the AVX512-BF16 kernels (GEMV and panel GEMM): on that tier with
+/// quantized activations (e4m3 values, exact in bf16; W8A16's f32 activations are not, and keep
+/// the f32 kernels).
+pub(crate) fn uses_bf16(tier: Tier, act: ActQuant) -> bool {
+    tier >= Tier::Avx512Bf16 && act != ActQuant::None
+}
+
+/// The activations in the AVX512-BF16 kernels' layout, row after row, when
+/// [`uses_bf16`]; `xq` must hold the e4m3 values themselves (not dequantized).
+pub(crate) fn gemv_bf16_act(
+    tier: Tier,
+    xq: &QuantizedAct<'_>,
+    act: ActQuant,
+    s: LinearShape,
+) -> Option<Vec<u16>> {
+    #[cfg(target_arch = "x86_64")]
+    if uses_bf16(tier, act) {
+        let x = &xq.values[..s.m() * s.k()];
+        return Some(crate::avx512bf16::act_layout(x, s.k(), s.bk()));
+    }
+    let _ = (tier, xq, act, s);
+    None
+}
+
+/// One GEMV task: `yt [rows, m]` (transposed output) for weight rows `n0..` of `w`. `tier` must
+/// be at most `Tier::detected()`; `nan_free` as [`LinearPlan::assume_nan_free`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemv_task(
+    tier: Tier,
+    xa: GemvAct<'_>,
+    w: &[u8],
+    sw: &[f32],
+    s: LinearShape,
+    n0: usize,
+    yt: &mut [f32],
+    nan_free: bool,
+) {
+    let xq = xa.q;
+    if let Some(xb) = xa.bf16 {
+        gemv_rows_bf16(tier, xq, xb, w, sw, s, n0, yt)
+    } else if tier >= Tier::Avx2 && s.m() > 1 {
+        // scaled activations (`gemv_wants_scaled_act`; W8A16's are their own values)
+        with_f32(3 * s.k(), |buf| {
+            gemv_small_rows(tier, &xq.values, w, sw, s, n0, yt, buf)
+        })
+    } else if tier >= Tier::Avx2 {
+        gemv1_rows(tier, xq, w, sw, s, n0, yt, nan_free)
+    } else {
+        gemv_rows(xq, w, sw, s, n0, yt)
+    }
+}
+
+/// [`plan`] then [`LinearPlan::run`]: `out [m, n] = x [m, k] · dequant(W)ᵀ + bias`, returning
+/// the path that ran.
+pub fn fp8_linear(
+    x: &[f32],
+    w: &[u8],
+    sw: &[f32],
+    bias: Option<&[f32]>,
+    shape: LinearShape,
+    act: ActQuant,
+    out: &mut [f32],
+) -> Result<CpuFp8Path> {
+    let p = plan(shape, act)?;
+    p.run(x, w, sw, bias, out)?;
+    Ok(p.path())
+}
+
+/// From this many rows on, a GEMV call on the AVX512-BF16 tier runs [`panel_gemm_bf16`] (one
+/// tile of at most 16 rows): decoding each weight tile once into L2 and multiplying it with
+/// broadcast weight pairs beats [`gemv_rows_bf16`]'s four-by-two register blocks there (Zen 4,
+/// N = K = 4096: 2.16 vs 2.69 ms at M = 12, 2.19 vs 3.42 ms at M = 16; 2.20 vs 1.87 ms at M = 8).
+pub const BF16_TILE_MIN_M: usize = 10;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{quantize_act, quantize_weight};
+
+    /// The kernels write through reused scratch buffers and into the caller's `out`: whatever
+    /// those held before (NaN here) must not leak into the result.
+    #[test]
+    fn stale_output_and_scratch_contents_do_not_leak() {
+        let (n, k) = (37, 300);
+        let w: Vec<f32> = (0..n * k)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01)
+            .collect();
+        let (wq, sw) = quantize_weight(&w, n, k, 16, 128).unwrap();
+        for m in [1, 3, GEMV_MAX_M + 4] {
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 13 % 29) as f32 - 14.0) * 0.1)
+                .collect();
+            let shape = LinearShape::new(m, n, k, 16, 128).unwrap();
+            let p = plan(shape, ActQuant::Group).unwrap();
+            let mut clean = vec![0f32; m * n];
+            p.run(&x, &wq, &sw, None, &mut clean).unwrap();
+            // dirty the scratch buffers every thread keeps: a call on other inputs leaves its
+            // own values in them (a kernel reading before writing would see those), and this
+            // thread's largest one is NaN
+            let other: Vec<f32> = x.iter().map(|v| v * -3.0 + 1.0).collect();
+            p.run(&other, &wq, &sw, None, &mut vec![0f32; m * n])
+                .unwrap();
+            crate::scratch::with_f32(1 << 16, |b| b.fill(f32::NAN));
+            let mut dirty = vec![f32::NAN; m * n];
+            p.run(&x, &wq, &sw, None, &mut dirty).unwrap();
+            assert_eq!(clean, dirty, "m = {m}");
+            assert!(clean.iter().all(|v| v.is_finite()));
+            // the portable GEMV, whichever tier this CPU runs
+            let mm = m.min(GEMV_MAX_M);
+            let xq = quantize_act(&x[..mm * k], mm, k, 128, ActQuant::Group, false).unwrap();
+            let s = shape.with_m(mm).unwrap();
+            let (mut a, mut b) = (vec![0f32; 8 * mm], vec![f32::NAN; 8 * mm]);
+            gemv_rows(&xq, &wq, &sw, s, 8, &mut a);
+            gemv_rows(&xq, &wq, &sw, s, 8, &mut b);
+            assert_eq!(a, b, "portable gemv, m = {mm}");
+        }
+    }
+}

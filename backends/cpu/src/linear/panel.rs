@@ -1,0 +1,271 @@
+//! The panel GEMMs: f32 panels through the `gemm` crate, and bf16 pairs on AVX512-BF16.
+
+use super::*;
+
+/// Weight rows per panel (at most) and K columns per tile: a 128 x 512 f32 tile (256 KiB) stays
+/// in a 512 KiB L2 while `gemm` packs it, with room for the activations it streams (a 256 x 1024
+/// tile, 1 MiB, measured 5-15% slower on such a core), and each `gemm` call is still large
+/// enough that packing costs little next to the multiply.
+const PANEL_ROWS: usize = 128;
+const TILE_K: usize = 512;
+
+/// Writes `codes * block scale` of weight rows `n0..n0 + rows`, columns `c0..c1`, into
+/// `buf [rows, c1 - c0]`.
+fn dequant_tile(
+    w: &[u8],
+    sw: &[f32],
+    s: LinearShape,
+    n0: usize,
+    c0: usize,
+    c1: usize,
+    buf: &mut [f32],
+) {
+    let kbs = s.k_blocks();
+    for (r, row) in buf.chunks_exact_mut(c1 - c0).enumerate() {
+        let n = n0 + r;
+        let mut c = c0;
+        while c < c1 {
+            let kb = c / s.bk();
+            let end = ((kb + 1) * s.bk()).min(c1);
+            let scale = sw[(n / s.bn()) * kbs + kb];
+            let (src, dst) = (
+                &w[n * s.k() + c..n * s.k() + end],
+                &mut row[c - c0..end - c0],
+            );
+            decode_scaled(src, scale, dst);
+            c = end;
+        }
+    }
+}
+
+pub(super) fn panel_gemm(x: &[f32], w: &[u8], sw: &[f32], s: LinearShape, out: &mut [f32]) {
+    let threads = rayon::current_num_threads();
+    // a multiple of `threads` panels of at most PANEL_ROWS rows, so every thread gets the same
+    // number of equal panels (the last may be a little shorter)
+    let panels = s.n().div_ceil(threads * PANEL_ROWS) * threads;
+    let p = s.n().div_ceil(panels);
+    // K in equal tiles of about TILE_K (576 is one tile, not 512 + a thin 64 whose product
+    // would re-read and re-write the whole output block for little work)
+    let kc = s
+        .k()
+        .div_ceil((s.k() as f64 / TILE_K as f64).round().max(1.0) as usize);
+    let per_panel = s.n().div_ceil(p) >= threads;
+    let inner = if per_panel {
+        gemm::Parallelism::None
+    } else {
+        gemm::Parallelism::Rayon(threads)
+    };
+    // panel i computes its own row-major [m, rows] block
+    let panel = |i: usize, dst: &mut [f32], buf: &mut [f32]| {
+        let rows = dst.len() / s.m();
+        for c0 in (0..s.k()).step_by(kc) {
+            let c1 = (c0 + kc).min(s.k());
+            let tile = &mut buf[..rows * (c1 - c0)];
+            dequant_tile(w, sw, s, i * p, c0, c1, tile);
+            let lhs = Operand {
+                data: &x[c0..],
+                ld: s.k(),
+            };
+            let rhs = Operand {
+                data: tile,
+                ld: c1 - c0,
+            };
+            gemm_nt(s.m(), rows, c1 - c0, lhs, rhs, dst, c0 > 0, inner);
+        }
+    };
+    with_f32(s.m() * s.n(), |blocks| {
+        if per_panel {
+            blocks
+                .par_chunks_mut(p * s.m())
+                .enumerate()
+                .for_each(|(i, dst)| with_f32(p * kc, |buf| panel(i, dst, buf)));
+        } else {
+            with_f32(p * kc, |buf| {
+                for (i, dst) in blocks.chunks_mut(p * s.m()).enumerate() {
+                    panel(i, dst, buf);
+                }
+            });
+        }
+        out.par_chunks_mut(s.n()).enumerate().for_each(|(r, row)| {
+            for (i, block) in blocks.chunks(p * s.m()).enumerate() {
+                let rows = block.len() / s.m();
+                row[i * p..i * p + rows].copy_from_slice(&block[r * rows..(r + 1) * rows]);
+            }
+        });
+    });
+}
+
+/// Weight rows per micro-kernel call of [`panel_gemm_bf16`]: with two vectors of 16 activation
+/// rows that is 24 accumulators of the 32 vector registers, two activation loads and 12
+/// broadcast weight pairs per 24 `vdpbf16ps`.
+const BF16_NR: usize = 12;
+
+/// [`gemm_tile`](crate::avx512bf16::gemm_tile) for one row-tile height, `BF16_NR` weight rows.
+#[cfg(target_arch = "x86_64")]
+type TileFn = unsafe fn(
+    &[u32],
+    usize,
+    &[u16],
+    usize,
+    &[f32],
+    usize,
+    [&[f32]; BF16_NR],
+    (usize, usize),
+    &mut [f32],
+    usize,
+);
+
+/// The panel GEMM on the AVX512-BF16 tier, for W8A8 (`xq` holds the e4m3 values, not
+/// dequantized): the same panels of weight rows per thread as [`panel_gemm`], but each K tile
+/// of whole blocks is decoded to bf16 without its scale (exact) and multiplied by
+/// [`gemm_tile`](crate::avx512bf16::gemm_tile) with the activations in bf16 pairs, and each
+/// (row, row, K-block) partial is scaled by `sx · sw` as in the GEMV. `vdpbf16ps` does twice
+/// the multiplies of an f32 FMA, and the per-block scaling costs one FMA per 64 of them at
+/// 128-wide blocks.
+pub(super) fn panel_gemm_bf16(
+    tier: Tier,
+    xq: &QuantizedAct<'_>,
+    w: &[u8],
+    sw: &[f32],
+    s: LinearShape,
+    out: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if tier >= Tier::Avx512Bf16 {
+        use crate::avx512bf16::{act_layout, block_words, decode_row, gemm_tile, pair_columns};
+        let (m, n, k, bk, kbs) = (s.m(), s.n(), s.k(), s.bk(), s.k_blocks());
+        let (bw, m_pad) = (block_words(bk), m.next_multiple_of(16));
+        let ppb = bw / 2;
+        let a = pair_columns(&act_layout(&xq.values[..m * k], k, bk), m, m_pad);
+        // the activation scales as columns too, zeros for the padding rows
+        let mut sxt = vec![0f32; kbs * m_pad];
+        for (kb, col) in sxt.chunks_exact_mut(m_pad).enumerate() {
+            for (i, v) in col[..m].iter_mut().enumerate() {
+                *v = xq.scale(i, kb);
+            }
+        }
+        // K tiles of whole blocks, about TILE_K codes each, all of about the same size
+        let per_tile = (TILE_K as f64 / bw as f64).round().max(1.0) as usize;
+        let per_tile = kbs.div_ceil(kbs.div_ceil(per_tile));
+        let threads = rayon::current_num_threads();
+        let panels = n.div_ceil(threads * PANEL_ROWS) * threads;
+        let p = n.div_ceil(panels).next_multiple_of(BF16_NR);
+        // yt [n rounded up to panels, m_pad]: panel i owns rows i·p..; the padding rows of the
+        // last panel multiply zero weights and are dropped
+        with_f32(n.next_multiple_of(p) * m_pad, |yt| {
+            yt.par_chunks_mut(p * m_pad)
+                .enumerate()
+                .for_each(|(i, yt)| {
+                    yt.fill(0.0);
+                    let (n0, rows) = (i * p, p.min(n - i * p));
+                    let mut wt = vec![0u16; p * per_tile * bw];
+                    for kb0 in (0..kbs).step_by(per_tile) {
+                        let nb = per_tile.min(kbs - kb0);
+                        let (c0, c1, tw) = (kb0 * bk, ((kb0 + nb) * bk).min(k), nb * bw);
+                        for (r, dst) in wt.chunks_exact_mut(tw).take(rows).enumerate() {
+                            let row = &w[(n0 + r) * k..(n0 + r + 1) * k];
+                            // SAFETY: `tier` came from `Tier::current()`, never above the
+                            // detected tier, which needs AVX-512 F/BW/VL/VBMI/BF16; `dst`
+                            // holds the nb blocks of c1 - c0 codes.
+                            unsafe { decode_row(&row[c0..c1], c1 - c0, bk, dst) };
+                        }
+                        // rows past the weight's end must be zeros; a shorter last tile
+                        // (`tw`) moves where they start, so they are cleared every tile
+                        wt[rows * tw..p * tw].fill(0);
+                        for g in (0..p).step_by(BF16_NR) {
+                            let swr: [&[f32]; BF16_NR] = std::array::from_fn(|r| {
+                                let o = ((n0 + g + r).min(n - 1) / s.bn()) * kbs + kb0;
+                                &sw[o..o + nb]
+                            });
+                            let wg = &wt[g * tw..p * tw];
+                            let ytg = &mut yt[g * m_pad..];
+                            let mut m0 = 0;
+                            while m0 < m_pad {
+                                // tiles of 32 rows, and one of 16 where m_pad leaves it
+                                let (tile_m, tile) = if m_pad - m0 >= 32 {
+                                    (32, gemm_tile::<2, BF16_NR> as TileFn)
+                                } else {
+                                    (16, gemm_tile::<1, BF16_NR> as TileFn)
+                                };
+                                let (ao, so) = (kb0 * ppb * m_pad + m0, kb0 * m_pad + m0);
+                                let (a, sx) = (&a[ao..], &sxt[so..]);
+                                let yg = &mut ytg[m0..];
+                                // SAFETY: as above for the tier; every slice holds what the
+                                // strides address from its offset (checked by the kernel).
+                                unsafe {
+                                    tile(a, m_pad, wg, tw, sx, m_pad, swr, (ppb, nb), yg, m_pad)
+                                };
+                                m0 += tile_m;
+                            }
+                        }
+                    }
+                });
+            // 16 output rows per task: each 64-byte run of yt is read once
+            out.par_chunks_mut(16 * n)
+                .enumerate()
+                .for_each(|(c, rows)| {
+                    for j in 0..n {
+                        let src = &yt[j * m_pad + 16 * c..];
+                        for (r, y) in rows.iter_mut().skip(j).step_by(n).enumerate() {
+                            *y = src[r];
+                        }
+                    }
+                });
+        });
+        return;
+    }
+    // `uses_bf16` picks this path only on that tier
+    let _ = (tier, xq, w, sw, s, out);
+    unreachable!("the bf16 panel GEMM runs on the AVX512-BF16 tier only")
+}
+
+/// A row-major matrix operand: row `r` starts at `data[r * ld]`.
+#[derive(Clone, Copy)]
+struct Operand<'a> {
+    data: &'a [f32],
+    ld: usize,
+}
+
+/// `dst[i * p + j] (+)= Σ_kk lhs[i, kk] · rhs[j, kk]` for `i < m, j < p, kk < k`: lhs `[m, k]`
+/// and rhs `[p, k]` row-major, dst row-major `[m, p]`.
+#[allow(clippy::too_many_arguments)]
+fn gemm_nt(
+    m: usize,
+    p: usize,
+    k: usize,
+    lhs: Operand<'_>,
+    rhs: Operand<'_>,
+    dst: &mut [f32],
+    accumulate: bool,
+    par: gemm::Parallelism,
+) {
+    assert!(m > 0 && p > 0 && k > 0 && lhs.ld >= k && rhs.ld >= k);
+    assert!(lhs.data.len() >= (m - 1) * lhs.ld + k);
+    assert!(rhs.data.len() >= (p - 1) * rhs.ld + k);
+    assert!(dst.len() >= m * p);
+    // SAFETY: the asserts above bound every element the strides address inside the three
+    // slices, and `dst` is exclusively borrowed, so gemm touches only memory we own.
+    unsafe {
+        gemm::gemm(
+            m,
+            p,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            p as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            1,
+            lhs.ld as isize,
+            rhs.data.as_ptr(),
+            rhs.ld as isize,
+            1,
+            if accumulate { 1.0 } else { 0.0 },
+            1.0,
+            false,
+            false,
+            false,
+            par,
+        )
+    }
+}
