@@ -68,6 +68,91 @@ impl LinearShape {
     }
 }
 
+/// The weights of a grouped (mixture-of-experts) call: `e` experts of `[n, k]` in `bn x bk`
+/// blocks. Constructed only valid (every size at least 1). [`ExpertsShape::routed_rows`] is
+/// the one check of a call's routing, on every backend.
+///
+/// ```
+/// use fp8nsa_types::ExpertsShape;
+/// let s = ExpertsShape::new(4, 576, 3884, 128, 128)?;
+/// assert_eq!((s.e(), s.scales_per_expert()), (4, 5 * 31));
+/// assert_eq!(s.routed_rows(&[0, 3, 1, 0])?, 4);
+/// assert!(s.routed_rows(&[0, 0, 0, 0]).is_err()); // nothing routed
+/// assert!(s.routed_rows(&[1, 1]).is_err()); // one count per expert
+/// assert_eq!(s.linear(3)?.n(), 576);
+/// # Ok::<(), fp8nsa_types::Error>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ExpertsShape {
+    e: usize,
+    n: usize,
+    k: usize,
+    bn: usize,
+    bk: usize,
+}
+
+impl ExpertsShape {
+    /// Every size at least 1 (else `Error::Invalid` naming it).
+    pub fn new(e: usize, n: usize, k: usize, bn: usize, bk: usize) -> Result<Self> {
+        for (arg, v) in [("e", e), ("n", n), ("k", k), ("bn", bn), ("bk", bk)] {
+            check_positive(arg, v)?;
+        }
+        Ok(Self { e, n, k, bn, bk })
+    }
+
+    /// Experts.
+    pub fn e(&self) -> usize {
+        self.e
+    }
+
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    pub fn bn(&self) -> usize {
+        self.bn
+    }
+
+    pub fn bk(&self) -> usize {
+        self.bk
+    }
+
+    /// Scales per expert, `ceil(n / bn) · ceil(k / bk)`.
+    pub fn scales_per_expert(&self) -> usize {
+        self.n.div_ceil(self.bn) * self.k.div_ceil(self.bk)
+    }
+
+    /// One expert's problem for `m >= 1` rows.
+    pub fn linear(&self, m: usize) -> Result<LinearShape> {
+        LinearShape::new(m, self.n, self.k, self.bn, self.bk)
+    }
+
+    /// The rows a call routes: one count per expert, summing without overflow to at least one
+    /// row (`Error::Invalid` naming `counts` otherwise).
+    pub fn routed_rows(&self, counts: &[usize]) -> Result<usize> {
+        let bad = |msg: String| crate::Error::Invalid { arg: "counts", msg };
+        if counts.len() != self.e {
+            return Err(bad(format!(
+                "{} counts for {} experts: one per expert",
+                counts.len(),
+                self.e
+            )));
+        }
+        let t = counts
+            .iter()
+            .try_fold(0usize, |a, &c| a.checked_add(c))
+            .ok_or_else(|| bad("the counts overflow".into()))?;
+        if t == 0 {
+            return Err(bad("route at least one row".into()));
+        }
+        Ok(t)
+    }
+}
+
 /// Attention head counts and head dims: `hq = G * hkv` query heads of dim `d`, keys of dim
 /// `d`, values of dim `dv`. Constructed only valid (every size at least 1, `hq` a multiple
 /// of `hkv`), so the layers and backends that take it check nothing again.

@@ -50,10 +50,3 @@ pub(crate) fn check_positive(arg: &'static str, v: usize) -> Result<()> {
         Ok(())
     }
 }
-
-pub(crate) fn invalid(arg: &'static str, msg: impl Into<String>) -> Error {
-    Error::Invalid {
-        arg,
-        msg: msg.into(),
-    }
-}

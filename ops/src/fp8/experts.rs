@@ -4,7 +4,8 @@
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
-use fp8nsa_cpu::experts::{grouped, ExpertWeights, ExpertsShape};
+use fp8nsa_cpu::experts::{grouped, ExpertWeights};
+use fp8nsa_types::ExpertsShape;
 use fp8nsa_types::{CudaFp8Kernel, Settings};
 
 use super::experts_cuda::{self as cuda, CudaExperts};
@@ -62,15 +63,9 @@ impl Fp8Experts {
             .first()
             .ok_or_else(|| invalid("experts", "needs at least one expert"))?;
         let ([n, k], [bn, bk]) = (first.shape(), first.block());
-        let shape = ExpertsShape {
-            e: experts.len(),
-            n,
-            k,
-            bn,
-            bk,
-        };
-        let mut codes = Vec::with_capacity(shape.e * n * k);
-        let mut scales = Vec::with_capacity(shape.e * shape.scales_per_expert());
+        let shape = ExpertsShape::new(experts.len(), n, k, bn, bk)?;
+        let mut codes = Vec::with_capacity(shape.e() * n * k);
+        let mut scales = Vec::with_capacity(shape.e() * shape.scales_per_expert());
         let mut nan_free = true;
         for (i, w) in experts.iter().enumerate() {
             if w.shape() != [n, k] || w.block() != [bn, bk] {
@@ -121,12 +116,12 @@ impl Fp8Experts {
     }
 
     pub fn num_experts(&self) -> usize {
-        self.shape.e
+        self.shape.e()
     }
 
     /// `[E, N, K]`.
     pub fn shape(&self) -> [usize; 3] {
-        [self.shape.e, self.shape.n, self.shape.k]
+        [self.shape.e(), self.shape.n(), self.shape.k()]
     }
 
     pub fn act(&self) -> ActQuant {
@@ -148,11 +143,11 @@ impl Fp8Experts {
                 got: x.dtype(),
             });
         }
-        if x.rank() != rank || x.dims().last() != Some(&self.shape.k) {
+        if x.rank() != rank || x.dims().last() != Some(&self.shape.k()) {
             let want = if rank == 2 { "[T, K]" } else { "[E, M, K]" };
             return Err(shape_err(
                 "x",
-                format!("{want} with K = {}", self.shape.k),
+                format!("{want} with K = {}", self.shape.k()),
                 x.dims(),
             ));
         }
@@ -160,12 +155,12 @@ impl Fp8Experts {
     }
 
     fn check_counts(&self, counts: &[usize]) -> Result<()> {
-        if counts.len() != self.shape.e {
+        if counts.len() != self.shape.e() {
             return Err(invalid(
                 "counts",
                 format!(
                     "needs one count per expert ({}), got {}",
-                    self.shape.e,
+                    self.shape.e(),
                     counts.len()
                 ),
             ));
@@ -187,15 +182,15 @@ impl Fp8Experts {
             ));
         }
         if t == 0 {
-            return Ok(Tensor::zeros((0, self.shape.n), x.dtype(), x.device())?);
+            return Ok(Tensor::zeros((0, self.shape.n()), x.dtype(), x.device())?);
         }
         if x.device().is_cuda() {
             return self.cuda_contiguous(x, counts);
         }
         let xs = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let mut out = vec![0f32; t * self.shape.n];
+        let mut out = vec![0f32; t * self.shape.n()];
         grouped(&xs, counts, self.weights(), self.shape, self.act, &mut out)?;
-        Ok(Tensor::from_vec(out, (t, self.shape.n), &Device::Cpu)?.to_dtype(x.dtype())?)
+        Ok(Tensor::from_vec(out, (t, self.shape.n()), &Device::Cpu)?.to_dtype(x.dtype())?)
     }
 
     /// `y [E, M, N]` for `x [E, M, K]`: expert `e` takes rows `0..counts[e]` of its slot;
@@ -203,7 +198,7 @@ impl Fp8Experts {
     pub fn forward_masked(&self, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
         self.check_x(x, 3)?;
         self.check_counts(counts)?;
-        let (e, m, k, n) = (self.shape.e, x.dims()[1], self.shape.k, self.shape.n);
+        let (e, m, k, n) = (self.shape.e(), x.dims()[1], self.shape.k(), self.shape.n());
         if x.dims()[0] != e {
             return Err(shape_err("x", format!("[{e}, M, {k}]"), x.dims()));
         }

@@ -2,7 +2,7 @@
 //! kernels and uploaded once per device (kept with the layer); each call is one op whose
 //! `cuda_fwd` quantizes the activations and runs the grouped plan.
 
-use fp8nsa_cpu::experts::ExpertsShape;
+use fp8nsa_types::ExpertsShape;
 
 #[cfg(feature = "cuda")]
 mod imp {
@@ -14,8 +14,8 @@ mod imp {
         CpuStorage, CudaStorage, CustomOp1, DType, Device, DeviceLocation, Layout, Shape, Tensor,
     };
     use cudarc::driver::CudaSlice;
-    use fp8nsa_cpu::experts::ExpertsShape;
     use fp8nsa_cuda::fp8::{fp8_grouped, WeightLayout, WeightRef};
+    use fp8nsa_types::ExpertsShape;
     use fp8nsa_types::{ActQuant, CudaFp8Kernel, CudaFp8Path};
 
     use crate::cuda::{stream_of, view};
@@ -46,21 +46,21 @@ mod imp {
         s: ExpertsShape,
         dev: &Device,
     ) -> Result<Arc<CudaExperts>> {
-        let layout = WeightLayout::new([s.n, s.k], [s.bn, s.bk])?;
+        let layout = WeightLayout::new([s.n(), s.k()], [s.bn(), s.bk()])?;
         let [nb, kb] = layout.scale_dims();
         let stream = dev.as_cuda_device()?.cuda_stream();
         let codes = stream
-            .clone_htod(&padded(codes, s.e * s.n, s.k, layout.ld))
+            .clone_htod(&padded(codes, s.e() * s.n(), s.k(), layout.ld))
             .map_err(fp8nsa_cuda::Error::from)?;
         let scales = stream
-            .clone_htod(&padded(scales, s.e * nb, kb, layout.scale_ld))
+            .clone_htod(&padded(scales, s.e() * nb, kb, layout.scale_ld))
             .map_err(fp8nsa_cuda::Error::from)?;
         tracing::debug!(
             op = "fp8_experts",
             backend = "cuda",
-            experts = s.e,
-            n = s.n,
-            k = s.k,
+            experts = s.e(),
+            n = s.n(),
+            k = s.k(),
             "experts ready"
         );
         Ok(Arc::new(CudaExperts {
@@ -180,7 +180,7 @@ mod imp {
     use std::sync::Arc;
 
     use candle_core::{Device, DeviceLocation, Tensor};
-    use fp8nsa_cpu::experts::ExpertsShape;
+    use fp8nsa_types::ExpertsShape;
     use fp8nsa_types::{ActQuant, CudaFp8Kernel, CudaFp8Path};
 
     use crate::error::{Error, Result};

@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
-use fp8nsa_types::{ActQuant, CudaFp8Kernel, CudaFp8Path, LinearShape};
+use fp8nsa_types::{ActQuant, CudaFp8Kernel, CudaFp8Path, ExpertsShape, LinearShape};
 
 use crate::context::{gpu, DeviceInfo};
 use crate::element::Element;
@@ -43,13 +43,8 @@ pub fn check_grouped(w: &WeightLayout, counts: &[usize], act: ActQuant) -> Resul
             ),
         ));
     }
-    let t = counts
-        .iter()
-        .try_fold(0usize, |a, &c| a.checked_add(c))
-        .ok_or_else(|| invalid("counts", "the counts overflow"))?;
-    if t == 0 {
-        return Err(invalid("counts", "route at least one row"));
-    }
+    // one count per expert, at least one row in all: the routing check of every backend
+    let t = ExpertsShape::new(counts.len(), w.n, w.k, w.bn, w.bk)?.routed_rows(counts)?;
     // the row tiles of all groups share grid.y, like the rows of one call
     let tiles: usize = counts
         .iter()
