@@ -715,6 +715,14 @@ fn a_failed_step_leaves_the_cache_as_it_was() {
     nsa.forward_step(&one(&x), &one(&q), &one(&k), &one(&v), &mut cache)
         .unwrap();
     assert_eq!(cache.len(), len + 1);
+    // no query token on a filled cache: q named (it was candle's "cat expects at least one
+    // tensor"), and the token appended for it rolled back
+    let no_q = q.narrow(1, 0, 0).unwrap();
+    let e = nsa
+        .forward_step(&one(&x), &no_q, &one(&k), &one(&v), &mut cache)
+        .unwrap_err();
+    assert!(matches!(e, fp8nsa::Error::Shape { arg: "q", .. }), "{e}");
+    assert_eq!(cache.len(), len + 1);
     // zero new tokens on an empty cache: an error, not a panic
     let none = |t: &Tensor| t.narrow(1, 0, 0).unwrap();
     let mut empty = NsaCache::new();

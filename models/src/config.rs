@@ -32,12 +32,19 @@ pub struct LlamaConfig {
     pub rope_theta: f64,
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
-    #[serde(default)]
+    /// The head shares the embeddings (Hugging Face's default when the field is absent);
+    /// `false` needs an `lm_head.weight`.
+    #[serde(default = "default_tie")]
     pub tie_word_embeddings: bool,
     #[serde(default)]
     pub bos_token_id: Option<u32>,
-    #[serde(default)]
-    pub eos_token_id: Option<u32>,
+    /// The tokens that end generation: `config.json` gives one id or a list of them.
+    #[serde(default, deserialize_with = "one_or_many")]
+    pub eos_token_id: Vec<u32>,
+    /// The MLP's activation; the decoder implements `silu` (SwiGLU) only, and refuses others
+    /// rather than running them as SiLU.
+    #[serde(default = "default_act")]
+    pub hidden_act: String,
     /// `linear`, `llama3` or `yarn` scaling ([`RopeScaling`]); any other kind is refused, not
     /// misread.
     #[serde(default)]
@@ -76,6 +83,29 @@ impl MoeConfig {
     }
 }
 
+fn default_tie() -> bool {
+    true
+}
+
+fn default_act() -> String {
+    "silu".into()
+}
+
+/// An id, a list of ids, or null (none).
+fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Vec<u32>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OneOrMany {
+        One(u32),
+        Many(Vec<u32>),
+    }
+    Ok(match Option::<OneOrMany>::deserialize(d)? {
+        None => Vec::new(),
+        Some(OneOrMany::One(id)) => vec![id],
+        Some(OneOrMany::Many(ids)) => ids,
+    })
+}
+
 fn default_eps() -> f64 {
     1e-5
 }
@@ -102,7 +132,8 @@ impl LlamaConfig {
             max_position_embeddings: 4096,
             tie_word_embeddings: true,
             bos_token_id: Some(1),
-            eos_token_id: Some(2),
+            eos_token_id: vec![2],
+            hidden_act: default_act(),
             rope_scaling: None,
             moe: MoeConfig::default(),
             rope_style: RopeStyle::Half,
@@ -159,6 +190,16 @@ impl LlamaConfig {
             return Err(invalid(
                 "rms_norm_eps",
                 format!("must be finite and >= 0, got {}", self.rms_norm_eps),
+            ));
+        }
+        // "silu" and its alias "swish"; anything else would run as SiLU and give wrong logits
+        if !matches!(self.hidden_act.as_str(), "silu" | "swish") {
+            return Err(invalid(
+                "hidden_act",
+                format!(
+                    "{:?} is not implemented (the decoder's MLP is SwiGLU: silu)",
+                    self.hidden_act
+                ),
             ));
         }
         self.rope_scaling()?;

@@ -38,14 +38,15 @@ impl Sampling {
 }
 
 /// Runs `prompt` through the model (appending to `cache`), then produces up to `max_new`
-/// tokens, stopping after `eos`. `on_token` sees each new token as it comes.
+/// tokens, stopping after any token of `eos` (a config may name several, as Llama 3.1's
+/// `[128001, 128008, 128009]`). `on_token` sees each new token as it comes.
 pub fn generate(
     model: &Llama,
     cache: &mut Cache,
     prompt: &[u32],
     max_new: usize,
     sampling: Sampling,
-    eos: Option<u32>,
+    eos: &[u32],
     on_token: &mut dyn FnMut(u32),
 ) -> Result<Vec<u32>> {
     if prompt.is_empty() {
@@ -63,7 +64,7 @@ pub fn generate(
         let next = pick(&last, sampling, &mut rng)?;
         out.push(next);
         on_token(next);
-        if Some(next) == eos {
+        if eos.contains(&next) {
             break;
         }
         logits = model.forward(&[next], cache)?;

@@ -277,12 +277,40 @@ impl Weights {
                         format!("tensor {name} is also in {}", first.display()),
                     ));
                 }
+                // block scales are values: a checkpoint storing them as integers is broken, and
+                // converting those by value would scale every output wrongly
+                if name.ends_with(".weight_scale_inv")
+                    && !matches!(
+                        t.dtype(),
+                        DType::F32 | DType::BF16 | DType::F16 | DType::F64
+                    )
+                {
+                    return Err(file_err(
+                        &f,
+                        format!(
+                            "{name} is {:?}; block scales must be F32, BF16, F16 or F64",
+                            t.dtype()
+                        ),
+                    ));
+                }
                 let t = match t.dtype() {
                     DType::F8E4M3 | DType::U8 | DType::F32 => t,
                     _ => t.to_dtype(DType::F32)?,
                 };
                 w.map.insert(name, t);
             }
+        }
+        // an fp8 weight is codes and scales: without the scales it is no weight at all
+        if let Some(name) = w.map.iter().find_map(|(name, t)| {
+            let module = name.strip_suffix(".weight")?;
+            let codes = matches!(t.dtype(), DType::F8E4M3 | DType::U8);
+            let scales = format!("{module}.weight_scale_inv");
+            (codes && !w.map.contains_key(&scales)).then(|| name.clone())
+        }) {
+            return Err(file_err(
+                dir,
+                format!("{name} is fp8 codes without its {name}_scale_inv"),
+            ));
         }
         Ok((cfg, w))
     }
@@ -455,7 +483,10 @@ fn config_from_gguf(c: &gguf_file::Content) -> Result<LlamaConfig> {
             .and_then(|v| v.to_u32().ok()),
         eos_token_id: md
             .get("tokenizer.ggml.eos_token_id")
-            .and_then(|v| v.to_u32().ok()),
+            .and_then(|v| v.to_u32().ok())
+            .into_iter()
+            .collect(),
+        hidden_act: "silu".into(),
         rope_scaling: None,
         moe: Default::default(),
         rope_style: RopeStyle::Interleaved,

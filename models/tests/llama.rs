@@ -137,7 +137,7 @@ fn generation_is_reproducible_and_stops_at_eos() {
         &p,
         10,
         Sampling::Greedy,
-        None,
+        &[],
         &mut |_| {},
     )
     .unwrap();
@@ -147,7 +147,7 @@ fn generation_is_reproducible_and_stops_at_eos() {
         &p,
         10,
         Sampling::Greedy,
-        None,
+        &[],
         &mut |_| {},
     )
     .unwrap();
@@ -157,8 +157,8 @@ fn generation_is_reproducible_and_stops_at_eos() {
         temperature: 0.8,
         seed: 3,
     };
-    let t1 = generate(&m, &mut m.new_cache(), &p, 10, s, None, &mut |_| {}).unwrap();
-    let t2 = generate(&m, &mut m.new_cache(), &p, 10, s, None, &mut |_| {}).unwrap();
+    let t1 = generate(&m, &mut m.new_cache(), &p, 10, s, &[], &mut |_| {}).unwrap();
+    let t2 = generate(&m, &mut m.new_cache(), &p, 10, s, &[], &mut |_| {}).unwrap();
     assert_eq!(t1, t2);
     let stop = generate(
         &m,
@@ -166,7 +166,7 @@ fn generation_is_reproducible_and_stops_at_eos() {
         &p,
         10,
         Sampling::Greedy,
-        Some(g1[2]),
+        &[g1[2]],
         &mut |_| {},
     )
     .unwrap();
@@ -178,7 +178,7 @@ fn generation_is_reproducible_and_stops_at_eos() {
         &[],
         3,
         Sampling::Greedy,
-        None,
+        &[],
         &mut |_| {},
     )
     .unwrap_err();
@@ -275,7 +275,7 @@ fn nan_making_configs_and_sampling_are_errors() {
             temperature,
             seed: 1,
         };
-        let e = generate(&m, &mut m.new_cache(), &prompt(4), 2, s, None, &mut |_| {}).unwrap_err();
+        let e = generate(&m, &mut m.new_cache(), &prompt(4), 2, s, &[], &mut |_| {}).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -294,7 +294,7 @@ fn nan_making_configs_and_sampling_are_errors() {
             temperature,
             seed: 1,
         };
-        let out = generate(&m, &mut m.new_cache(), &prompt(4), 2, s, None, &mut |_| {});
+        let out = generate(&m, &mut m.new_cache(), &prompt(4), 2, s, &[], &mut |_| {});
         assert_eq!(out.unwrap().len(), 2);
     }
 }
@@ -329,7 +329,7 @@ fn nan_logits_stop_generation() {
             seed: 5,
         },
     ] {
-        let e = generate(&m, &mut m.new_cache(), &prompt(3), 4, s, None, &mut |_| {}).unwrap_err();
+        let e = generate(&m, &mut m.new_cache(), &prompt(3), 4, s, &[], &mut |_| {}).unwrap_err();
         assert!(
             matches!(e, Error::Invalid { arg: "logits", .. }),
             "{s:?}: {e}"
@@ -426,4 +426,150 @@ fn config_sizes_are_checked_against_the_weights() {
         let got = m.forward(&prompt(5), &mut m.new_cache()).unwrap();
         assert_eq!(max_abs_diff(&got, &want), 0.0, "{max}");
     }
+}
+
+/// `config.json` as published (issue: reliability, third round, items 4, 6 and 10): an
+/// `eos_token_id` list (Llama 3.1 / 3.2 Instruct) is any-of; `tie_word_embeddings: false`
+/// without an `lm_head.weight` is an error naming it, not the embeddings used as the head; an
+/// activation the decoder does not implement is refused, not run as SiLU.
+#[test]
+fn config_fields_as_published() {
+    let json = |extra: serde_json::Value| {
+        let mut j = serde_json::json!({
+            "vocab_size": 512, "hidden_size": 576, "intermediate_size": 1536,
+            "num_hidden_layers": 4, "num_attention_heads": 9, "num_key_value_heads": 3,
+            "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+            "max_position_embeddings": 4096
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            j[k] = v.clone();
+        }
+        serde_json::from_value::<LlamaConfig>(j).unwrap()
+    };
+    let c = json(serde_json::json!({"eos_token_id": [128001, 128008, 128009]}));
+    assert_eq!(c.eos_token_id, [128001, 128008, 128009]);
+    assert_eq!(
+        json(serde_json::json!({"eos_token_id": 2})).eos_token_id,
+        [2]
+    );
+    assert!(json(serde_json::json!({"eos_token_id": null}))
+        .eos_token_id
+        .is_empty());
+    // Hugging Face's default when the field is absent: tied
+    assert!(json(serde_json::json!({})).tie_word_embeddings);
+
+    // any token of the list stops generation
+    let m = model(ModelOptions::default());
+    let p = prompt(8);
+    let free = generate(
+        &m,
+        &mut m.new_cache(),
+        &p,
+        10,
+        Sampling::Greedy,
+        &[],
+        &mut |_| {},
+    )
+    .unwrap();
+    let stops = [u32::MAX, free[3], free[5]];
+    let stopped = generate(
+        &m,
+        &mut m.new_cache(),
+        &p,
+        10,
+        Sampling::Greedy,
+        &stops,
+        &mut |_| {},
+    )
+    .unwrap();
+    let first = free.iter().position(|t| stops.contains(t)).unwrap();
+    assert_eq!(stopped, free[..=first]);
+
+    // untied without a head: named, not silently tied
+    let cfg = LlamaConfig {
+        tie_word_embeddings: true,
+        ..LlamaConfig::tiny()
+    };
+    let w = Weights::random(&cfg, 1).unwrap(); // no lm_head.weight
+    let untied = LlamaConfig {
+        tie_word_embeddings: false,
+        ..cfg.clone()
+    };
+    let e = Llama::new(&untied, &w, &ModelOptions::default()).unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            Error::Invalid {
+                arg: "lm_head.weight",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    Llama::new(&cfg, &w, &ModelOptions::default()).unwrap();
+
+    // activations: silu (and its alias swish) only
+    for act in ["gelu", "gelu_pytorch_tanh", "relu"] {
+        let c = json(serde_json::json!({ "hidden_act": act }));
+        let e = c.validate().unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                Error::Invalid {
+                    arg: "hidden_act",
+                    ..
+                }
+            ),
+            "{act}: {e}"
+        );
+    }
+    json(serde_json::json!({"hidden_act": "silu"}))
+        .validate()
+        .unwrap();
+}
+
+/// A Hugging Face checkpoint's fp8 layers as stored (issue: reliability, third round, items 2
+/// and 9): block scales stored as integers are refused by name (converting them by value gave
+/// logits off by 2x), and so is an fp8 weight without its `weight_scale_inv` (it loaded and
+/// failed later with "dtype mismatch in matmul").
+#[test]
+fn fp8_checkpoint_tensors_are_checked_at_load() {
+    use candle_core::Device;
+    use std::collections::HashMap;
+    let dir = std::env::temp_dir().join(format!("fp8nsa-hf-scales-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = serde_json::json!({
+        "vocab_size": 512, "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 4, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64, "tie_word_embeddings": true
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let codes = Tensor::zeros((256, 128), DType::U8, &Device::Cpu).unwrap();
+    let write = |scales: Option<Tensor>| {
+        let mut t = HashMap::from([("m.weight".to_string(), codes.clone())]);
+        if let Some(s) = scales {
+            t.insert("m.weight_scale_inv".to_string(), s);
+        }
+        candle_core::safetensors::save(&t, dir.join("model.safetensors")).unwrap();
+        Weights::load_hf_dir(&dir)
+    };
+    for dtype in [DType::U8, DType::I64, DType::U32] {
+        let s = Tensor::ones((2, 1), dtype, &Device::Cpu).unwrap();
+        let e = write(Some(s)).unwrap_err();
+        assert!(
+            matches!(&e, Error::File { msg, .. } if msg.contains("m.weight_scale_inv")),
+            "{dtype:?}: {e}"
+        );
+    }
+    let e = write(None).unwrap_err();
+    assert!(
+        matches!(&e, Error::File { msg, .. } if msg.contains("m.weight_scale_inv")),
+        "{e}"
+    );
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let s = Tensor::ones((2, 1), dtype, &Device::Cpu).unwrap();
+        let (_, w) = write(Some(s)).unwrap();
+        assert!(w.fp8("m").unwrap().is_some(), "{dtype:?}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -146,7 +146,7 @@ fn fp8_greedy_generation_agrees_with_dense() {
             &prompt,
             32,
             Sampling::Greedy,
-            None,
+            &[],
             &mut |_| {},
         )
         .unwrap()

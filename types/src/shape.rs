@@ -10,6 +10,8 @@ use crate::error::{check_positive, Result};
 /// assert_eq!((s.n_blocks(), s.k_blocks()), (5, 31));
 /// assert!(LinearShape::new(1, 576, 3884, 128, 0).is_err());
 /// assert_eq!(s.with_m(7)?.m(), 7);
+/// // a block past the matrix is one partial block
+/// assert_eq!(LinearShape::new(1, 576, 3884, usize::MAX, 4096)?.bk(), 3884);
 /// # Ok::<(), fp8nsa_types::Error>(())
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -23,11 +25,14 @@ pub struct LinearShape {
 
 impl LinearShape {
     /// `m` rows of `x`, a `[n, k]` weight in `bn x bk` blocks; each at least 1 (else
-    /// `Error::Invalid` naming it).
+    /// `Error::Invalid` naming it). A block larger than the matrix is one partial block: it
+    /// is kept as the matrix's size, which means the same and keeps the kernels' size
+    /// arithmetic far from overflow.
     pub fn new(m: usize, n: usize, k: usize, bn: usize, bk: usize) -> Result<Self> {
         for (arg, v) in [("m", m), ("n", n), ("k", k), ("bn", bn), ("bk", bk)] {
             check_positive(arg, v)?;
         }
+        let (bn, bk) = (bn.min(n), bk.min(k));
         Ok(Self { m, n, k, bn, bk })
     }
 
@@ -92,11 +97,13 @@ pub struct ExpertsShape {
 }
 
 impl ExpertsShape {
-    /// Every size at least 1 (else `Error::Invalid` naming it).
+    /// Every size at least 1 (else `Error::Invalid` naming it); a block larger than the
+    /// matrix is kept as the matrix's size, as in [`LinearShape::new`].
     pub fn new(e: usize, n: usize, k: usize, bn: usize, bk: usize) -> Result<Self> {
         for (arg, v) in [("e", e), ("n", n), ("k", k), ("bn", bn), ("bk", bk)] {
             check_positive(arg, v)?;
         }
+        let (bn, bk) = (bn.min(n), bk.min(k));
         Ok(Self { e, n, k, bn, bk })
     }
 

@@ -8,7 +8,7 @@ use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
 use fp8nsa_cpu::nsa::HeadMajor;
 use fp8nsa_types::AttnDims;
 
-use crate::error::{invalid, Error, Result};
+use crate::error::{invalid, shape_err, Error, Result};
 use crate::storage::{contiguous, ParkedError};
 
 /// `o [B, Hq, Dv] = softmax(scale · q kᵀ) v` for one query token per sequence, every key
@@ -37,7 +37,9 @@ use crate::storage::{contiguous, ParkedError};
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
-    let (b, hq, d) = q.dims3()?;
+    let (b, hq, d) = q
+        .dims3()
+        .map_err(|_| shape_err("q", "[B, Hq, D] (one token per sequence)", q.dims()))?;
     let dims4 = |arg: &'static str, t: &Tensor| -> Result<[usize; 4]> {
         match *t.dims() {
             [b, h, n, w] => Ok([b, h, n, w]),
@@ -215,5 +217,8 @@ mod tests {
         assert!(matches!(r, Err(Error::Invalid { arg: "k", .. })), "{r:?}");
         let r = decode_attention(&q.narrow(1, 0, 5).unwrap(), &k, &v, 0.2);
         assert!(matches!(r, Err(Error::Invalid { arg: "hq", .. })), "{r:?}");
+        // a 2-D q names q (it was candle's "unexpected rank")
+        let r = decode_attention(&q.get(0).unwrap(), &k, &v, 0.2);
+        assert!(matches!(r, Err(Error::Shape { arg: "q", .. })), "{r:?}");
     }
 }

@@ -519,7 +519,7 @@ fn demo(args: DemoArgs) -> Result<()> {
                 &ids,
                 args.generate,
                 fp8nsa::models::Sampling::Greedy,
-                cfg.eos_token_id,
+                &cfg.eos_token_id,
                 &mut |_| {},
             )
             .map_err(models_err)?;
