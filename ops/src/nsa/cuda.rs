@@ -89,8 +89,8 @@ mod imp {
         // from here an `Unsupported` also covers a device below sm_80 (no PTX family for it)
         let layout = pages.map(|p| PageLayout {
             num_pages: p.num_pages,
-            page_size: p.host.page_size,
-            max_pages: p.host.max_pages,
+            page_size: p.host.page_size(),
+            max_pages: p.host.max_pages(),
         });
         let planned = match (q.dtype(), layout) {
             (DType::BF16, None) => {

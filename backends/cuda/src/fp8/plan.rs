@@ -40,10 +40,10 @@ pub(crate) struct Applicability {
 }
 
 pub(crate) fn applicability(info: &DeviceInfo, s: &LinearShape, act: ActQuant) -> Applicability {
-    let small_m = if s.m > SMALL_M_MAX {
-        Err(format!("M = {} > {SMALL_M_MAX}", s.m))
-    } else if !s.bk.is_multiple_of(16) {
-        Err(format!("block K = {} is not a multiple of 16", s.bk))
+    let small_m = if s.m() > SMALL_M_MAX {
+        Err(format!("M = {} > {SMALL_M_MAX}", s.m()))
+    } else if !s.bk().is_multiple_of(16) {
+        Err(format!("block K = {} is not a multiple of 16", s.bk()))
     } else {
         Ok(())
     };
@@ -54,8 +54,8 @@ pub(crate) fn applicability(info: &DeviceInfo, s: &LinearShape, act: ActQuant) -
         ))
     } else if act == ActQuant::None {
         Err("activations are not quantized (ActQuant::None)".to_string())
-    } else if !s.bk.is_multiple_of(128) {
-        Err(format!("block K = {} is not a multiple of 128", s.bk))
+    } else if !s.bk().is_multiple_of(128) {
+        Err(format!("block K = {} is not a multiple of 128", s.bk()))
     } else {
         Ok(())
     };
@@ -64,17 +64,18 @@ pub(crate) fn applicability(info: &DeviceInfo, s: &LinearShape, act: ActQuant) -
             "block-scaled fp8 in cuBLASLt is sm_90 only, device is {}.{}",
             info.cc.0, info.cc.1
         ))
-    } else if (s.bn, s.bk) != (128, 128) {
+    } else if (s.bn(), s.bk()) != (128, 128) {
         Err(format!(
             "weight blocks {}x{} (cuBLASLt takes 128x128)",
-            s.bn, s.bk
+            s.bn(),
+            s.bk()
         ))
     } else if act != ActQuant::Group {
         Err(format!(
             "activation scheme {act:?} (cuBLASLt takes 1x128 groups)"
         ))
-    } else if !s.n.is_multiple_of(16) {
-        Err(format!("N = {} is not a multiple of 16", s.n))
+    } else if !s.n().is_multiple_of(16) {
+        Err(format!("N = {} is not a multiple of 16", s.n()))
     } else {
         Ok(())
     };
@@ -87,8 +88,8 @@ pub(crate) fn applicability(info: &DeviceInfo, s: &LinearShape, act: ActQuant) -
 
 /// The K split of the tensor-core kernel: enough blocks for two waves, whole K-blocks per split.
 pub(crate) fn mma_splits(info: &DeviceInfo, s: &LinearShape, tile: MmaTile) -> (usize, usize) {
-    let kb = s.k.div_ceil(s.bk);
-    let tiles = s.n.div_ceil(128) * s.m.div_ceil(tile.rows());
+    let kb = s.k().div_ceil(s.bk());
+    let tiles = s.n().div_ceil(128) * s.m().div_ceil(tile.rows());
     let target = 2 * info.sms as usize;
     let want = if tiles >= target {
         1
@@ -119,14 +120,14 @@ pub fn plan(
 ) -> Result<CudaFp8Path> {
     let a = applicability(info, s, act);
     let mma = || {
-        let tile = mma_tile(s.m);
+        let tile = mma_tile(s.m());
         CudaFp8Path::Mma {
             tile,
             splits: mma_splits(info, s, tile).0,
         }
     };
     let small = || CudaFp8Path::SmallM {
-        tokens: s.m.next_power_of_two(),
+        tokens: s.m().next_power_of_two(),
     };
     let refuse = |what: &'static str, why: &String| -> Result<CudaFp8Path> {
         Err(unsupported(
@@ -136,9 +137,9 @@ pub fn plan(
     };
     match kernel {
         CudaFp8Kernel::Auto => Ok(
-            if a.small_m.is_ok() && (s.m <= SMALL_M_PREFERRED || a.mma.is_err()) {
+            if a.small_m.is_ok() && (s.m() <= SMALL_M_PREFERRED || a.mma.is_err()) {
                 small()
-            } else if a.cublaslt.is_ok() && s.m >= CUBLASLT_MIN_M {
+            } else if a.cublaslt.is_ok() && s.m() >= CUBLASLT_MIN_M {
                 CudaFp8Path::CublasLt
             } else if a.mma.is_ok() {
                 mma()
