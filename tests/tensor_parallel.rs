@@ -7,7 +7,7 @@
 //! `slice` keep; a split that would cut a block or a head is an error naming the world sizes
 //! that work.
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use fp8nsa::fp8::{
     ColumnParallel, Communicator, ExpertParallel, HostGroup, RowParallel, Shard, Split,
 };
@@ -454,4 +454,55 @@ fn expert_parallel_equals_the_whole_moe_block() {
     .experts(e)
     .unwrap_err();
     assert!(matches!(&e3, Error::Invalid { arg: "shard", .. }), "{e3}");
+}
+
+/// A rank that refuses its input does not leave the others waiting (issue: reliability, third
+/// round, item 1): on a 2-rank group where only rank 1's `x` has the wrong shape, rank 1
+/// returns its error and rank 0 an error naming the group, and the group still works for the
+/// next call. The ranks run on threads watched by a deadline, so a hang fails the test.
+#[test]
+fn a_rank_that_refuses_fails_the_whole_call() {
+    use std::sync::mpsc;
+    use std::time::Duration;
+    let mut rng = rng("tp_refusal");
+    let w = weight(&mut rng, 256, 256);
+    let handles = HostGroup::new(2);
+    let (tx, rx) = mpsc::channel();
+    for comm in handles {
+        let (w, tx) = (w.clone(), tx.clone());
+        std::thread::spawn(move || {
+            let r = comm.rank();
+            let shard = Shard {
+                rank: r,
+                world_size: 2,
+            };
+            let layer = RowParallel::new(&w, None, ActQuant::Group, shard).unwrap();
+            let x = if r == 1 {
+                Tensor::zeros((3, 100), DType::F32, &Device::Cpu).unwrap() // K_r is 128
+            } else {
+                Tensor::zeros((3, 128), DType::F32, &Device::Cpu).unwrap()
+            };
+            let first = layer.forward(&x, &comm).map(|_| ());
+            let good = Tensor::ones((3, 128), DType::F32, &Device::Cpu).unwrap();
+            let second = layer.forward(&good, &comm).map(|y| y.dims().to_vec());
+            tx.send((r, first, second)).unwrap();
+        });
+    }
+    let mut got: Vec<_> = (0..2)
+        .map(|_| {
+            rx.recv_timeout(Duration::from_secs(60))
+                .expect("a rank hung in the collective")
+        })
+        .collect();
+    got.sort_by_key(|g| g.0);
+    let [(_, f0, s0), (_, f1, s1)] = <[_; 2]>::try_from(got).unwrap();
+    assert!(
+        matches!(&f0, Err(fp8nsa::Error::Invalid { arg: "comm", .. })),
+        "{f0:?}"
+    );
+    assert!(
+        matches!(&f1, Err(fp8nsa::Error::Shape { arg: "x", .. })),
+        "{f1:?}"
+    );
+    assert_eq!((s0.unwrap(), s1.unwrap()), (vec![3, 256], vec![3, 256]));
 }

@@ -18,6 +18,30 @@ pub trait Communicator: Send + Sync {
     /// The ranks' tensors concatenated along `dim`, in rank order, on every rank. The ranks'
     /// tensors may differ in size along `dim` (a column split that is not even), nowhere else.
     fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor>;
+    /// Whether every rank is ready for the collective that follows: each rank passes its own
+    /// answer and all get `true` only when all passed `true`. A layer asks before it reduces,
+    /// so a rank that refuses its input makes every rank of the call return an error instead
+    /// of leaving the others waiting in the reduction.
+    fn all_ok(&self, ok: bool) -> Result<bool>;
+}
+
+/// Runs a collective on this rank's `part` only when every rank has its part: a rank whose
+/// part is an error returns it, and the others return `Error::Invalid` naming the group, so
+/// no rank waits for one that will not come.
+pub(crate) fn agreed<T>(
+    comm: &dyn Communicator,
+    part: Result<T>,
+    collective: impl FnOnce(T) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let all = comm.all_ok(part.is_ok())?;
+    match part {
+        Err(e) => Err(e),
+        Ok(_) if !all => Err(invalid(
+            "comm",
+            "another rank of the group refused its part of this call",
+        )),
+        Ok(p) => collective(p),
+    }
 }
 
 /// Ranks as threads of one process, for CPU tensors (and tests): [`HostGroup::new`] returns
@@ -47,6 +71,7 @@ pub struct HostGroup {
 struct HostShared {
     world: usize,
     slots: Mutex<Vec<Option<Tensor>>>,
+    ready: Mutex<Vec<bool>>,
     barrier: Barrier,
 }
 
@@ -56,6 +81,7 @@ impl HostGroup {
         let shared = Arc::new(HostShared {
             world: world_size,
             slots: Mutex::new(vec![None; world_size]),
+            ready: Mutex::new(vec![false; world_size]),
             barrier: Barrier::new(world_size),
         });
         (0..world_size)
@@ -68,21 +94,24 @@ impl HostGroup {
 
     /// Every rank's tensor, in rank order: deposit, wait for all, copy out, wait again so the
     /// slots can be reused by the next operation.
+    /// A rank whose tensor is not on the CPU still takes part (with nothing), so every rank
+    /// returns from the exchange, all with an error.
     fn exchange(&self, t: &Tensor) -> Result<Vec<Tensor>> {
-        if !t.device().is_cpu() {
-            return Err(invalid("t", "HostGroup exchanges CPU tensors"));
-        }
+        let cpu = t.device().is_cpu();
         let lock = || {
             self.shared
                 .slots
                 .lock()
                 .map_err(|_| invalid("communicator", "another rank panicked"))
         };
-        lock()?[self.rank] = Some(t.clone());
+        lock()?[self.rank] = cpu.then(|| t.clone());
         self.shared.barrier.wait();
         let all: Option<Vec<Tensor>> = lock()?.iter().cloned().collect();
         self.shared.barrier.wait();
-        all.ok_or_else(|| invalid("communicator", "a rank did not contribute"))
+        if !cpu {
+            return Err(invalid("t", "HostGroup exchanges CPU tensors"));
+        }
+        all.ok_or_else(|| invalid("communicator", "a rank did not contribute a CPU tensor"))
     }
 }
 
@@ -109,6 +138,20 @@ impl Communicator for HostGroup {
             sum = (sum + x)?;
         }
         Ok(sum)
+    }
+
+    fn all_ok(&self, ok: bool) -> Result<bool> {
+        let lock = || {
+            self.shared
+                .ready
+                .lock()
+                .map_err(|_| invalid("communicator", "another rank panicked"))
+        };
+        lock()?[self.rank] = ok;
+        self.shared.barrier.wait();
+        let all = lock()?.iter().all(|&r| r);
+        self.shared.barrier.wait();
+        Ok(all)
     }
 
     fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {

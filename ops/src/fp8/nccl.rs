@@ -141,6 +141,14 @@ impl Communicator for NcclGroup {
         Ok(self.wrap(out, t.dims()))
     }
 
+    fn all_ok(&self, ok: bool) -> Result<bool> {
+        // the count of refusing ranks, summed on the device: 0 means every rank is ready
+        let device = candle_core::Device::Cuda(self.device.clone());
+        let refused = Tensor::new(&[if ok { 0f32 } else { 1f32 }], &device)?;
+        let total: Vec<f32> = self.all_reduce_sum(&refused)?.to_vec1()?;
+        Ok(total.first() == Some(&0.0))
+    }
+
     fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
         use super::gather::{gather_cut, gather_header, gather_send, read_gather_headers};
         let t = self.f32_on_device(t)?;

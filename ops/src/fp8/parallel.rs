@@ -7,7 +7,7 @@ use std::ops::Range;
 
 use candle_core::{DType, Tensor};
 
-use super::comm::Communicator;
+use super::comm::{agreed, Communicator};
 use super::shard::{Shard, Split};
 use super::{ActQuant, Fp8BlockWeight, Fp8Linear};
 use crate::error::{invalid, Result};
@@ -105,8 +105,10 @@ impl RowParallel {
     }
 
     /// The full output: the partial sum reduced over the group.
+    /// A rank whose input is refused returns that error and every other rank an error
+    /// naming the group: the ranks agree before reducing (no rank is left waiting).
     pub fn forward(&self, x_r: &Tensor, comm: &dyn Communicator) -> Result<Tensor> {
-        comm.all_reduce_sum(&self.forward_partial(x_r)?)
+        agreed(comm, self.forward_partial(x_r), |p| comm.all_reduce_sum(&p))
     }
 }
 
@@ -238,9 +240,9 @@ impl ExpertParallel {
 
     /// The block's output `[.., H]` in x's dtype: the partial parts reduced (in f32) over
     /// the group.
+    /// As [`RowParallel::forward`], the ranks agree before reducing.
     pub fn forward(&self, x: &Tensor, comm: &dyn Communicator) -> Result<Tensor> {
-        Ok(comm
-            .all_reduce_sum(&self.forward_partial(x)?)?
-            .to_dtype(x.dtype())?)
+        let sum = agreed(comm, self.forward_partial(x), |p| comm.all_reduce_sum(&p))?;
+        Ok(sum.to_dtype(x.dtype())?)
     }
 }
