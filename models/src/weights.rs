@@ -259,15 +259,7 @@ impl Weights {
                     .collect();
             }
         }
-        let mut files: Vec<_> = std::fs::read_dir(dir)
-            .map_err(|e| file_err(dir, e))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
-            .collect();
-        files.sort();
-        if files.is_empty() {
-            return Err(file_err(dir, "no .safetensors file"));
-        }
+        let files = shard_files(dir)?;
         let mut from: HashMap<String, PathBuf> = HashMap::new();
         for f in files {
             for (name, t) in candle_core::safetensors::load(&f, &Device::Cpu)? {
@@ -399,6 +391,52 @@ impl Weights {
         }
         Ok((cfg, Self::from_tensors(map), content))
     }
+}
+
+/// The shards of a checkpoint directory: those `model.safetensors.index.json` names (its
+/// `weight_map`) when there is an index, so a stale extra shard beside them is not loaded;
+/// every `*.safetensors` otherwise. A shard named in the index must be a file of the
+/// directory itself (no separators, no `..`).
+fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = dir.join("model.safetensors.index.json");
+    let mut files: Vec<PathBuf> = if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(|e| file_err(&index, e))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| file_err(&index, e))?;
+        let map = json["weight_map"]
+            .as_object()
+            .ok_or_else(|| file_err(&index, "no weight_map object"))?;
+        let mut names: Vec<&str> = Vec::with_capacity(map.len());
+        for (tensor, shard) in map {
+            let shard = shard
+                .as_str()
+                .ok_or_else(|| file_err(&index, format!("{tensor}: the shard is not a string")))?;
+            let plain = Path::new(shard)
+                .file_name()
+                .is_some_and(|f| f == std::ffi::OsStr::new(shard));
+            if !plain || shard == ".." || shard == "." {
+                return Err(file_err(
+                    &index,
+                    format!("{tensor}: shard {shard:?} is not a file of this directory"),
+                ));
+            }
+            names.push(shard);
+        }
+        names.sort_unstable();
+        names.dedup();
+        names.into_iter().map(|n| dir.join(n)).collect()
+    } else {
+        std::fs::read_dir(dir)
+            .map_err(|e| file_err(dir, e))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect()
+    };
+    files.sort();
+    if files.is_empty() {
+        return Err(file_err(dir, "no .safetensors file"));
+    }
+    Ok(files)
 }
 
 /// GGUF (llama.cpp) tensor names to Hugging Face ones.

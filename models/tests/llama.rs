@@ -573,3 +573,62 @@ fn fp8_checkpoint_tensors_are_checked_at_load() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A sharded checkpoint follows `model.safetensors.index.json` (issue: reliability, third
+/// round, item 12): a stale shard beside it is not read, and a shard name that leaves the
+/// directory is refused by name.
+#[test]
+fn sharded_checkpoints_follow_their_index() {
+    use candle_core::Device;
+    use std::collections::HashMap;
+    let dir = std::env::temp_dir().join(format!("fp8nsa-hf-index-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = serde_json::json!({
+        "vocab_size": 512, "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 4, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let t = |v: f32| Tensor::full(v, (2, 3), &Device::Cpu).unwrap();
+    let save = |name: &str, tensors: &[(&str, f32)]| {
+        let m: HashMap<String, Tensor> = tensors
+            .iter()
+            .map(|(n, v)| (n.to_string(), t(*v)))
+            .collect();
+        candle_core::safetensors::save(&m, dir.join(name)).unwrap();
+    };
+    save("model-00001-of-00002.safetensors", &[("a.weight", 1.0)]);
+    save("model-00002-of-00002.safetensors", &[("b.weight", 2.0)]);
+    // an older download of the same model, with a tensor of the same name
+    save("model.safetensors", &[("a.weight", 9.0)]);
+    let index = |a: &str| {
+        let j = serde_json::json!({"metadata": {}, "weight_map": {
+            "a.weight": a, "b.weight": "model-00002-of-00002.safetensors"}});
+        std::fs::write(dir.join("model.safetensors.index.json"), j.to_string()).unwrap();
+    };
+    index("model-00001-of-00002.safetensors");
+    let (_, w) = Weights::load_hf_dir(&dir).unwrap();
+    let a: Vec<f32> = w
+        .get("a.weight")
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    assert!(a.iter().all(|&x| x == 1.0), "{a:?}");
+    assert!(w.get("b.weight").is_ok());
+    for bad in [
+        "../model-00001-of-00002.safetensors",
+        "/etc/passwd",
+        "sub/x.safetensors",
+        "..",
+    ] {
+        index(bad);
+        let e = Weights::load_hf_dir(&dir).unwrap_err();
+        assert!(
+            matches!(&e, Error::File { msg, .. } if msg.contains("not a file of this directory")),
+            "{bad}: {e}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
