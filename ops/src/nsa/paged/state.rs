@@ -202,9 +202,10 @@ impl NsaSeqState {
                         return Err(e);
                     }
                 }
-                // `old` is held by another state too, so this release only drops our count
-                alloc.release(pool, old)?;
+                // the copy is ours first, so a refused release below leaks nothing of ours;
+                // `old` is held by another state too, so the release only drops our count
                 self.pages[i][pi] = page;
+                alloc.release(pool, old)?;
             }
             let count = (ps - r).min(n - off);
             let dst = self.pages[i][pi] * ps + r;
