@@ -427,7 +427,7 @@ mod layer_on_pages {
                 &what,
             );
             assert_eq!(state.pages(NsaPool::Raw).len(), t.div_ceil(page));
-            state.truncate(0, nsa.config(), page).unwrap();
+            state.truncate(0, nsa.config(), &pages).unwrap();
             assert_eq!(alloc.lock().free_pages(NsaPool::Raw), raw, "{what}");
             assert_eq!(alloc.lock().free_pages(NsaPool::Compressed), cmp, "{what}");
         }
@@ -485,7 +485,7 @@ mod layer_on_pages {
         assert_eq!(a.pages(NsaPool::Raw)[..5], b.pages(NsaPool::Raw)[..5]);
         assert_ne!(a.pages(NsaPool::Raw)[5], b.pages(NsaPool::Raw)[5]);
         // roll A back into the shared prefix, then continue it differently
-        a.truncate(70, &cfg, page).unwrap();
+        a.truncate(70, &cfg, &pages).unwrap();
         cache_a.truncate(70, &cfg).unwrap();
         let other = tokens(&mut rng, 30);
         feed(
@@ -508,7 +508,7 @@ mod layer_on_pages {
             &mut cache_b,
             "B at the end",
         );
-        a.truncate(0, &cfg, page).unwrap();
+        a.truncate(0, &cfg, &pages).unwrap();
         drop(b); // a dropped state returns its pages
         assert_eq!(alloc.lock().free_pages(NsaPool::Raw), raw);
         assert_eq!(alloc.lock().free_pages(NsaPool::Compressed), cmp);
@@ -629,7 +629,7 @@ mod layer_on_pages {
             if drop_it {
                 drop(b);
             } else {
-                b.truncate(0, nsa.config(), 16).unwrap();
+                b.truncate(0, nsa.config(), &pages).unwrap();
             }
             let kv = numbered(40, 8);
             nsa.append_kv_paged(&kv, &kv, &pages, &mut a).unwrap();
@@ -745,7 +745,7 @@ mod layer_on_pages {
                     let i = rng.random_range(0..live.len());
                     let (s, want) = &mut live[i];
                     let len = rng.random_range(s.len() / 2..=s.len());
-                    s.truncate(len, &cfg, ps).unwrap();
+                    s.truncate(len, &cfg, &pages).unwrap();
                     want.truncate(len);
                 }
                 4 if !live.is_empty() => {

@@ -32,10 +32,11 @@ pub struct LlamaConfig {
     pub rope_theta: f64,
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
-    /// The head shares the embeddings (Hugging Face's default when the field is absent);
-    /// `false` needs an `lm_head.weight`.
-    #[serde(default = "default_tie")]
-    pub tie_word_embeddings: bool,
+    /// `Some(true)`: the head is the embeddings; `Some(false)`: the checkpoint's own
+    /// `lm_head.weight`, which must be there; absent (`None`): the checkpoint's head when it
+    /// has one, else the embeddings (model families default differently).
+    #[serde(default)]
+    pub tie_word_embeddings: Option<bool>,
     #[serde(default)]
     pub bos_token_id: Option<u32>,
     /// The tokens that end generation: `config.json` gives one id or a list of them.
@@ -83,10 +84,6 @@ impl MoeConfig {
     }
 }
 
-fn default_tie() -> bool {
-    true
-}
-
 fn default_act() -> String {
     "silu".into()
 }
@@ -130,7 +127,7 @@ impl LlamaConfig {
             rms_norm_eps: 1e-5,
             rope_theta: 100_000.0,
             max_position_embeddings: 4096,
-            tie_word_embeddings: true,
+            tie_word_embeddings: Some(true),
             bos_token_id: Some(1),
             eos_token_id: vec![2],
             hidden_act: default_act(),

@@ -248,14 +248,15 @@ impl Llama {
             LinearKind::Dense
         };
         // untied: the checkpoint's own head, never the embeddings in its place
-        if !cfg.tie_word_embeddings && w.get_opt("lm_head.weight").is_none() {
+        let has_head = w.get_opt("lm_head.weight").is_some();
+        if cfg.tie_word_embeddings == Some(false) && !has_head {
             return Err(invalid(
                 "lm_head.weight",
                 "missing: the config says tie_word_embeddings = false, so the checkpoint \
                  needs its own head",
             ));
         }
-        let lm_head = if cfg.tie_word_embeddings {
+        let lm_head = if cfg.tie_word_embeddings.unwrap_or(!has_head) {
             let mut tied =
                 Weights::from_tensors([("lm_head.weight".to_string(), embed_w.clone())].into());
             tied.fp8_block = w.fp8_block;

@@ -187,7 +187,7 @@ impl Weights {
             &[cfg.vocab_size, h],
             &mut rng,
         )?;
-        if !cfg.tie_word_embeddings {
+        if cfg.tie_word_embeddings == Some(false) {
             put("lm_head.weight".into(), &[cfg.vocab_size, h], &mut rng)?;
         }
         for l in 0..cfg.num_hidden_layers {
@@ -515,7 +515,7 @@ fn config_from_gguf(c: &gguf_file::Content) -> Result<LlamaConfig> {
         rms_norm_eps: f("llama.attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta: f("llama.rope.freq_base", 10_000.0),
         max_position_embeddings: u("llama.context_length").unwrap_or(4096),
-        tie_word_embeddings: !c.tensor_infos.contains_key("output.weight"),
+        tie_word_embeddings: Some(!c.tensor_infos.contains_key("output.weight")),
         bos_token_id: md
             .get("tokenizer.ggml.bos_token_id")
             .and_then(|v| v.to_u32().ok()),

@@ -455,8 +455,8 @@ fn config_fields_as_published() {
     assert!(json(serde_json::json!({"eos_token_id": null}))
         .eos_token_id
         .is_empty());
-    // Hugging Face's default when the field is absent: tied
-    assert!(json(serde_json::json!({})).tie_word_embeddings);
+    // absent: decided by the checkpoint (its head when it has one)
+    assert_eq!(json(serde_json::json!({})).tie_word_embeddings, None);
 
     // any token of the list stops generation
     let m = model(ModelOptions::default());
@@ -487,12 +487,12 @@ fn config_fields_as_published() {
 
     // untied without a head: named, not silently tied
     let cfg = LlamaConfig {
-        tie_word_embeddings: true,
+        tie_word_embeddings: Some(true),
         ..LlamaConfig::tiny()
     };
     let w = Weights::random(&cfg, 1).unwrap(); // no lm_head.weight
     let untied = LlamaConfig {
-        tie_word_embeddings: false,
+        tie_word_embeddings: Some(false),
         ..cfg.clone()
     };
     let e = Llama::new(&untied, &w, &ModelOptions::default()).unwrap_err();
@@ -507,6 +507,12 @@ fn config_fields_as_published() {
         "{e}"
     );
     Llama::new(&cfg, &w, &ModelOptions::default()).unwrap();
+    // absent and no head: tied, as before
+    let unsaid = LlamaConfig {
+        tie_word_embeddings: None,
+        ..cfg.clone()
+    };
+    Llama::new(&unsaid, &w, &ModelOptions::default()).unwrap();
 
     // activations: silu (and its alias swish) only
     for act in ["gelu", "gelu_pytorch_tanh", "relu"] {

@@ -11,7 +11,8 @@ use crate::error::{check_positive, Result};
 /// assert!(LinearShape::new(1, 576, 3884, 128, 0).is_err());
 /// assert_eq!(s.with_m(7)?.m(), 7);
 /// // a block past the matrix is one partial block
-/// assert_eq!(LinearShape::new(1, 576, 3884, usize::MAX, 4096)?.bk(), 3884);
+/// let big = LinearShape::new(1, 576, 3884, usize::MAX, 4096)?;
+/// assert_eq!((big.bk(), big.fitted().bk(), big.fitted().k_blocks()), (4096, 3884, 1));
 /// # Ok::<(), fp8nsa_types::Error>(())
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -25,15 +26,24 @@ pub struct LinearShape {
 
 impl LinearShape {
     /// `m` rows of `x`, a `[n, k]` weight in `bn x bk` blocks; each at least 1 (else
-    /// `Error::Invalid` naming it). A block larger than the matrix is one partial block: it
-    /// is kept as the matrix's size, which means the same and keeps the kernels' size
-    /// arithmetic far from overflow.
+    /// `Error::Invalid` naming it).
     pub fn new(m: usize, n: usize, k: usize, bn: usize, bk: usize) -> Result<Self> {
         for (arg, v) in [("m", m), ("n", n), ("k", k), ("bn", bn), ("bk", bk)] {
             check_positive(arg, v)?;
         }
-        let (bn, bk) = (bn.min(n), bk.min(k));
         Ok(Self { m, n, k, bn, bk })
+    }
+
+    /// The same problem with each block at most the matrix's size: a block larger than the
+    /// matrix is one partial block either way, and the fitted size keeps a kernel's size
+    /// arithmetic (`bk` times anything) far from overflow. Kernels whose applicability
+    /// depends on the block as stored (the CUDA planner) use [`LinearShape::new`]'s.
+    pub fn fitted(self) -> Self {
+        Self {
+            bn: self.bn.min(self.n),
+            bk: self.bk.min(self.k),
+            ..self
+        }
     }
 
     /// The same weight for `m` rows.
@@ -97,13 +107,11 @@ pub struct ExpertsShape {
 }
 
 impl ExpertsShape {
-    /// Every size at least 1 (else `Error::Invalid` naming it); a block larger than the
-    /// matrix is kept as the matrix's size, as in [`LinearShape::new`].
+    /// Every size at least 1 (else `Error::Invalid` naming it).
     pub fn new(e: usize, n: usize, k: usize, bn: usize, bk: usize) -> Result<Self> {
         for (arg, v) in [("e", e), ("n", n), ("k", k), ("bn", bn), ("bk", bk)] {
             check_positive(arg, v)?;
         }
-        let (bn, bk) = (bn.min(n), bk.min(k));
         Ok(Self { e, n, k, bn, bk })
     }
 
@@ -279,8 +287,8 @@ pub struct Pages<'a> {
     table: &'a [i32],
     max_pages: usize,
     page_size: usize,
-    /// Sequences (table rows) and pool tokens the table was checked for.
-    seqs: usize,
+    /// The sequences (their key counts) and pool tokens the table was checked for.
+    seqs: &'a [crate::Seq],
     pool_tokens: usize,
 }
 
@@ -294,7 +302,7 @@ impl<'a> Pages<'a> {
         table: &'a [i32],
         max_pages: usize,
         page_size: usize,
-        seqs: &[crate::Seq],
+        seqs: &'a [crate::Seq],
         pool_tokens: usize,
     ) -> Result<Self> {
         use crate::Error::Invalid;
@@ -346,7 +354,7 @@ impl<'a> Pages<'a> {
             table,
             max_pages,
             page_size,
-            seqs: seqs.len(),
+            seqs,
             pool_tokens,
         })
     }
@@ -363,8 +371,8 @@ impl<'a> Pages<'a> {
         self.page_size
     }
 
-    /// How many sequences (table rows) the table was checked for.
-    pub fn seqs(&self) -> usize {
+    /// The sequences the table was checked for: each reads at most its `k_len` keys.
+    pub fn seqs(&self) -> &'a [crate::Seq] {
         self.seqs
     }
 

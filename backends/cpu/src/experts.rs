@@ -94,7 +94,7 @@ pub fn grouped(
         .zip(&starts)
         .enumerate()
         .filter(|(_, (&m, _))| m > 0 && m <= GEMV_MAX_M)
-        .map(|(e, (&m, &r0))| Ok((e, m, r0, s.linear(m)?)))
+        .map(|(e, (&m, &r0))| Ok((e, m, r0, s.linear(m)?.fitted())))
         .collect::<Result<_>>()?;
     if small.is_empty() {
         return Ok(());

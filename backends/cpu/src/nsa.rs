@@ -163,6 +163,8 @@ pub fn plan<'s>(
 /// assert_eq!(o, [9.0, 9.0]); // key 2: page 0, token 0
 /// assert!(Pages::new(&[2, 3], 2, 2, &seqs, 6).is_err()); // page 3 is past the pool
 /// assert!(plan_paged(dims, &seqs, 4, None, pages).is_err()); // not the pool it was checked for
+/// let longer = [Seq { k_len: 4, q_offset: 3, ..seqs[0] }];
+/// assert!(plan_paged(dims, &longer, 6, None, pages).is_err()); // keys past the checked ones
 /// # Ok::<(), fp8nsa_cpu::Error>(())
 /// ```
 pub fn plan_paged<'s>(
@@ -172,27 +174,34 @@ pub fn plan_paged<'s>(
     block_size: Option<usize>,
     pages: Pages<'s>,
 ) -> Result<SelectionPlan<'s>> {
-    if pages.seqs() != seqs.len() || pages.pool_tokens() != pool_tokens {
+    let checked = pages.seqs();
+    if checked.len() != seqs.len() || pages.pool_tokens() != pool_tokens {
         return Err(Error::Invalid {
             arg: "pages",
             msg: format!(
                 "checked for {} sequences on a pool of {} tokens, used for {} on {pool_tokens}",
-                pages.seqs(),
+                checked.len(),
                 pages.pool_tokens(),
                 seqs.len()
             ),
         });
     }
-    let covered = pages.row_capacity();
-    if let Some((i, s)) = seqs.iter().enumerate().find(|(_, s)| s.k_len > covered) {
+    // only the entries of the keys the table was checked for are known to be pages
+    if let Some((i, s)) = seqs
+        .iter()
+        .zip(checked)
+        .enumerate()
+        .find_map(|(i, (s, c))| (s.k_len > c.k_len).then_some((i, s)))
+    {
         return Err(Error::Invalid {
             arg: "seq_lens",
             msg: format!(
-                "sequence {i}: {} keys exceed its block table row ({covered} keys)",
+                "sequence {i}: {} keys, more than the block table was checked for",
                 s.k_len
             ),
         });
     }
+    let covered = pages.row_capacity();
     // the same checks as packed keys, each sequence's keys counted from 0 within its row
     let packed: Vec<Seq> = seqs.iter().map(|s| Seq { k_start: 0, ..*s }).collect();
     let tq = plan(dims, &packed, covered, block_size)?.tq;

@@ -178,7 +178,7 @@ impl SelectionAttention {
 
     /// Decides where a call on `q`'s device runs: the backend resolved once, and the
     /// `min_len` in force (the one set, else the settings'; an unparsable
-    /// `FP8NSA_NSA_MIN_LEN` is an error here, not a silent default, for the paths that use it).
+    /// `FP8NSA_NSA_MIN_LEN` is an error here, not a silent default, on every path but PJRT).
     fn route(&self, q: &Tensor) -> Result<Route> {
         let backend = self.backend.resolve()?;
         if let Backend::Pjrt(rt) = backend {

@@ -69,6 +69,8 @@ pub struct LinearPlan {
 /// `BF16_TILE_MIN_M` rows on the AVX512-BF16 tier, where the panel GEMM's micro-kernel runs
 /// them as one tile; the panel GEMM past that.
 pub fn plan(shape: LinearShape, act: ActQuant) -> Result<LinearPlan> {
+    // the kernels work on fitted blocks (a block past the matrix is one partial block)
+    let shape = shape.fitted();
     if let ActQuant::Block2d { bm } = act {
         check_positive("bm", bm)?;
     }

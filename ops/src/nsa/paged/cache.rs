@@ -151,9 +151,8 @@ impl NsaCache {
     /// them), e.g. to roll back rejected speculative tokens.
     pub fn truncate(&mut self, len: usize, cfg: &NsaConfig) -> Result<()> {
         if let Some(s) = &mut self.store {
-            let ps = s.pages.page_size();
             for q in &mut s.seqs {
-                q.truncate(len, cfg, ps)?;
+                q.truncate(len, cfg, &s.pages)?;
             }
         }
         Ok(())
@@ -285,7 +284,7 @@ impl NativeSparseAttention {
             let out = self.append_kv_paged(&k, &v, &store.pages, &mut store.seqs[i]);
             if let Err(e) = out {
                 for q in &mut store.seqs[..i] {
-                    let _ = q.truncate(len, cfg, CACHE_PAGE);
+                    let _ = q.truncate(len, cfg, &store.pages);
                 }
                 return Err(e);
             }

@@ -86,7 +86,8 @@ impl NsaSeqState {
     /// `truncate(0, ..)` releases everything. An allocator that refuses a release (it does
     /// not count the page as held) is [`Error::PageNotHeld`]; the state drops the page either
     /// way.
-    pub fn truncate(&mut self, len: usize, cfg: &NsaConfig, page_size: usize) -> Result<()> {
+    pub fn truncate(&mut self, len: usize, cfg: &NsaConfig, pages: &NsaPages) -> Result<()> {
+        let page_size = pages.page_size();
         self.len = self.len.min(len);
         self.compressed_len = self.compressed_len.min(cfg.compressed_len(self.len));
         let keep = [

@@ -74,7 +74,7 @@ impl NativeSparseAttention {
         let out = self.attend_paged(gate_input, q, pages, std::slice::from_ref(state));
         if out.is_err() {
             // the step's error is the one to report; this truncation only returns its pages
-            let _ = state.truncate(before, self.config(), pages.page_size());
+            let _ = state.truncate(before, self.config(), pages);
         }
         out
     }
@@ -120,7 +120,7 @@ impl NativeSparseAttention {
         if out.is_err() {
             // back to what the state held (the lengths first, so truncate frees the new pages)
             state.set_lens(before, before_c);
-            let _ = state.truncate(before, self.config(), pages.page_size());
+            let _ = state.truncate(before, self.config(), pages);
         }
         out
     }
