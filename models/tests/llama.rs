@@ -435,16 +435,7 @@ fn config_sizes_are_checked_against_the_weights() {
 #[test]
 fn config_fields_as_published() {
     let json = |extra: serde_json::Value| {
-        let mut j = serde_json::json!({
-            "vocab_size": 512, "hidden_size": 576, "intermediate_size": 1536,
-            "num_hidden_layers": 4, "num_attention_heads": 9, "num_key_value_heads": 3,
-            "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
-            "max_position_embeddings": 4096
-        });
-        for (k, v) in extra.as_object().unwrap() {
-            j[k] = v.clone();
-        }
-        serde_json::from_value::<LlamaConfig>(j).unwrap()
+        serde_json::from_value::<LlamaConfig>(config_json(extra)).unwrap()
     };
     let c = json(serde_json::json!({"eos_token_id": [128001, 128008, 128009]}));
     assert_eq!(c.eos_token_id, [128001, 128008, 128009]);
@@ -544,11 +535,7 @@ fn fp8_checkpoint_tensors_are_checked_at_load() {
     use std::collections::HashMap;
     let dir = std::env::temp_dir().join(format!("fp8nsa-hf-scales-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let config = serde_json::json!({
-        "vocab_size": 512, "hidden_size": 576, "intermediate_size": 1536,
-        "num_hidden_layers": 4, "num_attention_heads": 9, "num_key_value_heads": 3,
-        "head_dim": 64, "tie_word_embeddings": true
-    });
+    let config = config_json(serde_json::json!({"tie_word_embeddings": true}));
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let codes = Tensor::zeros((256, 128), DType::U8, &Device::Cpu).unwrap();
     let write = |scales: Option<Tensor>| {
@@ -589,11 +576,7 @@ fn sharded_checkpoints_follow_their_index() {
     use std::collections::HashMap;
     let dir = std::env::temp_dir().join(format!("fp8nsa-hf-index-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let config = serde_json::json!({
-        "vocab_size": 512, "hidden_size": 576, "intermediate_size": 1536,
-        "num_hidden_layers": 4, "num_attention_heads": 9, "num_key_value_heads": 3,
-        "head_dim": 64
-    });
+    let config = config_json(serde_json::json!({}));
     std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
     let t = |v: f32| Tensor::full(v, (2, 3), &Device::Cpu).unwrap();
     let save = |name: &str, tensors: &[(&str, f32)]| {
@@ -637,4 +620,17 @@ fn sharded_checkpoints_follow_their_index() {
         );
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The `config.json` of `LlamaConfig::tiny`'s sizes, with `extra`'s fields added.
+fn config_json(extra: serde_json::Value) -> serde_json::Value {
+    let mut j = serde_json::json!({
+        "vocab_size": 512, "hidden_size": 576, "intermediate_size": 1536,
+        "num_hidden_layers": 4, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "head_dim": 64
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        j[k] = v.clone();
+    }
+    j
 }

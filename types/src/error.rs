@@ -13,6 +13,22 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// The argument named and the message, as a backend's own argument error carries them
+    /// (a setting that does not parse names its variable, with the whole message).
+    ///
+    /// ```
+    /// let e = fp8nsa_types::LinearShape::new(1, 2, 3, 0, 4).unwrap_err();
+    /// assert_eq!(e.into_arg_msg().0, "bn");
+    /// ```
+    pub fn into_arg_msg(self) -> (&'static str, String) {
+        match self {
+            Error::Invalid { arg, msg } => (arg, msg),
+            Error::Setting { var, .. } => (var, self.to_string()),
+        }
+    }
+}
+
 pub type Result<T> = std::result::Result<T, Error>;
 
 pub(crate) fn check_positive(arg: &'static str, v: usize) -> Result<()> {

@@ -16,13 +16,8 @@ pub enum Error {
 /// The vocabulary's own checks (shapes, dims, schemes) report the same way as ours.
 impl From<fp8nsa_types::Error> for Error {
     fn from(e: fp8nsa_types::Error) -> Self {
-        match e {
-            fp8nsa_types::Error::Invalid { arg, msg } => Error::Invalid { arg, msg },
-            fp8nsa_types::Error::Setting { var, .. } => Error::Invalid {
-                arg: var,
-                msg: e.to_string(),
-            },
-        }
+        let (arg, msg) = e.into_arg_msg();
+        Error::Invalid { arg, msg }
     }
 }
 

@@ -23,13 +23,8 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// The vocabulary's own checks (shapes, dims) report as ours.
 impl From<fp8nsa_types::Error> for Error {
     fn from(e: fp8nsa_types::Error) -> Self {
-        match e {
-            fp8nsa_types::Error::Invalid { arg, msg } => Error::Invalid { arg, msg },
-            fp8nsa_types::Error::Setting { var, .. } => Error::Invalid {
-                arg: var,
-                msg: e.to_string(),
-            },
-        }
+        let (arg, msg) = e.into_arg_msg();
+        Error::Invalid { arg, msg }
     }
 }
 

@@ -98,15 +98,10 @@ impl HostGroup {
     /// returns from the exchange, all with an error.
     fn exchange(&self, t: &Tensor) -> Result<Vec<Tensor>> {
         let cpu = t.device().is_cpu();
-        let lock = || {
-            self.shared
-                .slots
-                .lock()
-                .map_err(|_| invalid("communicator", "another rank panicked"))
-        };
-        lock()?[self.rank] = cpu.then(|| t.clone());
+        let slots = &self.shared.slots;
+        locked(slots)?[self.rank] = cpu.then(|| t.clone());
         self.shared.barrier.wait();
-        let all: Option<Vec<Tensor>> = lock()?.iter().cloned().collect();
+        let all: Option<Vec<Tensor>> = locked(slots)?.iter().cloned().collect();
         self.shared.barrier.wait();
         if !cpu {
             return Err(invalid("t", "HostGroup exchanges CPU tensors"));
@@ -141,15 +136,10 @@ impl Communicator for HostGroup {
     }
 
     fn all_ok(&self, ok: bool) -> Result<bool> {
-        let lock = || {
-            self.shared
-                .ready
-                .lock()
-                .map_err(|_| invalid("communicator", "another rank panicked"))
-        };
-        lock()?[self.rank] = ok;
+        let ready = &self.shared.ready;
+        locked(ready)?[self.rank] = ok;
         self.shared.barrier.wait();
-        let all = lock()?.iter().all(|&r| r);
+        let all = locked(ready)?.iter().all(|&r| r);
         self.shared.barrier.wait();
         Ok(all)
     }
@@ -162,6 +152,12 @@ impl Communicator for HostGroup {
         )?;
         Ok(Tensor::cat(&all, dim)?)
     }
+}
+
+/// A slot vector of the group; poisoned means another rank panicked holding it.
+fn locked<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>> {
+    m.lock()
+        .map_err(|_| invalid("communicator", "another rank panicked"))
 }
 
 /// Every communicator's rule for an all-gather: the ranks' shapes (in rank order) agree
