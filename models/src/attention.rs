@@ -240,8 +240,8 @@ impl Attention {
                 let dims = NsaDims::new(hq, hkv, hd, hd).map_err(fp8nsa_ops::Error::from)?;
                 let gate = format!("{prefix}.nsa.gate");
                 let gates = match (
-                    w.get_opt(&format!("{gate}.weight")),
-                    w.get_opt(&format!("{gate}.bias")),
+                    w.get_opt(&format!("{gate}.weight"))?,
+                    w.get_opt(&format!("{gate}.bias"))?,
                 ) {
                     (Some(wt), b) => Gates::Learned(candle_nn::Linear::new(wt, b)),
                     (None, _) => Gates::Fixed([0.0, 1.0, 0.0]),
@@ -257,7 +257,7 @@ impl Attention {
             }
         };
         let norm = |n: &str| w.get_opt(&format!("{prefix}.{n}.weight"));
-        let qk_norm = match (norm("q_norm"), norm("k_norm")) {
+        let qk_norm = match (norm("q_norm")?, norm("k_norm")?) {
             (Some(q), Some(k)) => {
                 for (name, t) in [("q_norm", &q), ("k_norm", &k)] {
                     if t.dims() != [hd] {

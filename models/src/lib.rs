@@ -25,6 +25,7 @@ mod llama;
 pub mod locate;
 mod model;
 mod rope;
+mod shards;
 pub mod tokenizer;
 mod weights;
 

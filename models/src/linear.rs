@@ -26,7 +26,7 @@ impl Linear {
     /// Builds `{name}.weight` (and `{name}.bias` when present) as `kind`. A stored fp8 weight
     /// (with `{name}.weight_scale_inv`) is loaded as fp8 with its block size.
     pub fn build(w: &Weights, name: &str, kind: LinearKind, keep_dense: bool) -> Result<Self> {
-        let bias = w.get_opt(&format!("{name}.bias"));
+        let bias = w.get_opt(&format!("{name}.bias"))?;
         if let Some((data, scales, block)) = w.fp8(name)? {
             let weight = Fp8BlockWeight::from_parts(data, scales, block)?;
             let act = match kind {

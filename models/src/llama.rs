@@ -248,7 +248,7 @@ impl Llama {
             LinearKind::Dense
         };
         // untied: the checkpoint's own head, never the embeddings in its place
-        let has_head = w.get_opt("lm_head.weight").is_some();
+        let has_head = w.contains("lm_head.weight");
         if cfg.tie_word_embeddings == Some(false) && !has_head {
             return Err(invalid(
                 "lm_head.weight",
@@ -403,16 +403,16 @@ fn check_weights_match(cfg: &LlamaConfig, w: &Weights) -> Result<()> {
         }
     }
     let q = "model.layers.0.self_attn.q_proj.weight";
-    if let Some(t) = w.get_opt(q) {
+    if let Some(dims) = w.dims(q) {
         let want = cfg.num_attention_heads.checked_mul(cfg.head_dim());
-        if want != t.dims().first().copied() {
+        if want != dims.first().copied() {
             return Err(invalid(
                 "head_dim",
                 format!(
                     "num_attention_heads {} x head_dim {} does not match {q} with {} rows",
                     cfg.num_attention_heads,
                     cfg.head_dim(),
-                    t.dims().first().copied().unwrap_or(0)
+                    dims.first().copied().unwrap_or(0)
                 ),
             ));
         }

@@ -65,7 +65,7 @@ impl Model {
         if model_type.starts_with("qwen3") {
             for l in 0..cfg.num_hidden_layers {
                 let name = format!("model.layers.{l}.self_attn.q_norm.weight");
-                if weights.get_opt(&name).is_none() {
+                if !weights.contains(&name) {
                     return Err(invalid(
                         "weights",
                         format!("a {model_type} checkpoint needs {name} (Qwen3's q/k norms)"),

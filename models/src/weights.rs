@@ -1,5 +1,6 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, Tensor};
@@ -8,12 +9,17 @@ use rand_distr::{Distribution, Normal};
 
 use crate::config::{LlamaConfig, RopeStyle};
 use crate::error::{invalid, Error, Result};
+use crate::shards::Shards;
 
 /// Named host tensors in Hugging Face Llama naming (`model.layers.N.self_attn.q_proj.weight`,
-/// ...): f32 for dense weights, F8E4M3 bytes plus `weight_scale_inv` for fp8 ones.
+/// ...): f32 for dense weights, F8E4M3 bytes plus `weight_scale_inv` for fp8 ones. A
+/// checkpoint directory's tensors stay on disk until a layer takes one ([`Self::get`]), so
+/// building a model holds each weight once.
 #[derive(Clone, Debug, Default)]
 pub struct Weights {
     map: HashMap<String, Tensor>,
+    /// Tensors of safetensors shards, read when taken.
+    shards: Option<Arc<Shards>>,
     /// Block size of stored fp8 weights (`quantization_config.weight_block_size`).
     pub fp8_block: Option<[usize; 2]>,
     /// `quantization_config.modules_to_not_convert`.
@@ -141,29 +147,65 @@ impl Weights {
         }
     }
 
+    /// Every tensor name, in no particular order.
     pub fn names(&self) -> impl Iterator<Item = &String> {
-        self.map.keys()
+        self.map
+            .keys()
+            .chain(self.shards.iter().flat_map(|s| s.names()))
     }
 
+    /// Whether a tensor `name` exists (nothing is read).
+    pub fn contains(&self, name: &str) -> bool {
+        self.map.contains_key(name)
+            || self
+                .shards
+                .as_ref()
+                .is_some_and(|s| s.entry(name).is_some())
+    }
+
+    /// The dims of `name` (nothing is read).
+    pub fn dims(&self, name: &str) -> Option<Vec<usize>> {
+        match self.map.get(name) {
+            Some(t) => Some(t.dims().to_vec()),
+            None => Some(self.shards.as_ref()?.entry(name)?.dims.clone()),
+        }
+    }
+
+    /// `name` as a layer takes it: fp8 codes (F8E4M3 / U8) and f32 as stored, every other
+    /// dtype converted to f32. A tensor of a checkpoint directory is read from its shard now.
     pub fn get(&self, name: &str) -> Result<Tensor> {
-        self.map
-            .get(name)
-            .cloned()
+        self.get_opt(name)?
             .ok_or_else(|| Error::MissingTensor(name.to_string()))
     }
 
-    pub fn get_opt(&self, name: &str) -> Option<Tensor> {
-        self.map.get(name).cloned()
+    /// [`Self::get`], `None` when there is no such tensor (a read that fails is an error).
+    pub fn get_opt(&self, name: &str) -> Result<Option<Tensor>> {
+        if let Some(t) = self.map.get(name) {
+            return Ok(Some(t.clone()));
+        }
+        let Some(t) = self
+            .shards
+            .as_ref()
+            .map(|s| s.read(name))
+            .transpose()?
+            .flatten()
+        else {
+            return Ok(None);
+        };
+        Ok(Some(match t.dtype() {
+            DType::F8E4M3 | DType::U8 | DType::F32 => t,
+            _ => t.to_dtype(DType::F32)?,
+        }))
     }
 
     /// `(data, scales, block)` when `{module}.weight` is stored in fp8.
     pub fn fp8(&self, module: &str) -> Result<Option<(Tensor, Tensor, [usize; 2])>> {
-        let Some(scales) = self.map.get(&format!("{module}.weight_scale_inv")) else {
+        let Some(scales) = self.get_opt(&format!("{module}.weight_scale_inv"))? else {
             return Ok(None);
         };
         let data = self.get(&format!("{module}.weight"))?;
         let block = self.fp8_block.unwrap_or([128, 128]);
-        Ok(Some((data, scales.to_dtype(DType::F32)?, block)))
+        Ok(Some((data, scales, block)))
     }
 
     /// Seeded N(0, 0.02) weights (norms at 1) for `cfg`, in the Qwen3-MoE expert layout for
@@ -259,51 +301,35 @@ impl Weights {
                     .collect();
             }
         }
-        let files = shard_files(dir)?;
-        let mut from: HashMap<String, PathBuf> = HashMap::new();
-        for f in files {
-            for (name, t) in candle_core::safetensors::load(&f, &Device::Cpu)? {
-                if let Some(first) = from.insert(name.clone(), f.clone()) {
-                    return Err(file_err(
-                        &f,
-                        format!("tensor {name} is also in {}", first.display()),
-                    ));
-                }
-                // block scales are values: a checkpoint storing them as integers is broken, and
-                // converting those by value would scale every output wrongly
-                if name.ends_with(".weight_scale_inv")
-                    && !matches!(
-                        t.dtype(),
-                        DType::F32 | DType::BF16 | DType::F16 | DType::F64
-                    )
-                {
-                    return Err(file_err(
-                        &f,
-                        format!(
-                            "{name} is {:?}; block scales must be F32, BF16, F16 or F64",
-                            t.dtype()
-                        ),
-                    ));
-                }
-                let t = match t.dtype() {
-                    DType::F8E4M3 | DType::U8 | DType::F32 => t,
-                    _ => t.to_dtype(DType::F32)?,
-                };
-                w.map.insert(name, t);
+        let shards = Shards::open(&shard_files(dir)?)?;
+        let scale_name = |name: &str| format!("{name}_scale_inv");
+        for name in shards.names() {
+            let e = shards.entry(name).expect("a listed name");
+            // block scales are values: a checkpoint storing them as integers is broken, and
+            // converting those by value would scale every output wrongly
+            if name.ends_with(".weight_scale_inv")
+                && !matches!(e.dtype, DType::F32 | DType::BF16 | DType::F16 | DType::F64)
+            {
+                return Err(file_err(
+                    dir,
+                    format!(
+                        "{name} is {:?}; block scales must be F32, BF16, F16 or F64",
+                        e.dtype
+                    ),
+                ));
+            }
+            // an fp8 weight is codes and scales: without the scales it is no weight at all
+            if name.ends_with(".weight")
+                && matches!(e.dtype, DType::F8E4M3 | DType::U8)
+                && shards.entry(&scale_name(name)).is_none()
+            {
+                return Err(file_err(
+                    dir,
+                    format!("{name} is fp8 codes without its {}", scale_name(name)),
+                ));
             }
         }
-        // an fp8 weight is codes and scales: without the scales it is no weight at all
-        if let Some(name) = w.map.iter().find_map(|(name, t)| {
-            let module = name.strip_suffix(".weight")?;
-            let codes = matches!(t.dtype(), DType::F8E4M3 | DType::U8);
-            let scales = format!("{module}.weight_scale_inv");
-            (codes && !w.map.contains_key(&scales)).then(|| name.clone())
-        }) {
-            return Err(file_err(
-                dir,
-                format!("{name} is fp8 codes without its {name}_scale_inv"),
-            ));
-        }
+        w.shards = Some(Arc::new(shards));
         Ok((cfg, w))
     }
 

@@ -622,6 +622,70 @@ fn sharded_checkpoints_follow_their_index() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Shards are read lazily (issue: reliability, third round, item 12): only headers at load,
+/// each tensor when taken, bf16 given as f32 with the same values. A shard whose header does
+/// not describe the file (cut short by an interrupted download, or lying about its sizes) is
+/// refused at load by the shard's name, before any layer is built.
+#[test]
+fn shards_are_read_when_taken_and_broken_ones_refused_at_load() {
+    use std::collections::HashMap;
+    let dir = std::env::temp_dir().join(format!("fp8nsa-hf-lazy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = config_json(serde_json::json!({}));
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let mut rng = fp8nsa_test_support::rng("shards_lazy");
+    let a = fp8nsa_test_support::tensor(fp8nsa_test_support::gaussian(&mut rng, 6 * 7), &[6, 7]);
+    let b = a.to_dtype(DType::BF16).unwrap();
+    let file = dir.join("model.safetensors");
+    let m = HashMap::from([
+        ("a.weight".to_string(), a.clone()),
+        ("b.weight".to_string(), b.clone()),
+    ]);
+    candle_core::safetensors::save(&m, &file).unwrap();
+    let (_, w) = Weights::load_hf_dir(&dir).unwrap();
+    assert!(w.contains("b.weight") && !w.contains("c.weight"));
+    assert_eq!(w.dims("b.weight"), Some(vec![6, 7]));
+    assert_eq!(
+        fp8nsa_test_support::max_abs_diff(&w.get("a.weight").unwrap(), &a),
+        0.0
+    );
+    let got = w.get("b.weight").unwrap();
+    assert_eq!(got.dtype(), DType::F32);
+    let want = b.to_dtype(DType::F32).unwrap();
+    assert_eq!(fp8nsa_test_support::max_abs_diff(&got, &want), 0.0);
+    assert!(w.get_opt("c.weight").unwrap().is_none());
+    assert!(matches!(w.get("c.weight"), Err(Error::MissingTensor(n)) if n == "c.weight"));
+    drop(w);
+
+    let whole = std::fs::read(&file).unwrap();
+    let n = u64::from_le_bytes(whole[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&whole[8..8 + n]).unwrap().to_string();
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("cut short", whole[..whole.len() - 10].to_vec()),
+        ("trailing bytes", [whole.clone(), vec![0u8; 16]].concat()),
+        ("header past the end", {
+            let mut v = whole.clone();
+            v[..8].copy_from_slice(&(whole.len() as u64).to_le_bytes());
+            v
+        }),
+        ("shape disagrees with offsets", {
+            let lie = header.replacen("[6,7]", "[6,8]", 1);
+            assert_ne!(lie, header, "the header spells shapes as [6,7]");
+            [&whole[..8], lie.as_bytes(), &whole[8 + n..]].concat()
+        }),
+        ("empty file", Vec::new()),
+    ];
+    for (what, bytes) in cases {
+        std::fs::write(&file, &bytes).unwrap();
+        let e = Weights::load_hf_dir(&dir).unwrap_err();
+        assert!(
+            matches!(&e, Error::File { path, .. } if path == &file),
+            "{what}: {e}"
+        );
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// The `config.json` of `LlamaConfig::tiny`'s sizes, with `extra`'s fields added.
 fn config_json(extra: serde_json::Value) -> serde_json::Value {
     let mut j = serde_json::json!({
