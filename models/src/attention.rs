@@ -7,6 +7,7 @@ use fp8nsa_ops::nsa::{
 use crate::config::{LlamaConfig, ModelOptions, RopeStyle};
 use crate::error::{invalid, Result};
 use crate::linear::Linear;
+use crate::paged::{KvPool, LayerKv, SeqInner, SeqKv, Store};
 use crate::weights::Weights;
 
 /// The attention of every layer.
@@ -114,10 +115,39 @@ impl Rope {
     /// Rotates `x [B, T, H, D]` for positions `pos..pos + T`.
     fn apply(&self, x: &Tensor, pos: usize) -> Result<Tensor> {
         let (cos, sin) = self.rows(pos, x.dims()[1])?;
+        self.rotate(x, &cos, &sin)
+    }
+
+    /// Rotates `x [1, M, H, D]` whose rows are runs of positions `segs` (`(pos, len)` per
+    /// sequence of a ragged batch).
+    fn apply_segments(&self, x: &Tensor, segs: &[(usize, usize)]) -> Result<Tensor> {
+        if let [(pos, _)] = segs {
+            return self.apply(x, *pos);
+        }
+        let (mut cs, mut ss) = (
+            Vec::with_capacity(segs.len()),
+            Vec::with_capacity(segs.len()),
+        );
+        for &(pos, t) in segs {
+            let (c, s) = self.rows(pos, t)?;
+            cs.push(c);
+            ss.push(s);
+        }
+        self.rotate(x, &Tensor::cat(&cs, 0)?, &Tensor::cat(&ss, 0)?)
+    }
+
+    fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        // the tables live on the host; a model on another device takes its rows there
+        let (cos, sin) = if x.device().same_device(cos.device()) {
+            (cos.clone(), sin.clone())
+        } else {
+            (cos.to_device(x.device())?, sin.to_device(x.device())?)
+        };
+        let (cos, sin) = (&cos, &sin);
         let xh = x.transpose(1, 2)?.contiguous()?;
         let y = match self.style {
-            RopeStyle::Half => candle_nn::rotary_emb::rope(&xh, &cos, &sin)?,
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&xh, &cos, &sin)?,
+            RopeStyle::Half => candle_nn::rotary_emb::rope(&xh, cos, sin)?,
+            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&xh, cos, sin)?,
         };
         Ok(y.transpose(1, 2)?.contiguous()?)
     }
@@ -330,6 +360,84 @@ impl Attention {
             _ => return Err(invalid("cache", "built for another attention kind")),
         };
         Ok(self.o.forward(&o.reshape((b, t, self.hq * self.hd))?)?)
+    }
+
+    /// What this layer keeps per token in a [`KvPool`].
+    pub(crate) fn kv_layout(&self) -> Result<LayerKv> {
+        Ok(match &self.imp {
+            Impl::Dense => LayerKv::Dense {
+                hkv: self.hkv,
+                d: self.hd,
+            },
+            Impl::Nsa(nsa) => LayerKv::Nsa(nsa.dims()),
+        })
+    }
+
+    /// The NSA configuration, for rolling back a sequence's states.
+    pub(crate) fn nsa_config(&self) -> Option<&NsaConfig> {
+        match &self.imp {
+            Impl::Dense => None,
+            Impl::Nsa(nsa) => Some(nsa.config()),
+        }
+    }
+
+    /// A ragged batch: `x [1, M, hidden]` holds the new tokens of each sequence in turn,
+    /// `segs[i] = (pos, len)` sequence i's run, `seqs[i]` its KV in `pool` (layer `layer`).
+    /// The projections run once over all M tokens; attention runs per sequence over its pages.
+    pub(crate) fn forward_batch(
+        &self,
+        x: &Tensor,
+        segs: &[(usize, usize)],
+        rope: &Rope,
+        layer: usize,
+        pool: &KvPool,
+        seqs: &mut [&mut SeqKv],
+    ) -> Result<Tensor> {
+        let (_, m, _) = x.dims3()?;
+        let q = self.q.forward(x)?.reshape((1, m, self.hq, self.hd))?;
+        let k = self.k.forward(x)?.reshape((1, m, self.hkv, self.hd))?;
+        let v = self.v.forward(x)?.reshape((1, m, self.hkv, self.hd))?;
+        let (q, k) = match &self.qk_norm {
+            Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
+            None => (q, k),
+        };
+        let (q, k) = (
+            rope.apply_segments(&q, segs)?,
+            rope.apply_segments(&k, segs)?,
+        );
+        let mut outs = Vec::with_capacity(segs.len());
+        let mut off = 0;
+        for (&(pos, t), seq) in segs.iter().zip(seqs.iter_mut()) {
+            let (qs, ks, vs) = (
+                q.narrow(1, off, t)?,
+                k.narrow(1, off, t)?,
+                v.narrow(1, off, t)?,
+            );
+            let o = match &self.imp {
+                Impl::Dense => {
+                    let (kh, vh) = pool.write_and_read(layer, seq, pos, &ks, &vs)?;
+                    self.dense(&qs, &kh, &vh, pos)?
+                }
+                Impl::Nsa(nsa) => match (&mut seq.inner, &pool.store) {
+                    (SeqInner::Nsa(states), Store::Nsa { layers }) => nsa.forward_step_paged(
+                        &x.narrow(1, off, t)?,
+                        &qs,
+                        &ks.contiguous()?,
+                        &vs.contiguous()?,
+                        &layers[layer].0,
+                        &mut states[layer],
+                    )?,
+                    _ => return Err(invalid("kv", "the pool was made for dense attention")),
+                },
+            };
+            outs.push(o.reshape((1, t, self.hq * self.hd))?);
+            off += t;
+        }
+        let o = match outs.len() {
+            1 => outs.pop().expect("one output"),
+            _ => Tensor::cat(&outs, 1)?,
+        };
+        Ok(self.o.forward(&o)?)
     }
 
     /// Causal softmax attention, `q [B, T, Hq, D]` at `pos..`, `kh`/`vh [B, Hkv, Tk, D]`

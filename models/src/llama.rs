@@ -1,10 +1,11 @@
-use candle_core::{Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, RmsNorm};
 
 use crate::attention::{Attention, AttnCache, Rope};
 use crate::config::{LlamaConfig, ModelOptions};
 use crate::error::{invalid, Result};
 use crate::linear::{Linear, LinearKind};
+use crate::paged::{KvPool, SeqKv, Store};
 use crate::weights::Weights;
 use fp8nsa_ops::{Fp8BlockWeight, Fp8Experts, Fp8Moe, MoeRouter};
 
@@ -349,6 +350,203 @@ impl Llama {
         }
         cache.pos += t;
         Ok(logits)
+    }
+}
+
+/// One sequence of a ragged batch step: its new tokens (a prefill chunk, or one decode token)
+/// and its KV pages, which hold everything before them.
+#[derive(Debug)]
+pub struct BatchSeq<'a> {
+    pub tokens: &'a [u32],
+    pub kv: &'a mut SeqKv,
+}
+
+/// Which positions of a batch step get logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Each sequence's last new token: `[1, vocab]` per sequence (what sampling needs; the
+    /// head runs over one row per sequence, not over whole prefill chunks).
+    Last,
+    /// Every new token: `[T_i, vocab]` per sequence.
+    All,
+}
+
+impl Llama {
+    /// KV pools for [`Self::forward_batch`]: `pages` pages of `page_size` tokens in every layer
+    /// (f32, on the model's device). A server sizes this once; sequences take pages from it
+    /// with [`KvPool::new_seq`] and give them back when dropped.
+    pub fn new_kv_pool(&self, pages: usize, page_size: usize) -> Result<KvPool> {
+        let layers = self
+            .blocks
+            .iter()
+            .map(|b| b.attn.kv_layout())
+            .collect::<Result<Vec<_>>>()?;
+        let device = self.embed.embeddings().device();
+        KvPool::new(&layers, pages, page_size, DType::F32, device)
+    }
+
+    /// One step over several sequences of different lengths, each with its own new tokens and
+    /// positions (continuous batching): the projections and MLPs run once over all the step's
+    /// tokens (MoE routes them together), attention runs per sequence over its pages. Every
+    /// sequence gets the logits it would get alone. On an error no sequence changed: each
+    /// holds the tokens and pages it held before. A pool without the pages the step needs is
+    /// [`fp8nsa_ops::Error::OutOfPages`] (a scheduler checks [`KvPool::free_pages`] first).
+    ///
+    /// ```
+    /// use fp8nsa_models::{BatchSeq, Llama, LlamaConfig, Logits, ModelOptions, Weights};
+    ///
+    /// let cfg = LlamaConfig::tiny();
+    /// let model = Llama::new(&cfg, &Weights::random(&cfg, 1)?, &ModelOptions::default())?;
+    /// let pool = model.new_kv_pool(64, 16)?;
+    /// let (mut a, mut b) = (pool.new_seq(), pool.new_seq());
+    /// model.forward_batch(&pool, &mut [BatchSeq { tokens: &[1, 2, 3], kv: &mut a }], Logits::Last)?;
+    /// // a decodes its 4th token while b prefills 5
+    /// let out = model.forward_batch(
+    ///     &pool,
+    ///     &mut [BatchSeq { tokens: &[4], kv: &mut a }, BatchSeq { tokens: &[5, 6, 7, 8, 9], kv: &mut b }],
+    ///     Logits::Last,
+    /// )?;
+    /// assert_eq!((a.len(), b.len(), out[1].dims()), (4, 5, &[1, cfg.vocab_size][..]));
+    /// drop((a, b)); // their pages go back
+    /// assert_eq!(pool.free_pages(), 64);
+    /// # Ok::<(), fp8nsa_models::Error>(())
+    /// ```
+    pub fn forward_batch(
+        &self,
+        pool: &KvPool,
+        batch: &mut [BatchSeq<'_>],
+        logits: Logits,
+    ) -> Result<Vec<Tensor>> {
+        if batch.is_empty() {
+            return Err(invalid("batch", "needs at least one sequence"));
+        }
+        let layers_ok = match &pool.store {
+            Store::Dense { layers, .. } => layers.len() == self.blocks.len(),
+            Store::Nsa { layers } => layers.len() == self.blocks.len(),
+        };
+        if !layers_ok {
+            return Err(invalid("kv", "the pool was made for another model"));
+        }
+        for (i, s) in batch.iter().enumerate() {
+            let t = s.tokens.len();
+            if t == 0 {
+                return Err(invalid("batch", format!("sequence {i} has no new token")));
+            }
+            if let Some(&bad) = s
+                .tokens
+                .iter()
+                .find(|&&id| id as usize >= self.cfg.vocab_size)
+            {
+                return Err(invalid(
+                    "batch",
+                    format!(
+                        "sequence {i}: token id {bad} is outside the vocabulary of {}",
+                        self.cfg.vocab_size
+                    ),
+                ));
+            }
+            let end = s.kv.len().checked_add(t);
+            if end.is_none_or(|e| e > self.cfg.max_position_embeddings) {
+                return Err(invalid(
+                    "batch",
+                    format!(
+                        "sequence {i}: {} + {t} tokens exceed max_position_embeddings = {}",
+                        s.kv.len(),
+                        self.cfg.max_position_embeddings
+                    ),
+                ));
+            }
+        }
+        let before: Vec<usize> = batch.iter().map(|s| s.kv.len()).collect();
+        let nsa: Vec<_> = self.blocks.iter().map(|b| b.attn.nsa_config()).collect();
+        let roll_back = |batch: &mut [BatchSeq<'_>]| {
+            for (s, &len) in batch.iter_mut().zip(&before) {
+                s.kv.roll_back(len, pool, &nsa);
+            }
+        };
+        for i in 0..batch.len() {
+            let s = &mut batch[i];
+            let end = s.kv.len() + s.tokens.len();
+            if let Err(e) = pool.reserve(s.kv, end) {
+                roll_back(batch);
+                return Err(e);
+            }
+        }
+        let run = |batch: &mut [BatchSeq<'_>]| self.batch_in_pool(pool, batch, logits);
+        let out = if self.embed.embeddings().device().is_cpu() {
+            // as `forward`: the step's kernels start on running pool workers
+            rayon::scope(|_| run(batch))
+        } else {
+            run(batch)
+        };
+        match out {
+            Ok(out) => {
+                for s in batch.iter_mut() {
+                    s.kv.commit(s.tokens.len());
+                }
+                Ok(out)
+            }
+            Err(e) => {
+                roll_back(batch);
+                Err(e)
+            }
+        }
+    }
+
+    fn batch_in_pool(
+        &self,
+        pool: &KvPool,
+        batch: &mut [BatchSeq<'_>],
+        logits: Logits,
+    ) -> Result<Vec<Tensor>> {
+        let segs: Vec<(usize, usize)> =
+            batch.iter().map(|s| (s.kv.len(), s.tokens.len())).collect();
+        let ids: Vec<u32> = batch
+            .iter()
+            .flat_map(|s| s.tokens.iter().copied())
+            .collect();
+        let m = ids.len();
+        let device = self.embed.embeddings().device();
+        let mut x = self
+            .embed
+            .forward(&Tensor::from_vec(ids, (1, m), device)?)?;
+        let _span = tracing::debug_span!("fp8nsa::llama_batch", seqs = batch.len(), m).entered();
+        let mut seqs: Vec<&mut SeqKv> = batch.iter_mut().map(|s| &mut *s.kv).collect();
+        for (l, b) in self.blocks.iter().enumerate() {
+            let h =
+                b.attn
+                    .forward_batch(&b.ln1.forward(&x)?, &segs, &self.rope, l, pool, &mut seqs)?;
+            x = (x + h)?;
+            let m = b.mlp.forward(&b.ln2.forward(&x)?)?;
+            x = (x + m)?;
+        }
+        let x = self.norm.forward(&x)?;
+        match logits {
+            Logits::Last => {
+                let mut end = 0u32;
+                let rows: Vec<u32> = segs
+                    .iter()
+                    .map(|&(_, t)| {
+                        end += t as u32;
+                        end - 1
+                    })
+                    .collect();
+                let rows = Tensor::from_vec(rows, segs.len(), device)?;
+                let last = x.squeeze(0)?.index_select(&rows, 0)?.unsqueeze(0)?;
+                let all = self.lm_head.forward(&last)?.squeeze(0)?;
+                (0..segs.len()).map(|i| Ok(all.narrow(0, i, 1)?)).collect()
+            }
+            Logits::All => {
+                let all = self.lm_head.forward(&x)?.squeeze(0)?;
+                let mut off = 0;
+                segs.iter()
+                    .map(|&(_, t)| {
+                        off += t;
+                        Ok(all.narrow(0, off - t, t)?)
+                    })
+                    .collect()
+            }
+        }
     }
 }
 

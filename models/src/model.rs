@@ -7,7 +7,8 @@ use candle_core::Tensor;
 
 use crate::config::ModelOptions;
 use crate::error::{invalid, Error, Result};
-use crate::llama::{Cache, Llama};
+use crate::llama::{BatchSeq, Cache, Llama, Logits};
+use crate::paged::KvPool;
 use crate::weights::Weights;
 
 /// The `model_type`s [`Model::load_hf`] runs.
@@ -96,5 +97,20 @@ impl Model {
     /// Logits `[T, vocab]` (f32) of `tokens`, appended to what `cache` has seen.
     pub fn forward(&self, tokens: &[u32], cache: &mut Cache) -> Result<Tensor> {
         self.inner.forward(tokens, cache)
+    }
+
+    /// [`Llama::new_kv_pool`].
+    pub fn new_kv_pool(&self, pages: usize, page_size: usize) -> Result<KvPool> {
+        self.inner.new_kv_pool(pages, page_size)
+    }
+
+    /// [`Llama::forward_batch`]: one ragged step over several sequences' pages.
+    pub fn forward_batch(
+        &self,
+        pool: &KvPool,
+        batch: &mut [BatchSeq<'_>],
+        logits: Logits,
+    ) -> Result<Vec<Tensor>> {
+        self.inner.forward_batch(pool, batch, logits)
     }
 }

@@ -147,6 +147,11 @@ impl Weights {
         }
     }
 
+    /// Adds (or replaces) a tensor, e.g. to complete generated weights.
+    pub fn insert(&mut self, name: impl Into<String>, tensor: Tensor) {
+        self.map.insert(name.into(), tensor);
+    }
+
     /// Every tensor name, in no particular order.
     pub fn names(&self) -> impl Iterator<Item = &String> {
         self.map

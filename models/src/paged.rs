@@ -1,0 +1,311 @@
+//! KV pages for the whole model: the pools a server sizes once, and each sequence's share of
+//! them.
+//!
+//! Dense attention keeps one allocator for the model and one key and one value pool per layer,
+//! all indexed by the same page ids (a sequence's page list is its block table in every layer,
+//! as in vLLM). The NSA variant keeps each layer's [`NsaPages`] with its own allocator and a
+//! [`NsaSeqState`] per layer and sequence; every layer stores the same tokens, so their
+//! allocators stay in step and the first one speaks for all.
+
+use candle_core::{DType, Device, Tensor};
+use fp8nsa_ops::nsa::{NsaPages, NsaPool, NsaSeqState, PagePool, SharedAllocator};
+
+use crate::error::{invalid, Error, Result};
+
+/// The KV pools of every layer of one model, made by [`Llama::new_kv_pool`](crate::Llama::new_kv_pool).
+#[derive(Debug)]
+pub struct KvPool {
+    page_size: usize,
+    pages: usize,
+    pub(crate) store: Store,
+}
+
+#[derive(Debug)]
+pub(crate) enum Store {
+    /// Keys and values `[Hkv, pages · page_size, D]` per layer (a gather along the rows gives
+    /// attention its `[1, Hkv, T, D]` operands without a transpose).
+    Dense {
+        alloc: SharedAllocator,
+        layers: Vec<(Tensor, Tensor)>,
+    },
+    Nsa {
+        layers: Vec<(NsaPages, SharedAllocator)>,
+    },
+}
+
+/// What one layer's attention needs to be made.
+pub(crate) enum LayerKv {
+    Dense { hkv: usize, d: usize },
+    Nsa(fp8nsa_ops::nsa::NsaDims),
+}
+
+impl KvPool {
+    pub(crate) fn new(
+        layers: &[LayerKv],
+        pages: usize,
+        page_size: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self> {
+        if pages == 0 || page_size == 0 {
+            return Err(invalid(
+                "kv_pages",
+                format!("a pool needs pages of rows, got {pages} pages of {page_size} rows"),
+            ));
+        }
+        let rows = pages
+            .checked_mul(page_size)
+            .filter(|&r| r <= u32::MAX as usize);
+        let Some(rows) = rows else {
+            return Err(invalid(
+                "kv_pages",
+                format!("{pages} pages of {page_size} rows are more rows than a u32 indexes"),
+            ));
+        };
+        let store = match layers.first() {
+            Some(LayerKv::Nsa(_)) => Store::Nsa {
+                layers: layers
+                    .iter()
+                    .map(|l| {
+                        let LayerKv::Nsa(dims) = l else {
+                            return Err(invalid("attention", "every layer must be NSA or none"));
+                        };
+                        // as many compressed pages as raw ones: the compressed pool never runs
+                        // out before the raw one, so the raw count is the one capacity
+                        let p = NsaPages::new(*dims, page_size, pages, pages, dtype, device)?;
+                        Ok((p, SharedAllocator::new(PagePool::new(pages, pages)?)))
+                    })
+                    .collect::<Result<_>>()?,
+            },
+            _ => Store::Dense {
+                alloc: SharedAllocator::new(PagePool::new(pages, 1)?),
+                layers: layers
+                    .iter()
+                    .map(|l| {
+                        let LayerKv::Dense { hkv, d } = *l else {
+                            return Err(invalid("attention", "every layer must be NSA or none"));
+                        };
+                        let bytes = rows
+                            .checked_mul(hkv)
+                            .and_then(|x| x.checked_mul(d))
+                            .and_then(|x| x.checked_mul(dtype.size_in_bytes()))
+                            .filter(|&b| b <= isize::MAX as usize);
+                        if bytes.is_none() {
+                            return Err(invalid(
+                                "kv_pages",
+                                format!("{pages} pages do not fit in memory's address space"),
+                            ));
+                        }
+                        let z = || Tensor::zeros((hkv, rows, d), dtype, device);
+                        Ok((z()?, z()?))
+                    })
+                    .collect::<Result<_>>()?,
+            },
+        };
+        Ok(Self {
+            page_size,
+            pages,
+            store,
+        })
+    }
+
+    /// Rows per page.
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// Pages of the pool (per layer).
+    pub fn total_pages(&self) -> usize {
+        self.pages
+    }
+
+    /// Tokens the pool holds when full.
+    pub fn capacity_tokens(&self) -> usize {
+        self.pages * self.page_size
+    }
+
+    /// Pages no sequence holds.
+    pub fn free_pages(&self) -> usize {
+        match &self.store {
+            Store::Dense { alloc, .. } => alloc.lock().free_pages(NsaPool::Raw),
+            Store::Nsa { layers } => layers
+                .iter()
+                .map(|(_, a)| a.lock().free_pages(NsaPool::Raw))
+                .min()
+                .unwrap_or(0),
+        }
+    }
+
+    /// Pages `tokens` tokens of one sequence occupy.
+    pub fn pages_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.page_size)
+    }
+
+    /// An empty sequence whose pages come from this pool (and go back to it when dropped).
+    pub fn new_seq(&self) -> SeqKv {
+        let inner = match &self.store {
+            Store::Dense { alloc, .. } => SeqInner::Dense {
+                alloc: alloc.clone(),
+                pages: Vec::new(),
+            },
+            Store::Nsa { layers } => {
+                SeqInner::Nsa(layers.iter().map(|(_, a)| NsaSeqState::new(a)).collect())
+            }
+        };
+        SeqKv { len: 0, inner }
+    }
+
+    /// Gives `seq` the pages for `len` tokens (dense attention; NSA states take their own).
+    /// All or nothing: when the pool runs out, the pages taken here go back and the answer is
+    /// [`fp8nsa_ops::Error::OutOfPages`].
+    pub(crate) fn reserve(&self, seq: &mut SeqKv, len: usize) -> Result<()> {
+        let SeqInner::Dense { alloc, pages } = &mut seq.inner else {
+            return Ok(());
+        };
+        let need = len.div_ceil(self.page_size);
+        let mut a = alloc.lock();
+        let had = pages.len();
+        while pages.len() < need {
+            match a.alloc(NsaPool::Raw) {
+                Some(p) => pages.push(p),
+                None => {
+                    for p in pages.drain(had..) {
+                        let _ = a.release(NsaPool::Raw, p);
+                    }
+                    return Err(Error::Ops(fp8nsa_ops::Error::OutOfPages {
+                        pool: NsaPool::Raw,
+                        pages: self.pages,
+                    }));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `k`, `v [1, T, Hkv, D]` at positions `pos..pos + T` of `seq` in `layer`, then
+    /// returns all its keys and values up to them, `[1, Hkv, pos + T, D]`. The pages must be
+    /// reserved.
+    pub(crate) fn write_and_read(
+        &self,
+        layer: usize,
+        seq: &SeqKv,
+        pos: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (Store::Dense { layers, .. }, SeqInner::Dense { pages, .. }) =
+            (&self.store, &seq.inner)
+        else {
+            return Err(invalid("kv", "dense attention on an NSA pool"));
+        };
+        let (kp, vp) = &layers[layer];
+        let ps = self.page_size;
+        let t = k.dims()[1];
+        let end = pos + t;
+        if end.div_ceil(ps) > pages.len() {
+            return Err(invalid("kv", "pages not reserved for the step's tokens"));
+        }
+        // [1, T, Hkv, D] -> [Hkv, T, D], then one copy per run of rows within a page
+        let (kt, vt) = (
+            k.squeeze(0)?.transpose(0, 1)?.contiguous()?,
+            v.squeeze(0)?.transpose(0, 1)?.contiguous()?,
+        );
+        let mut p = pos;
+        while p < end {
+            let run = (ps - p % ps).min(end - p);
+            let row = pages[p / ps] * ps + p % ps;
+            kp.slice_set(&kt.narrow(1, p - pos, run)?.contiguous()?, 1, row)?;
+            vp.slice_set(&vt.narrow(1, p - pos, run)?.contiguous()?, 1, row)?;
+            p += run;
+        }
+        let rows: Vec<u32> = (0..end)
+            .map(|p| (pages[p / ps] * ps + p % ps) as u32)
+            .collect();
+        let rows = Tensor::from_vec(rows, end, kp.device())?;
+        Ok((
+            kp.index_select(&rows, 1)?.unsqueeze(0)?,
+            vp.index_select(&rows, 1)?.unsqueeze(0)?,
+        ))
+    }
+}
+
+/// One sequence's KV in a [`KvPool`]: its pages (in every layer) and how many tokens they
+/// hold. Dropping it gives its pages back.
+#[derive(Debug)]
+pub struct SeqKv {
+    len: usize,
+    pub(crate) inner: SeqInner,
+}
+
+#[derive(Debug)]
+pub(crate) enum SeqInner {
+    Dense {
+        alloc: SharedAllocator,
+        pages: Vec<usize>,
+    },
+    Nsa(Vec<NsaSeqState>),
+}
+
+impl SeqKv {
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Pages held (per layer).
+    pub fn pages(&self) -> usize {
+        match &self.inner {
+            SeqInner::Dense { pages, .. } => pages.len(),
+            SeqInner::Nsa(states) => states.first().map_or(0, |s| s.pages(NsaPool::Raw).len()),
+        }
+    }
+
+    /// The step wrote `t` more tokens in every layer.
+    pub(crate) fn commit(&mut self, t: usize) {
+        self.len += t;
+    }
+
+    /// Back to `len` tokens after a failed step: pages past them go back to the pool.
+    pub(crate) fn roll_back(
+        &mut self,
+        len: usize,
+        pool: &KvPool,
+        nsa: &[Option<&fp8nsa_ops::nsa::NsaConfig>],
+    ) {
+        self.len = self.len.min(len);
+        let keep = len.div_ceil(pool.page_size);
+        match (&mut self.inner, &pool.store) {
+            (SeqInner::Dense { alloc, pages }, _) => {
+                let mut a = alloc.lock();
+                for p in pages.drain(keep.min(pages.len())..) {
+                    let _ = a.release(NsaPool::Raw, p);
+                }
+            }
+            (SeqInner::Nsa(states), Store::Nsa { layers }) => {
+                for ((s, (pages, _)), cfg) in states.iter_mut().zip(layers).zip(nsa) {
+                    if let Some(cfg) = cfg {
+                        // a refused release is the allocator's bookkeeping, not this step's
+                        let _ = s.truncate(len, cfg, pages);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+impl Drop for SeqKv {
+    fn drop(&mut self) {
+        if let SeqInner::Dense { alloc, pages } = &mut self.inner {
+            let mut a = alloc.lock();
+            for p in pages.drain(..) {
+                let _ = a.release(NsaPool::Raw, p);
+            }
+        }
+        // NSA states return their own pages when they drop
+    }
+}

@@ -1,0 +1,327 @@
+//! The ragged batched step over paged KV (issue: serving, item 1): a batch of sequences of
+//! different lengths, prefilled in chunks of different sizes and decoded together, gives every
+//! sequence the logits it gets alone, for Llama, Qwen3 (q/k norms), Qwen3-MoE and the NSA
+//! variant, with dense and fp8 projections.
+
+use candle_core::Tensor;
+use fp8nsa_models::*;
+use fp8nsa_ops::nsa::NsaConfig;
+use fp8nsa_ops::ActQuant;
+use fp8nsa_test_support::rel_frobenius;
+use rand::Rng;
+
+#[derive(Clone, Copy, Debug)]
+enum Arch {
+    Llama,
+    Qwen3,
+    Qwen3Moe,
+}
+
+fn build(arch: Arch, opts: &ModelOptions, seed: u64) -> Llama {
+    let mut cfg = LlamaConfig::tiny();
+    if let Arch::Qwen3Moe = arch {
+        cfg.moe = MoeConfig {
+            num_experts: 8,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 256,
+            norm_topk_prob: true,
+            decoder_sparse_step: Some(2),
+            ..MoeConfig::default()
+        };
+    }
+    let mut w = Weights::random(&cfg, seed).unwrap();
+    if !matches!(arch, Arch::Llama) {
+        let mut rng = fp8nsa_test_support::rng("batch_qk_norm");
+        for l in 0..cfg.num_hidden_layers {
+            for n in ["q_norm", "k_norm"] {
+                let v: Vec<f32> = (0..64).map(|_| rng.random_range(0.5..1.5)).collect();
+                w.insert(
+                    format!("model.layers.{l}.self_attn.{n}.weight"),
+                    Tensor::from_vec(v, 64, &candle_core::Device::Cpu).unwrap(),
+                );
+            }
+        }
+    }
+    Llama::new(&cfg, &w, opts).unwrap()
+}
+
+fn fp8(act: ActQuant) -> ModelOptions {
+    ModelOptions {
+        linear: LinearKind::Fp8 {
+            block: [128, 128],
+            act,
+        },
+        ..ModelOptions::default()
+    }
+}
+
+/// The bound on each new token's logits against the sequence alone. W8A16 and dense runs differ
+/// from alone only in the f32 summation order of kernels picked by the step's row count.
+/// W8A8 quantizes activations to e4m3, which is discontinuous: a last-bit difference in a
+/// hidden state can move a code by one step (6%) in the next layer, so its bound is the
+/// quantization's, and still far below what rows mixed between sequences give (order 1).
+fn bound(opts: &ModelOptions) -> f64 {
+    match opts.linear {
+        LinearKind::Fp8 {
+            act: ActQuant::Group,
+            ..
+        } => 5e-2,
+        _ => 1e-5,
+    }
+}
+
+fn nsa() -> AttentionKind {
+    // small blocks so that a 70-token context selects among several
+    AttentionKind::Nsa(NsaConfig {
+        compress_block: 16,
+        compress_stride: 8,
+        select_block: 16,
+        num_selected: 4,
+        window: 16,
+        ..NsaConfig::default()
+    })
+}
+
+/// Four sequences: prompts of 37, 5, 70 and 1 tokens prefilled in chunks (sizes differ per
+/// sequence, and sequences join at different steps), then decoded together for 6 steps (each
+/// step's token chosen by the test). Every new token's logits equal running that sequence alone
+/// through the single-sequence path with the same chunks.
+fn check(arch: Arch, opts: ModelOptions) {
+    let model = build(arch, &opts, 11);
+    let tol = bound(&opts);
+    let mut rng = fp8nsa_test_support::rng("batch_equals_alone");
+    let lens = [37usize, 5, 70, 1];
+    let chunks = [9usize, 16, 32, 4];
+    let prompts: Vec<Vec<u32>> = lens
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.random_range(0..512u32)).collect())
+        .collect();
+    // schedule: step s feeds each sequence its next chunk (sequence i joins at step i), then
+    // one decode token per step
+    let pool = model.new_kv_pool(64, 16).unwrap();
+    let mut kv: Vec<SeqKv> = (0..4).map(|_| pool.new_seq()).collect();
+    let mut fed: Vec<Vec<Vec<u32>>> = vec![Vec::new(); 4]; // the chunks each sequence got
+    let mut got: Vec<Vec<Tensor>> = vec![Vec::new(); 4];
+    let mut done = [0usize; 4];
+    let mut decoded = [0usize; 4];
+    for step in 0..40 {
+        let mut parts: Vec<(usize, Vec<u32>)> = Vec::new();
+        for i in 0..4 {
+            if step < i {
+                continue;
+            }
+            if done[i] < lens[i] {
+                let n = chunks[i].min(lens[i] - done[i]);
+                parts.push((i, prompts[i][done[i]..done[i] + n].to_vec()));
+                done[i] += n;
+            } else if decoded[i] < 6 {
+                parts.push((i, vec![rng.random_range(0..512u32)]));
+                decoded[i] += 1;
+            }
+        }
+        if parts.is_empty() {
+            break;
+        }
+        // split the pool's sequences into disjoint &mut borrows in `parts` order
+        let mut slots: Vec<Option<&mut SeqKv>> = kv.iter_mut().map(Some).collect();
+        let mut batch: Vec<BatchSeq> = parts
+            .iter()
+            .map(|(i, toks)| BatchSeq {
+                tokens: toks,
+                kv: slots[*i].take().unwrap(),
+            })
+            .collect();
+        let out = model.forward_batch(&pool, &mut batch, Logits::All).unwrap();
+        for ((i, toks), o) in parts.into_iter().zip(out) {
+            assert_eq!(o.dims(), &[toks.len(), 512]);
+            fed[i].push(toks);
+            got[i].push(o);
+        }
+    }
+    assert_eq!(decoded, [6; 4], "the schedule ran to the end");
+    for i in 0..4 {
+        let mut cache = model.new_cache();
+        for (chunk, o) in fed[i].iter().zip(&got[i]) {
+            let want = model.forward(chunk, &mut cache).unwrap();
+            let e = rel_frobenius(o, &want);
+            assert!(
+                e < tol,
+                "{arch:?} ({} fp8 layers) sequence {i} at {}: rel err {e}",
+                model.fp8_layer_count(),
+                cache.len()
+            );
+        }
+    }
+    // the last-token logits are the All rows' last
+    let mut s = pool.new_seq();
+    let toks: Vec<u32> = (0..20).collect();
+    let last = model
+        .forward_batch(
+            &pool,
+            &mut [BatchSeq {
+                tokens: &toks,
+                kv: &mut s,
+            }],
+            Logits::Last,
+        )
+        .unwrap();
+    let mut cache = model.new_cache();
+    let want = model
+        .forward(&toks, &mut cache)
+        .unwrap()
+        .narrow(0, 19, 1)
+        .unwrap();
+    assert!(rel_frobenius(&last[0], &want) < tol);
+    drop((kv, s));
+    assert_eq!(
+        pool.free_pages(),
+        64,
+        "{arch:?}: dropped sequences give their pages back"
+    );
+}
+
+#[test]
+fn llama_batch_equals_each_sequence_alone() {
+    check(Arch::Llama, ModelOptions::default());
+    check(Arch::Llama, fp8(ActQuant::None));
+    check(Arch::Llama, fp8(ActQuant::Group));
+}
+
+#[test]
+fn qwen3_batch_equals_each_sequence_alone() {
+    check(Arch::Qwen3, ModelOptions::default());
+}
+
+#[test]
+fn qwen3_moe_batch_equals_each_sequence_alone() {
+    check(Arch::Qwen3Moe, ModelOptions::default());
+    check(Arch::Qwen3Moe, fp8(ActQuant::None));
+    check(Arch::Qwen3Moe, fp8(ActQuant::Group));
+}
+
+#[test]
+fn nsa_batch_equals_each_sequence_alone() {
+    check(
+        Arch::Llama,
+        ModelOptions {
+            attention: nsa(),
+            ..ModelOptions::default()
+        },
+    );
+}
+
+/// A step the pool cannot hold is `OutOfPages` and changes no sequence; bad input names the
+/// sequence; a failed step's pages go back.
+#[test]
+fn failed_steps_change_nothing() {
+    for attention in [AttentionKind::Dense, nsa()] {
+        let model = build(
+            Arch::Llama,
+            &ModelOptions {
+                attention,
+                ..ModelOptions::default()
+            },
+            3,
+        );
+        let pool = model.new_kv_pool(4, 16).unwrap();
+        let (mut a, mut b) = (pool.new_seq(), pool.new_seq());
+        let toks: Vec<u32> = (0..40).collect();
+        model
+            .forward_batch(
+                &pool,
+                &mut [BatchSeq {
+                    tokens: &toks,
+                    kv: &mut a,
+                }],
+                Logits::Last,
+            )
+            .unwrap();
+        assert_eq!((a.len(), a.pages(), pool.free_pages()), (40, 3, 1));
+        // 40 more for b need 3 pages; 1 is free
+        let e = model
+            .forward_batch(
+                &pool,
+                &mut [
+                    BatchSeq {
+                        tokens: &[7],
+                        kv: &mut a,
+                    },
+                    BatchSeq {
+                        tokens: &toks,
+                        kv: &mut b,
+                    },
+                ],
+                Logits::Last,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::Ops(fp8nsa_ops::Error::OutOfPages { .. })),
+            "{e}"
+        );
+        assert_eq!(
+            (a.len(), a.pages(), b.len(), pool.free_pages()),
+            (40, 3, 0, 1)
+        );
+        let e = model
+            .forward_batch(
+                &pool,
+                &mut [
+                    BatchSeq {
+                        tokens: &[7],
+                        kv: &mut a,
+                    },
+                    BatchSeq {
+                        tokens: &[600],
+                        kv: &mut b,
+                    },
+                ],
+                Logits::Last,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(&e, Error::Invalid { arg: "batch", msg } if msg.contains("sequence 1")),
+            "{e}"
+        );
+        let e = model
+            .forward_batch(
+                &pool,
+                &mut [BatchSeq {
+                    tokens: &[],
+                    kv: &mut a,
+                }],
+                Logits::Last,
+            )
+            .unwrap_err();
+        assert!(matches!(&e, Error::Invalid { arg: "batch", .. }), "{e}");
+        assert!(model.forward_batch(&pool, &mut [], Logits::Last).is_err());
+        // still usable: a decodes on
+        model
+            .forward_batch(
+                &pool,
+                &mut [BatchSeq {
+                    tokens: &[7],
+                    kv: &mut a,
+                }],
+                Logits::Last,
+            )
+            .unwrap();
+        assert_eq!(a.len(), 41);
+        drop((a, b));
+        assert_eq!(pool.free_pages(), 4);
+    }
+    let model = build(Arch::Llama, &ModelOptions::default(), 3);
+    assert!(matches!(
+        model.new_kv_pool(0, 16),
+        Err(Error::Invalid {
+            arg: "kv_pages",
+            ..
+        })
+    ));
+    assert!(matches!(
+        model.new_kv_pool(usize::MAX / 2, 16),
+        Err(Error::Invalid {
+            arg: "kv_pages",
+            ..
+        })
+    ));
+}
