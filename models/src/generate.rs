@@ -72,7 +72,11 @@ pub fn generate(
     Ok(out)
 }
 
-fn pick(logits: &Tensor, sampling: Sampling, rng: &mut rand::rngs::StdRng) -> Result<u32> {
+pub(crate) fn pick(
+    logits: &Tensor,
+    sampling: Sampling,
+    rng: &mut rand::rngs::StdRng,
+) -> Result<u32> {
     let v: Vec<f32> = logits.to_dtype(DType::F32)?.to_vec1()?;
     // a NaN logit means the model's output is broken; picking around it (argmax skips NaN, so
     // all-NaN logits would give token 0) would hide that

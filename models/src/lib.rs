@@ -17,6 +17,7 @@
 
 mod attention;
 mod config;
+mod engine;
 mod error;
 pub mod eval;
 mod generate;
@@ -32,6 +33,7 @@ mod weights;
 
 pub use attention::AttentionKind;
 pub use config::{LlamaConfig, ModelOptions, MoeConfig, RopeStyle};
+pub use engine::{Engine, EngineConfig, EngineStats, Event, FinishReason, Request};
 pub use error::{Error, Result};
 pub use generate::{generate, perplexity, Sampling};
 pub use linear::{Linear, LinearKind};
