@@ -1,5 +1,5 @@
 //! `fp8nsa`: with no subcommand, the demo (dense vs fp8 vs fp8 + NSA on a Llama-family model);
-//! `fp8nsa quantize --help` for the checkpoint converter.
+//! `fp8nsa quantize --help` for the checkpoint converter, `fp8nsa serve --help` for the server.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -52,6 +52,9 @@ struct DemoArgs {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve a model over HTTP with an OpenAI-compatible API (completions and chat
+    /// completions, plain and streamed), continuous batching over paged KV.
+    Serve(fp8nsa_serve::ServeArgs),
     /// Check a compiled program (HLO text, StableHLO / MLIR, or Mosaic TPU MLIR): fp8 operands,
     /// native fp8 dot or upcast, async copies, memory spaces, double buffering, scales in SMEM.
     /// The exit status says whether the expectations of `--expect` hold.
@@ -162,6 +165,15 @@ fn main() -> ExitCode {
             },
         ),
         Some(Command::Inspect { file, expect }) => return inspect(&file, expect.as_deref()),
+        Some(Command::Serve(args)) => {
+            return match fp8nsa_serve::run(args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         Some(Command::ExportTpu {
             out,
             config,

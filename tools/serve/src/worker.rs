@@ -1,0 +1,137 @@
+//! The engine's thread: it owns the [`Engine`], takes requests and cancellations between
+//! steps, runs steps while there is work, and hands each request's events to its HTTP task.
+//! A request whose task is gone (the client disconnected) is cancelled at its next event, so
+//! its pages are free by the next step.
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::Arc;
+
+use fp8nsa::models::{Engine, Event, Request};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::metrics::Metrics;
+
+pub(crate) enum Cmd {
+    Add {
+        id: u64,
+        req: Request,
+        events: mpsc::UnboundedSender<Event>,
+        reply: oneshot::Sender<fp8nsa::models::Result<()>>,
+    },
+    Cancel(u64),
+}
+
+pub(crate) fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: Arc<Metrics>) {
+    let mut subs: HashMap<u64, mpsc::UnboundedSender<Event>> = HashMap::new();
+    let mut open = true;
+    metrics.publish(engine.stats());
+    loop {
+        // idle: sleep until a command comes; busy: take whatever has come in, then step
+        if !engine.has_work() {
+            if !open {
+                return;
+            }
+            match rx.recv() {
+                Ok(cmd) => handle(&mut engine, &mut subs, &metrics, cmd),
+                Err(_) => return,
+            }
+        }
+        while open {
+            match rx.try_recv() {
+                Ok(cmd) => handle(&mut engine, &mut subs, &metrics, cmd),
+                Err(TryRecvError::Empty) => break,
+                // the server is gone: finish what is running (its tasks may still listen)
+                Err(TryRecvError::Disconnected) => open = false,
+            }
+        }
+        if engine.has_work() {
+            match std::panic::catch_unwind(AssertUnwindSafe(|| engine.step())) {
+                Ok(events) => {
+                    for e in events {
+                        dispatch(&mut engine, &mut subs, &metrics, e);
+                    }
+                }
+                Err(_) => {
+                    // a bug, not an input: fail every request in the engine rather than the
+                    // server, and drop their sequences (their pages go back)
+                    tracing::error!("engine step panicked; failing its {} requests", subs.len());
+                    for (id, tx) in subs.drain() {
+                        engine.cancel(id);
+                        let _ = tx.send(Event::Failed {
+                            id,
+                            error: "internal error in the engine step".into(),
+                        });
+                    }
+                }
+            }
+        }
+        metrics.publish(engine.stats());
+    }
+}
+
+fn handle(
+    engine: &mut Engine,
+    subs: &mut HashMap<u64, mpsc::UnboundedSender<Event>>,
+    metrics: &Metrics,
+    cmd: Cmd,
+) {
+    match cmd {
+        Cmd::Add {
+            id,
+            req,
+            events,
+            reply,
+        } => {
+            let prompt = req.prompt.len() as u64;
+            let r = engine.add(id, req);
+            if r.is_ok() {
+                subs.insert(id, events);
+                metrics
+                    .prompt_tokens
+                    .fetch_add(prompt, std::sync::atomic::Ordering::Relaxed);
+            }
+            if reply.send(r).is_err() {
+                // the client left before the answer
+                engine.cancel(id);
+                subs.remove(&id);
+            }
+        }
+        Cmd::Cancel(id) => {
+            engine.cancel(id);
+            subs.remove(&id);
+        }
+    }
+    metrics.publish(engine.stats());
+}
+
+fn dispatch(
+    engine: &mut Engine,
+    subs: &mut HashMap<u64, mpsc::UnboundedSender<Event>>,
+    metrics: &Metrics,
+    e: Event,
+) {
+    let (id, last) = match &e {
+        Event::Token { id, .. } => {
+            metrics
+                .generated_tokens
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            (*id, false)
+        }
+        Event::Finished { id, .. } | Event::Failed { id, .. } => (*id, true),
+    };
+    let Some(tx) = subs.get(&id) else {
+        return;
+    };
+    if tx.send(e).is_err() {
+        // nobody listens: the client disconnected
+        engine.cancel(id);
+        subs.remove(&id);
+        metrics
+            .requests_cancelled
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    } else if last {
+        subs.remove(&id);
+    }
+}
