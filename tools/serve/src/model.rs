@@ -39,7 +39,8 @@ pub enum ChatTemplate {
     Unsupported,
 }
 
-/// A loaded model, ready to serve.
+/// A loaded model, ready to serve (clones share the weights).
+#[derive(Clone)]
 pub struct Served {
     pub model: Llama,
     pub tokenizer: Tokenizer,
