@@ -405,9 +405,12 @@ impl Attention {
             rope.apply_segments(&q, segs)?,
             rope.apply_segments(&k, segs)?,
         );
-        let mut outs = Vec::with_capacity(segs.len());
+        let mut outs: Vec<Option<Tensor>> = vec![None; segs.len()];
+        // decode tokens (one new token, dense attention, on the CPU in f32) attend together
+        // through one paged kernel reading the pages in place; the others one by one
+        let mut decode: Vec<(usize, usize)> = Vec::new(); // (sequence, row in x)
         let mut off = 0;
-        for (&(pos, t), seq) in segs.iter().zip(seqs.iter_mut()) {
+        for (i, (&(pos, t), seq)) in segs.iter().zip(seqs.iter_mut()).enumerate() {
             let (qs, ks, vs) = (
                 q.narrow(1, off, t)?,
                 k.narrow(1, off, t)?,
@@ -415,7 +418,13 @@ impl Attention {
             );
             let o = match &self.imp {
                 Impl::Dense => {
-                    let (kh, vh) = pool.write_and_read(layer, seq, pos, &ks, &vs)?;
+                    pool.write(layer, seq, pos, &ks, &vs)?;
+                    if t == 1 && q.device().is_cpu() && q.dtype() == DType::F32 {
+                        decode.push((i, off));
+                        off += t;
+                        continue;
+                    }
+                    let (kh, vh) = pool.read(layer, seq, pos + t)?;
                     self.dense(&qs, &kh, &vh, pos)?
                 }
                 Impl::Nsa(nsa) => match (&mut seq.inner, &pool.store) {
@@ -430,9 +439,41 @@ impl Attention {
                     _ => return Err(invalid("kv", "the pool was made for dense attention")),
                 },
             };
-            outs.push(o.reshape((1, t, self.hq * self.hd))?);
+            outs[i] = Some(o.reshape((1, t, self.hq * self.hd))?);
             off += t;
         }
+        if !decode.is_empty() {
+            let rows: Vec<u32> = decode.iter().map(|&(_, r)| r as u32).collect();
+            let rows = Tensor::from_vec(rows, decode.len(), q.device())?;
+            let qd = q.squeeze(0)?.index_select(&rows, 0)?; // [Bd, Hq, D]
+            let mut lists: Vec<&[usize]> = Vec::with_capacity(decode.len());
+            let mut lens = Vec::with_capacity(decode.len());
+            let mut kv = None;
+            for &(i, _) in &decode {
+                let (pools, pages) = pool.dense(layer, seqs[i])?;
+                kv = Some(pools);
+                lists.push(pages);
+                lens.push(segs[i].0 + 1);
+            }
+            let (kp, vp) = kv.expect("at least one decode sequence");
+            let scale = 1.0 / (self.hd as f32).sqrt();
+            let od = fp8nsa_ops::nsa::decode_attention_paged(
+                &qd,
+                kp,
+                vp,
+                &lists,
+                &lens,
+                pool.page_size(),
+                scale,
+            )?;
+            for (j, &(i, _)) in decode.iter().enumerate() {
+                outs[i] = Some(od.narrow(0, j, 1)?.reshape((1, 1, self.hq * self.hd))?);
+            }
+        }
+        let mut outs: Vec<Tensor> = outs
+            .into_iter()
+            .map(|o| o.expect("every sequence attended"))
+            .collect();
         let o = match outs.len() {
             1 => outs.pop().expect("one output"),
             _ => Tensor::cat(&outs, 1)?,

@@ -182,26 +182,19 @@ impl KvPool {
         Ok(())
     }
 
-    /// Writes `k`, `v [1, T, Hkv, D]` at positions `pos..pos + T` of `seq` in `layer`, then
-    /// returns all its keys and values up to them, `[1, Hkv, pos + T, D]`. The pages must be
-    /// reserved.
-    pub(crate) fn write_and_read(
+    /// Writes `k`, `v [1, T, Hkv, D]` at positions `pos..pos + T` of `seq` in `layer` (dense
+    /// attention; the pages must be reserved).
+    pub(crate) fn write(
         &self,
         layer: usize,
         seq: &SeqKv,
         pos: usize,
         k: &Tensor,
         v: &Tensor,
-    ) -> Result<(Tensor, Tensor)> {
-        let (Store::Dense { layers, .. }, SeqInner::Dense { pages, .. }) =
-            (&self.store, &seq.inner)
-        else {
-            return Err(invalid("kv", "dense attention on an NSA pool"));
-        };
-        let (kp, vp) = &layers[layer];
+    ) -> Result<()> {
+        let ((kp, vp), pages) = self.dense(layer, seq)?;
         let ps = self.page_size;
-        let t = k.dims()[1];
-        let end = pos + t;
+        let end = pos + k.dims()[1];
         if end.div_ceil(ps) > pages.len() {
             return Err(invalid("kv", "pages not reserved for the step's tokens"));
         }
@@ -218,14 +211,35 @@ impl KvPool {
             vp.slice_set(&vt.narrow(1, p - pos, run)?.contiguous()?, 1, row)?;
             p += run;
         }
-        let rows: Vec<u32> = (0..end)
+        Ok(())
+    }
+
+    /// The first `len` keys and values of `seq` in `layer`, gathered: `[1, Hkv, len, D]`.
+    pub(crate) fn read(&self, layer: usize, seq: &SeqKv, len: usize) -> Result<(Tensor, Tensor)> {
+        let ((kp, vp), pages) = self.dense(layer, seq)?;
+        let ps = self.page_size;
+        let rows: Vec<u32> = (0..len)
             .map(|p| (pages[p / ps] * ps + p % ps) as u32)
             .collect();
-        let rows = Tensor::from_vec(rows, end, kp.device())?;
+        let rows = Tensor::from_vec(rows, len, kp.device())?;
         Ok((
             kp.index_select(&rows, 1)?.unsqueeze(0)?,
             vp.index_select(&rows, 1)?.unsqueeze(0)?,
         ))
+    }
+
+    /// The key and value pools `[Hkv, rows, D]` of dense `layer`, and `seq`'s pages in them.
+    pub(crate) fn dense<'a>(
+        &'a self,
+        layer: usize,
+        seq: &'a SeqKv,
+    ) -> Result<(&'a (Tensor, Tensor), &'a [usize])> {
+        match (&self.store, &seq.inner) {
+            (Store::Dense { layers, .. }, SeqInner::Dense { pages, .. }) => {
+                Ok((&layers[layer], pages))
+            }
+            _ => Err(invalid("kv", "dense attention on an NSA pool")),
+        }
     }
 }
 

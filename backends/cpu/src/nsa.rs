@@ -541,9 +541,257 @@ pub fn decode_attention(
     Ok(())
 }
 
+/// One sequence of [`decode_attention_paged`]: its pages in order and how many rows they hold.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedSeq<'a> {
+    pub pages: &'a [usize],
+    pub len: usize,
+}
+
+/// [`decode_attention`] for a batch of sequences, one new token each, whose keys and values
+/// sit in pages of a shared pool read in place: the pool is head-major (`k.data` holds head
+/// `h`'s rows at `h · head_stride`, row `r` of the pool at `r · d` within it), and row `j` of
+/// sequence `s` is pool row `pages[j / page_size] · page_size + j % page_size`. `q` is
+/// `[B, hq, d]`, `out` `[B, hq, dv]`; one task per sequence and query head. Pages past a
+/// head's rows, or too few pages for a length, are [`Error::Invalid`].
+///
+/// ```
+/// use fp8nsa_cpu::nsa::{decode_attention_paged, HeadMajor, PagedSeq};
+/// use fp8nsa_types::AttnDims;
+///
+/// let dims = AttnDims::new(1, 1, 1, 1)?;
+/// // a pool of 3 pages of 2 rows; the sequence holds pages 2 then 0, 3 rows
+/// let k = [0f32, 0.0, 9.0, 9.0, 0.0, 0.0];
+/// let v = [5f32, 0.0, 9.0, 9.0, 1.0, 3.0];
+/// let pool = |data| HeadMajor { data, head_stride: 6 };
+/// let mut out = [0f32; 1];
+/// let seq = PagedSeq { pages: &[2, 0], len: 3 };
+/// decode_attention_paged(&[1.0], pool(&k), pool(&v), dims, 2, &[seq], 1.0, &mut out)?;
+/// assert!((out[0] - 3.0).abs() < 1e-6); // equal scores over rows 4, 5 and 0: mean of 1, 3, 5
+/// # Ok::<(), fp8nsa_cpu::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_paged(
+    q: &[f32],
+    k: HeadMajor<'_>,
+    v: HeadMajor<'_>,
+    dims: AttnDims,
+    page_size: usize,
+    seqs: &[PagedSeq<'_>],
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    let (hq, hkv, d, dv) = (dims.hq(), dims.hkv(), dims.d(), dims.dv());
+    if !hq.is_multiple_of(hkv) {
+        return Err(Error::Invalid {
+            arg: "hq",
+            msg: format!("{hq} query heads are not a multiple of {hkv} kv heads"),
+        });
+    }
+    check_positive("page_size", page_size)?;
+    let b = seqs.len();
+    check_len("q", q.len(), b * hq * d)?;
+    check_len("out", out.len(), b * hq * dv)?;
+    for (arg, kv, w) in [("k", k, d), ("v", v, dv)] {
+        let rows = kv.head_stride / w;
+        if kv.data.len() < (hkv - 1) * kv.head_stride + rows * w {
+            return Err(Error::Invalid {
+                arg,
+                msg: format!(
+                    "{hkv} heads {} apart need more than the {} values given",
+                    kv.head_stride,
+                    kv.data.len()
+                ),
+            });
+        }
+        for (i, s) in seqs.iter().enumerate() {
+            if s.pages
+                .len()
+                .checked_mul(page_size)
+                .is_none_or(|r| r < s.len)
+            {
+                return Err(Error::Invalid {
+                    arg: "seqs",
+                    msg: format!(
+                        "sequence {i}: {} pages cannot hold {} rows",
+                        s.pages.len(),
+                        s.len
+                    ),
+                });
+            }
+            let used = &s.pages[..s.len.div_ceil(page_size)];
+            if let Some(&p) = used.iter().find(|&&p| {
+                p.checked_add(1)
+                    .and_then(|e| e.checked_mul(page_size))
+                    .is_none_or(|e| e > rows)
+            }) {
+                return Err(Error::Invalid {
+                    arg,
+                    msg: format!("sequence {i}: page {p} is past the pool's {rows} rows"),
+                });
+            }
+        }
+    }
+    let g = hq / hkv;
+    out.par_chunks_mut(dv).enumerate().for_each(|(i, o)| {
+        let (s, h) = (&seqs[i / hq], i % hq);
+        let kvh = h / g;
+        let qh: Vec<f32> = q[i * d..(i + 1) * d].iter().map(|x| x * scale).collect();
+        let (kb, vb) = (
+            &k.data[kvh * k.head_stride..],
+            &v.data[kvh * v.head_stride..],
+        );
+        let mut st = Softmax {
+            m: vec![f32::NEG_INFINITY],
+            l: vec![0.0],
+            acc: vec![0.0; dv],
+        };
+        let mut scores = [0f32; CHUNK];
+        for (pi, &page) in s.pages[..s.len.div_ceil(page_size)].iter().enumerate() {
+            let n = page_size.min(s.len - pi * page_size);
+            let r0 = page * page_size;
+            for c0 in (0..n).step_by(CHUNK) {
+                let c1 = (c0 + CHUNK).min(n);
+                let (kc, vc) = (
+                    &kb[(r0 + c0) * d..(r0 + c1) * d],
+                    &vb[(r0 + c0) * dv..(r0 + c1) * dv],
+                );
+                fold_chunk(&qh, kc, vc, d, dv, &mut st, &mut scores);
+            }
+        }
+        let inv = if st.l[0] != 0.0 { 1.0 / st.l[0] } else { 0.0 };
+        for (o, a) in o.iter_mut().zip(&st.acc) {
+            *o = a * inv;
+        }
+    });
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The paged decode kernel equals the contiguous one on the same rows, for page orders that
+    /// are not the rows' order, lengths that end mid-page, pages larger than a chunk, and G = 3.
+    #[test]
+    fn paged_decode_equals_contiguous() {
+        use fp8nsa_test_support::{gaussian, rng};
+        let mut r = rng("paged_decode_equals_contiguous");
+        let (hq, hkv, d, dv) = (9, 3, 32, 24);
+        let dims = AttnDims::new(hq, hkv, d, dv).unwrap();
+        for page_size in [1usize, 16, 100] {
+            let pages = 12usize;
+            let rows = pages * page_size;
+            let k = gaussian(&mut r, hkv * rows * d);
+            let v = gaussian(&mut r, hkv * rows * dv);
+            let lens = [1usize, page_size * 3 - 1, page_size * 5].map(|l| l.min(rows / 3));
+            // sequence i owns pages i, i + 3, i + 6, ... in reverse order
+            let tables: Vec<Vec<usize>> = (0..3)
+                .map(|i| (0..pages / 3).map(|j| i + 3 * j).rev().collect())
+                .collect();
+            let seqs: Vec<PagedSeq> = tables
+                .iter()
+                .zip(lens)
+                .map(|(t, len)| PagedSeq { pages: t, len })
+                .collect();
+            let q = gaussian(&mut r, 3 * hq * d);
+            let mut out = vec![0f32; 3 * hq * dv];
+            let pool = |data| HeadMajor {
+                data,
+                head_stride: rows * d,
+            };
+            let vpool = |data| HeadMajor {
+                data,
+                head_stride: rows * dv,
+            };
+            decode_attention_paged(
+                &q,
+                pool(&k),
+                vpool(&v),
+                dims,
+                page_size,
+                &seqs,
+                0.3,
+                &mut out,
+            )
+            .unwrap();
+            for (i, s) in seqs.iter().enumerate() {
+                // the sequence's rows gathered into a contiguous head-major copy
+                let gather = |src: &[f32], w: usize| -> Vec<f32> {
+                    let mut o = Vec::new();
+                    for h in 0..hkv {
+                        for j in 0..s.len {
+                            let row = s.pages[j / page_size] * page_size + j % page_size;
+                            let at = h * rows * w + row * w;
+                            o.extend_from_slice(&src[at..at + w]);
+                        }
+                    }
+                    o
+                };
+                let (kc, vc) = (gather(&k, d), gather(&v, dv));
+                let mut want = vec![0f32; hq * dv];
+                let kv = HeadMajor {
+                    data: &kc,
+                    head_stride: s.len * d,
+                };
+                let vv = HeadMajor {
+                    data: &vc,
+                    head_stride: s.len * dv,
+                };
+                decode_attention(
+                    &q[i * hq * d..(i + 1) * hq * d],
+                    kv,
+                    vv,
+                    dims,
+                    s.len,
+                    0.3,
+                    &mut want,
+                )
+                .unwrap();
+                let got = &out[i * hq * dv..(i + 1) * hq * dv];
+                let diff = got
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(diff < 1e-5, "page_size {page_size}, sequence {i}: {diff}");
+            }
+            // a page past the pool, and too few pages for the length
+            let bad = [PagedSeq {
+                pages: &[pages],
+                len: 1,
+            }];
+            let e = decode_attention_paged(
+                &q[..hq * d],
+                pool(&k),
+                vpool(&v),
+                dims,
+                page_size,
+                &bad,
+                0.3,
+                &mut out[..hq * dv],
+            );
+            assert!(matches!(e, Err(Error::Invalid { arg: "k", .. })), "{e:?}");
+            let bad = [PagedSeq {
+                pages: &[0],
+                len: page_size + 1,
+            }];
+            let e = decode_attention_paged(
+                &q[..hq * d],
+                pool(&k),
+                vpool(&v),
+                dims,
+                page_size,
+                &bad,
+                0.3,
+                &mut out[..hq * dv],
+            );
+            assert!(
+                matches!(e, Err(Error::Invalid { arg: "seqs", .. })),
+                "{e:?}"
+            );
+        }
+    }
 
     /// The decode kernel against an f64 softmax, on head-major views of larger buffers (head
     /// strides past the valid rows), G = 3 query heads per kv head, lengths around the 64-key

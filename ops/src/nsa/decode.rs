@@ -163,6 +163,160 @@ impl CustomOp3 for DecodeOp {
     }
 }
 
+/// [`decode_attention`] for `B` sequences whose keys and values sit in pages of shared pools,
+/// read in place (no gather): `q [B, Hq, D]`; pools `k [Hkv, rows, D]` and `v [Hkv, rows, Dv]`
+/// (f32, CPU, contiguous), sequence `i`'s row `j` at pool row
+/// `pages[i][j / page_size] · page_size + j % page_size`, `lens[i]` rows each. One parallel
+/// region for the whole batch.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use fp8nsa_ops::nsa::{decode_attention, decode_attention_paged};
+///
+/// let dev = Device::Cpu;
+/// let pool = Tensor::randn(0f32, 1.0, (2, 8 * 4, 16), &dev)?; // 8 pages of 4 rows, 2 kv heads
+/// let q = Tensor::randn(0f32, 1.0, (1, 4, 16), &dev)?;
+/// // a sequence on pages 5 then 2, 6 rows
+/// let o = decode_attention_paged(&q, &pool, &pool, &[&[5, 2]], &[6], 4, 0.25)?;
+/// // the same rows gathered
+/// let rows = Tensor::new(&[20u32, 21, 22, 23, 8, 9], &dev)?;
+/// let k = pool.index_select(&rows, 1)?.unsqueeze(0)?;
+/// let want = decode_attention(&q, &k, &k, 0.25)?;
+/// let diff = (o - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert!(diff < 1e-5);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn decode_attention_paged(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pages: &[&[usize]],
+    lens: &[usize],
+    page_size: usize,
+    scale: f32,
+) -> Result<Tensor> {
+    let (b, hq, d) = q
+        .dims3()
+        .map_err(|_| shape_err("q", "[B, Hq, D] (one token per sequence)", q.dims()))?;
+    let (hkv, rows, dk) = k
+        .dims3()
+        .map_err(|_| shape_err("k", "[Hkv, rows, D] (a pool)", k.dims()))?;
+    let (hv, rv, dv) = v
+        .dims3()
+        .map_err(|_| shape_err("v", "[Hkv, rows, Dv] (a pool)", v.dims()))?;
+    if dk != d {
+        return Err(shape_err("k", format!("[Hkv, rows, {d}]"), k.dims()));
+    }
+    if (hv, rv) != (hkv, rows) {
+        return Err(shape_err("v", format!("[{hkv}, {rows}, Dv]"), v.dims()));
+    }
+    if pages.len() != b || lens.len() != b {
+        return Err(invalid(
+            "pages",
+            format!(
+                "{} page lists and {} lengths for {b} sequences",
+                pages.len(),
+                lens.len()
+            ),
+        ));
+    }
+    for (arg, t) in [("q", q), ("k", k), ("v", v)] {
+        if !matches!(t.device(), Device::Cpu) {
+            return Err(invalid(arg, "decode_attention_paged runs on CPU tensors"));
+        }
+        if arg != "q" && !t.is_contiguous() {
+            return Err(invalid(arg, "the pool must be contiguous"));
+        }
+    }
+    let op = PagedDecodeOp {
+        dims: AttnDims::new(hq, hkv, d, dv)?,
+        pages: pages.iter().map(|p| p.to_vec()).collect(),
+        lens: lens.to_vec(),
+        page_size,
+        scale,
+        err: ParkedError::new(),
+    };
+    let o = q
+        .contiguous()?
+        .apply_op3_no_bwd(k, v, &op)
+        .map_err(|e| op.err.or(e))?;
+    Ok(o)
+}
+
+fn f32s<'a>(arg: &'static str, s: &'a CpuStorage) -> Result<&'a [f32]> {
+    match s {
+        CpuStorage::F32(x) => Ok(x),
+        _ => Err(Error::DType {
+            arg,
+            expected: "f32",
+            got: s.dtype(),
+        }),
+    }
+}
+
+/// A contiguous head-major pool `[Hkv, rows, w]`.
+fn pool<'a>(
+    arg: &'static str,
+    s: &'a CpuStorage,
+    l: &Layout,
+    w: usize,
+) -> Result<fp8nsa_cpu::nsa::HeadMajor<'a>> {
+    Ok(fp8nsa_cpu::nsa::HeadMajor {
+        data: contiguous(arg, f32s(arg, s)?, l)?,
+        head_stride: l.dims()[1] * w,
+    })
+}
+
+struct PagedDecodeOp {
+    dims: AttnDims,
+    pages: Vec<Vec<usize>>,
+    lens: Vec<usize>,
+    page_size: usize,
+    scale: f32,
+    err: ParkedError,
+}
+
+impl CustomOp3 for PagedDecodeOp {
+    fn name(&self) -> &'static str {
+        "fp8nsa-decode-attention-paged"
+    }
+
+    fn cpu_fwd(
+        &self,
+        qs: &CpuStorage,
+        ql: &Layout,
+        ks: &CpuStorage,
+        kl: &Layout,
+        vs: &CpuStorage,
+        vl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.err.park((|| {
+            let (hq, d, dv) = (self.dims.hq(), self.dims.d(), self.dims.dv());
+            let q = contiguous("q", f32s("q", qs)?, ql)?;
+            let (k, v) = (pool("k", ks, kl, d)?, pool("v", vs, vl, dv)?);
+            let seqs: Vec<fp8nsa_cpu::nsa::PagedSeq<'_>> = self
+                .pages
+                .iter()
+                .zip(&self.lens)
+                .map(|(p, &len)| fp8nsa_cpu::nsa::PagedSeq { pages: p, len })
+                .collect();
+            let b = seqs.len();
+            let mut o = vec![0f32; b * hq * dv];
+            fp8nsa_cpu::nsa::decode_attention_paged(
+                q,
+                k,
+                v,
+                self.dims,
+                self.page_size,
+                &seqs,
+                self.scale,
+                &mut o,
+            )?;
+            Ok((CpuStorage::F32(o), Shape::from((b, hq, dv))))
+        })())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

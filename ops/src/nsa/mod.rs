@@ -38,7 +38,7 @@ pub use attention::{
 };
 pub use compress::{Compressor, MlpCompressor};
 pub use config::{CompressorKind, NsaConfig};
-pub use decode::decode_attention;
+pub use decode::{decode_attention, decode_attention_paged};
 pub use layer::{AttnDims, Gates, NativeSparseAttention, NsaDims, NsaOutput};
 pub use paged::{
     NsaCache, NsaPages, NsaPool, NsaSeqState, PageAllocator, PagePool, SharedAllocator,

@@ -88,12 +88,13 @@ impl ApiError {
         }
     }
 
+    /// 400 naming `param`, in the message too (clients often show only the message).
     fn bad(param: &'static str, message: impl Into<String>) -> Self {
         Self::new(
             StatusCode::BAD_REQUEST,
             "invalid_request_error",
             Some(param),
-            message,
+            format!("{param}: {}", message.into()),
         )
     }
 }
