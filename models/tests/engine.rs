@@ -9,13 +9,12 @@ use fp8nsa_models::*;
 use rand::Rng;
 
 fn model() -> Llama {
+    model_with(ModelOptions::default())
+}
+
+fn model_with(opts: ModelOptions) -> Llama {
     let cfg = LlamaConfig::tiny();
-    Llama::new(
-        &cfg,
-        &Weights::random(&cfg, 5).unwrap(),
-        &ModelOptions::default(),
-    )
-    .unwrap()
+    Llama::new(&cfg, &Weights::random(&cfg, 5).unwrap(), &opts).unwrap()
 }
 
 fn alone(model: &Llama, req: &Request) -> Vec<u32> {
@@ -100,11 +99,34 @@ fn requests(n: usize, seed: &str) -> Vec<(u64, Request)> {
 
 #[test]
 fn every_request_gets_what_it_gets_alone() {
-    let model = model();
+    check_alone(model(), &[(256, 512), (8, 64), (64, 7)]);
+}
+
+/// The NSA variant: each layer's paged NSA state per sequence, dropped on preemption.
+#[test]
+fn nsa_requests_get_what_they_get_alone() {
+    let nsa = fp8nsa_ops::nsa::NsaConfig {
+        compress_block: 16,
+        compress_stride: 8,
+        select_block: 16,
+        num_selected: 4,
+        window: 16,
+        ..Default::default()
+    };
+    check_alone(
+        model_with(ModelOptions {
+            attention: AttentionKind::Nsa(nsa),
+            ..ModelOptions::default()
+        }),
+        &[(8, 64)],
+    );
+}
+
+fn check_alone(model: Llama, configs: &[(usize, usize)]) {
     let reqs = requests(12, "engine_alone");
     // a roomy pool, then one so tight that sequences are preempted and recomputed, then a
     // step budget of a few tokens (long prompts prefill over many steps)
-    for (pages, budget) in [(256, 512), (8, 64), (64, 7)] {
+    for &(pages, budget) in configs {
         let mut engine = Engine::new(
             model.clone(),
             EngineConfig {

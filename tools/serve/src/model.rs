@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum LinearArg {
     /// fp8 e4m3 W8A8: 128x128 weight blocks, 1x128 activation groups (fp8 checkpoints keep
-    /// their own blocks).
+    /// their own blocks), the output head included.
     Fp8,
     /// f32 weights as loaded.
     Dense,
@@ -75,6 +75,9 @@ impl Served {
                 AttentionArg::Dense => AttentionKind::Dense,
                 AttentionArg::Nsa => AttentionKind::Nsa(eval::demo_nsa()),
             },
+            // the head is the largest matrix of a small model (SmolLM2: 49152 x 576, 113 MB in
+            // f32, read once per step), and 8-bit peers quantize it too (llama.cpp's Q8_0)
+            fp8_lm_head: linear == LinearArg::Fp8,
             ..ModelOptions::default()
         };
         let (model, tokenizer, name, template) = match (gguf, hf) {

@@ -49,6 +49,9 @@ pub(crate) fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: Arc<Metrics>) 
         if engine.has_work() {
             match std::panic::catch_unwind(AssertUnwindSafe(|| engine.step())) {
                 Ok(events) => {
+                    // the stats first: a client that reads /metrics after its answer came sees
+                    // its sequence gone
+                    metrics.publish(engine.stats());
                     for e in events {
                         dispatch(&mut engine, &mut subs, &metrics, e);
                     }

@@ -441,7 +441,7 @@ async fn a_full_queue_is_429_and_shutdown_finishes_in_flight() {
         json!({"prompt": "Count with me", "max_tokens": n, "temperature": 0,
                "ignore_eos": true, "stream": true})
     };
-    let mut first = c.post(&cmp).json(&body(60)).send().await.unwrap();
+    let mut first = c.post(&cmp).json(&body(150)).send().await.unwrap();
     assert!(
         first.chunk().await.unwrap().is_some(),
         "the first is running"
