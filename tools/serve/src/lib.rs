@@ -66,6 +66,8 @@ impl Default for ServerConfig {
 /// A started server.
 pub struct Running {
     addr: SocketAddr,
+    /// To stop the engine once the HTTP side is done (requests still in it then fail).
+    cmds: Option<std::sync::mpsc::Sender<worker::Cmd>>,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<Result<()>>,
     engine: Option<std::thread::JoinHandle<()>>,
@@ -102,8 +104,12 @@ impl Running {
                 msg: format!("the server task ended abnormally: {e}"),
             }),
         };
+        if let Some(c) = self.cmds.take() {
+            // connections cut after the grace period may still hold the command channel: stop
+            // the engine explicitly (a no-op when every request finished)
+            let _ = c.send(worker::Cmd::Stop);
+        }
         if let Some(h) = self.engine.take() {
-            // the engine thread ends once its command channel is closed and it is idle
             let _ = tokio::task::spawn_blocking(move || h.join()).await;
         }
         r
@@ -129,6 +135,7 @@ pub async fn start(served: Served, cfg: ServerConfig) -> Result<Running> {
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
+    let stop_cmds = ctx.clone();
     let state = Arc::new(api::AppState {
         cmds: Mutex::new(ctx),
         tokenizer: served.tokenizer,
@@ -197,6 +204,7 @@ pub async fn start(served: Served, cfg: ServerConfig) -> Result<Running> {
     );
     Ok(Running {
         addr,
+        cmds: Some(stop_cmds),
         stop: Some(stop_tx),
         task,
         engine: Some(engine_thread),

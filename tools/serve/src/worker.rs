@@ -21,6 +21,9 @@ pub(crate) enum Cmd {
         reply: oneshot::Sender<fp8nsa::models::Result<()>>,
     },
     Cancel(u64),
+    /// Shutdown past its grace period: every request still in the engine fails, the thread
+    /// ends.
+    Stop,
 }
 
 pub(crate) fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: Arc<Metrics>) {
@@ -34,12 +37,13 @@ pub(crate) fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: Arc<Metrics>) 
                 return;
             }
             match rx.recv() {
+                Ok(Cmd::Stop) | Err(_) => return stop(&mut engine, &mut subs, &metrics),
                 Ok(cmd) => handle(&mut engine, &mut subs, &metrics, cmd),
-                Err(_) => return,
             }
         }
         while open {
             match rx.try_recv() {
+                Ok(Cmd::Stop) => return stop(&mut engine, &mut subs, &metrics),
                 Ok(cmd) => handle(&mut engine, &mut subs, &metrics, cmd),
                 Err(TryRecvError::Empty) => break,
                 // the server is gone: finish what is running (its tasks may still listen)
@@ -74,6 +78,22 @@ pub(crate) fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: Arc<Metrics>) 
     }
 }
 
+/// Fails every request still in the engine (their sequences and pages dropped).
+fn stop(
+    engine: &mut Engine,
+    subs: &mut HashMap<u64, mpsc::UnboundedSender<Event>>,
+    metrics: &Metrics,
+) {
+    for (id, tx) in subs.drain() {
+        engine.cancel(id);
+        let _ = tx.send(Event::Failed {
+            id,
+            error: "the server is shutting down".into(),
+        });
+    }
+    metrics.publish(engine.stats());
+}
+
 fn handle(
     engine: &mut Engine,
     subs: &mut HashMap<u64, mpsc::UnboundedSender<Event>>,
@@ -105,6 +125,8 @@ fn handle(
             engine.cancel(id);
             subs.remove(&id);
         }
+        // taken by `run` before it gets here
+        Cmd::Stop => {}
     }
     metrics.publish(engine.stats());
 }

@@ -479,3 +479,39 @@ async fn a_full_queue_is_429_and_shutdown_finishes_in_flight() {
     assert!(rest.await.unwrap().trim_end().ends_with("data: [DONE]"));
     assert!(second.await.unwrap().trim_end().ends_with("data: [DONE]"));
 }
+
+/// A request still running when the shutdown grace period ends is failed, not waited for: the
+/// shutdown returns soon after the grace, and the stream ends with an error and [DONE].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_cuts_what_outlasts_the_grace_period() {
+    let Some(s) = served(LinearArg::Fp8) else {
+        return;
+    };
+    let cfg = ServerConfig {
+        port: 0,
+        engine: small_engine(),
+        shutdown_grace: Duration::from_secs(1),
+        ..ServerConfig::default()
+    };
+    let server = fp8nsa_serve::start(s, cfg).await.unwrap();
+    let base = format!("http://{}", server.addr());
+    let c = reqwest::Client::new();
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0,
+                      "ignore_eos": true, "stream": true});
+    let mut r = c
+        .post(format!("{base}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert!(r.chunk().await.unwrap().is_some());
+    let t = Instant::now();
+    server.shutdown().await.unwrap();
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+    let mut rest = String::new();
+    while let Ok(Some(b)) = r.chunk().await {
+        rest.push_str(&String::from_utf8_lossy(&b));
+    }
+    assert!(rest.contains("shutting down"), "{rest}");
+    assert!(rest.trim_end().ends_with("data: [DONE]"), "{rest}");
+}
