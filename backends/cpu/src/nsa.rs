@@ -515,30 +515,59 @@ pub fn decode_attention(
     }
     let g = hq / hkv;
     out.par_chunks_mut(dv).enumerate().for_each(|(h, o)| {
-        let kvh = h / g;
-        let qh: Vec<f32> = q[h * d..(h + 1) * d].iter().map(|x| x * scale).collect();
-        let (kb, vb) = (
-            &k.data[kvh * k.head_stride..],
-            &v.data[kvh * v.head_stride..],
-        );
+        let head = HeadRows {
+            q: &q[h * d..(h + 1) * d],
+            k: k.head(h / g),
+            v: v.head(h / g),
+            d,
+            dv,
+        };
+        head.attend([(0, len)], scale, o);
+    });
+    Ok(())
+}
+
+impl<'a> HeadMajor<'a> {
+    /// Kv head `h`'s rows onward.
+    fn head(&self, h: usize) -> &'a [f32] {
+        &self.data[h * self.head_stride..]
+    }
+}
+
+/// One query head of a decode step and its kv head's rows (`k` / `v` from row 0 of that head).
+struct HeadRows<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    d: usize,
+    dv: usize,
+}
+
+impl HeadRows<'_> {
+    /// `o = softmax(scale · q kᵀ) v` over the rows of `runs` (`(first row, rows)`, in order),
+    /// each folded CHUNK rows at a time by the online softmax of the selection kernel.
+    fn attend(&self, runs: impl IntoIterator<Item = (usize, usize)>, scale: f32, o: &mut [f32]) {
+        let (d, dv) = (self.d, self.dv);
+        let qh: Vec<f32> = self.q.iter().map(|x| x * scale).collect();
         let mut st = Softmax {
             m: vec![f32::NEG_INFINITY],
             l: vec![0.0],
             acc: vec![0.0; dv],
         };
         let mut scores = [0f32; CHUNK];
-        for c0 in (0..len).step_by(CHUNK) {
-            let c1 = (c0 + CHUNK).min(len);
-            let (kc, vc) = (&kb[c0 * d..c1 * d], &vb[c0 * dv..c1 * dv]);
-            fold_chunk(&qh, kc, vc, d, dv, &mut st, &mut scores);
+        for (r0, n) in runs {
+            for c0 in (0..n).step_by(CHUNK) {
+                let (a, b) = (r0 + c0, r0 + (c0 + CHUNK).min(n));
+                let (kc, vc) = (&self.k[a * d..b * d], &self.v[a * dv..b * dv]);
+                fold_chunk(&qh, kc, vc, d, dv, &mut st, &mut scores);
+            }
         }
         // l is 0 only without keys (zeros, as in the selection kernel); a NaN l stays NaN
         let inv = if st.l[0] != 0.0 { 1.0 / st.l[0] } else { 0.0 };
         for (o, a) in o.iter_mut().zip(&st.acc) {
             *o = a * inv;
         }
-    });
-    Ok(())
+    }
 }
 
 /// One sequence of [`decode_attention_paged`]: its pages in order and how many rows they hold.
@@ -635,34 +664,19 @@ pub fn decode_attention_paged(
     let g = hq / hkv;
     out.par_chunks_mut(dv).enumerate().for_each(|(i, o)| {
         let (s, h) = (&seqs[i / hq], i % hq);
-        let kvh = h / g;
-        let qh: Vec<f32> = q[i * d..(i + 1) * d].iter().map(|x| x * scale).collect();
-        let (kb, vb) = (
-            &k.data[kvh * k.head_stride..],
-            &v.data[kvh * v.head_stride..],
-        );
-        let mut st = Softmax {
-            m: vec![f32::NEG_INFINITY],
-            l: vec![0.0],
-            acc: vec![0.0; dv],
+        let head = HeadRows {
+            q: &q[i * d..(i + 1) * d],
+            k: k.head(h / g),
+            v: v.head(h / g),
+            d,
+            dv,
         };
-        let mut scores = [0f32; CHUNK];
-        for (pi, &page) in s.pages[..s.len.div_ceil(page_size)].iter().enumerate() {
-            let n = page_size.min(s.len - pi * page_size);
-            let r0 = page * page_size;
-            for c0 in (0..n).step_by(CHUNK) {
-                let c1 = (c0 + CHUNK).min(n);
-                let (kc, vc) = (
-                    &kb[(r0 + c0) * d..(r0 + c1) * d],
-                    &vb[(r0 + c0) * dv..(r0 + c1) * dv],
-                );
-                fold_chunk(&qh, kc, vc, d, dv, &mut st, &mut scores);
-            }
-        }
-        let inv = if st.l[0] != 0.0 { 1.0 / st.l[0] } else { 0.0 };
-        for (o, a) in o.iter_mut().zip(&st.acc) {
-            *o = a * inv;
-        }
+        let pages = &s.pages[..s.len.div_ceil(page_size)];
+        let runs = pages
+            .iter()
+            .enumerate()
+            .map(|(pi, &page)| (page * page_size, page_size.min(s.len - pi * page_size)));
+        head.attend(runs, scale, o);
     });
     Ok(())
 }
