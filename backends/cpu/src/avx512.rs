@@ -98,7 +98,8 @@ pub(crate) unsafe fn decode_scaled(src: &[u8], scale: f32, dst: &mut [f32]) {
 
 /// `Σ_kb scale_r[kb] · Σ_{k in kb} x[k] · decode(w_r[k])` for four weight rows over the same
 /// `x`, K-blocks of `bk` codes: the AVX-512 form of `x86::dot4_blocks`, with the same contract
-/// (NaN rows give NaN when `CHECK_NAN`; without it the caller guarantees NaN-free rows).
+/// (NaN rows give NaN when `CHECK_NAN`; without it the caller guarantees NaN-free rows), and
+/// the same prefetch stream from `ahead` (128 bytes per 32 codes).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F / BW / VL, AVX2, FMA and F16C.
@@ -109,6 +110,7 @@ pub(crate) unsafe fn dot4_blocks<const CHECK_NAN: bool>(
     w: [&[u8]; 4],
     bk: usize,
     scales: [&[f32]; 4],
+    ahead: *const u8,
 ) -> [f32; 4] {
     let n = w.iter().fold(x.len(), |n, r| n.min(r.len()));
     let xp = x.as_ptr();
@@ -125,6 +127,8 @@ pub(crate) unsafe fn dot4_blocks<const CHECK_NAN: bool>(
         while i + 32 <= k1 {
             // SAFETY: i + 32 <= k1 <= n <= every length; unaligned loads.
             let (x0, x1) = (_mm512_loadu_ps(xp.add(i)), _mm512_loadu_ps(xp.add(i + 16)));
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(4 * i).cast());
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(4 * i + 64).cast());
             for r in 0..4 {
                 let b = _mm256_loadu_si256(wp[r].add(i).cast());
                 if CHECK_NAN {

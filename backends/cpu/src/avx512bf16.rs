@@ -128,7 +128,8 @@ unsafe fn decode64(c: __m512i, lo_t: [__m512i; 2], hi_t: [__m512i; 2]) -> (__m51
 
 /// `Σ_kb scale_r[kb] · Σ_{k in kb} x[k] · decode(w_r[k])` for four weight rows of `k` codes over
 /// the same activations, given in [`act_layout`] (`xb`, built with the same `bk`). A row with
-/// a NaN code (or NaN activations) gives NaN.
+/// a NaN code (or NaN activations) gives NaN. `ahead` is prefetched as in `x86::dot4_blocks`
+/// (256 bytes per 64 codes).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F / BW / VL / VBMI / BF16. `xb` must hold `k.div_ceil(bk)` blocks
@@ -143,6 +144,7 @@ pub(crate) unsafe fn dot4_blocks(
     k: usize,
     bk: usize,
     scales: [&[f32]; 4],
+    ahead: *const u8,
 ) -> [f32; 4] {
     let bw = block_words(bk);
     let kbs = k.div_ceil(bk);
@@ -160,6 +162,10 @@ pub(crate) unsafe fn dot4_blocks(
             // SAFETY: `i + 64 <= bw`, so both 32-word loads lie in this block of `xb`.
             let (xa, xc) = (load_bh(xp.add(i)), load_bh(xp.add(i + 32)));
             let m = lanes64(len - i);
+            let pf = ahead.wrapping_add(4 * (k0 + i));
+            for j in 0..4 {
+                _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * j).cast());
+            }
             for r in 0..4 {
                 // SAFETY: the mask covers bytes k0 + i .. k0 + min(len, i + 64) <= k of the
                 // row; masked-off bytes are not read and load as the zero code (0.0).
@@ -509,7 +515,7 @@ mod tests {
                 let xb = act_layout(&x, n, bk);
                 let wr = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
                 // SAFETY: the tier was checked above; the buffers have the stated sizes.
-                let got = unsafe { dot4_blocks(&xb, wr, n, bk, scales) };
+                let got = unsafe { dot4_blocks(&xb, wr, n, bk, scales, wr[0].as_ptr()) };
                 for r in 0..4 {
                     let term = |i: usize| {
                         x[i] as f64 * e4m3_to_f32(rows[r][i]) as f64 * sc[r][i / bk] as f64
@@ -527,7 +533,7 @@ mod tests {
                     rows[3][n - 1] = 0x7f;
                     let wr = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
                     // SAFETY: as above.
-                    let got = unsafe { dot4_blocks(&xb, wr, n, bk, scales) };
+                    let got = unsafe { dot4_blocks(&xb, wr, n, bk, scales, wr[0].as_ptr()) };
                     assert!(!got[0].is_nan() && !got[1].is_nan(), "n {n}: {got:?}");
                     assert!(got[2].is_nan() && got[3].is_nan(), "n {n}: {got:?}");
                 }

