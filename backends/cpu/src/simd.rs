@@ -85,5 +85,94 @@ pub(crate) fn dot<A: Arith>(a: &[f32], b: &[f32]) -> f32 {
     for (x, y) in ra.iter().zip(rb) {
         tail = A::mul_add(*x, *y, tail);
     }
-    acc.iter().sum::<f32>() + tail
+    hsum16(acc) + tail
+}
+
+/// The sum of 16 lanes as a tree (8 + 8, 4 + 4, ...), which LLVM turns into a few vector adds
+/// and shuffles; a left-to-right sum is a chain of 16 dependent scalar adds (IEEE order), which
+/// cost more than the dot product itself at attention's head size of 64.
+#[inline(always)]
+pub(crate) fn hsum16(acc: [f32; 16]) -> f32 {
+    let mut h8 = [0f32; 8];
+    for i in 0..8 {
+        h8[i] = acc[i] + acc[i + 8];
+    }
+    let mut h4 = [0f32; 4];
+    for i in 0..4 {
+        h4[i] = h8[i] + h8[i + 4];
+    }
+    (h4[0] + h4[2]) + (h4[1] + h4[3])
+}
+
+/// `e^x` for `x <= 0` (softmax's shifted scores), to within ~2 ulp of the rounded value, as
+/// plain arithmetic that LLVM vectorizes over a slice: `x = n·ln2 + r` (Cody-Waite, two-part
+/// ln2), `e^r` by a degree-7 polynomial on `|r| <= ln2/2`, and `2^n` built in the exponent
+/// bits. Below -87.3 (where `e^x` leaves the normal range) it gives 0; `-inf` gives 0 and NaN
+/// stays NaN. Positive inputs are not this function's domain (they are clamped to 0, i.e. 1).
+#[inline(always)]
+pub(crate) fn exp_nonpos(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // NaN compares false both ways and passes through the clamps unchanged
+    let x = if x > 0.0 { 0.0 } else { x };
+    let under = x < -87.3;
+    let xc = if under { -87.3 } else { x };
+    let n = (xc * LOG2E).round_ties_even();
+    let r = (xc - n * LN2_HI) - n * LN2_LO;
+    // Taylor coefficients 1/k!; on |r| <= 0.347 the degree-7 remainder is below 2^-27
+    let p = 1.0 / 5040.0;
+    let p = p * r + 1.0 / 720.0;
+    let p = p * r + 1.0 / 120.0;
+    let p = p * r + 1.0 / 24.0;
+    let p = p * r + 1.0 / 6.0;
+    let p = p * r + 0.5;
+    let p = p * r + 1.0;
+    let p = p * r + 1.0;
+    // n in [-126, 0]: 2^n is a normal f32
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    if under {
+        0.0
+    } else {
+        p * scale
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `exp_nonpos` against f64 over its whole domain, near the underflow cut and at the
+    /// special values; a few ulp at most.
+    #[test]
+    fn exp_nonpos_matches_f64() {
+        let mut worst = 0f64;
+        let mut x = 0f32;
+        while x > -90.0 {
+            for v in [x, x - 1e-3, x * 0.999_9] {
+                let got = exp_nonpos(v) as f64;
+                let want = (v as f64).exp();
+                if want >= f32::MIN_POSITIVE as f64 && v >= -87.3 {
+                    worst = worst.max((got - want).abs() / want);
+                } else {
+                    assert!(got <= 2.0 * f32::MIN_POSITIVE as f64, "{v}: {got}");
+                }
+            }
+            x -= 0.013_7;
+        }
+        assert!(
+            worst < 3.0 * f32::EPSILON as f64,
+            "worst relative error {worst:e}"
+        );
+        assert_eq!(exp_nonpos(0.0), 1.0);
+        assert_eq!(exp_nonpos(f32::NEG_INFINITY), 0.0);
+        assert!(exp_nonpos(f32::NAN).is_nan());
+        assert_eq!(exp_nonpos(5.0), 1.0); // outside the domain: clamped
+    }
+
+    #[test]
+    fn hsum16_sums() {
+        let v: [f32; 16] = std::array::from_fn(|i| i as f32);
+        assert_eq!(hsum16(v), 120.0);
+    }
 }

@@ -214,6 +214,49 @@ pub(crate) unsafe fn dot_4x3(x: [&[f32]; 4], w: [&[f32]; 3]) -> [[f32; 3]; 4] {
     out
 }
 
+/// `Σ_k x[k] · w_r[k]` for four f32 weight rows over the same `x` (each activation load shared
+/// by the four rows), over the common length, with `ahead` prefetched as one stream of 128
+/// bytes per 8 columns (`ahead + 16·i`: the four rows' bytes of those columns, when the rows
+/// are adjacent). Any `ahead` will do, as a prefetch never faults.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn dot4_f32(x: &[f32], w: [&[f32]; 4], ahead: *const u8) -> [f32; 4] {
+    let n = w.iter().fold(x.len(), |n, r| n.min(r.len()));
+    let xp = x.as_ptr();
+    let wp = w.map(|r| r.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let mut i = 0;
+    while i + 16 <= n {
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(16 * i).cast());
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(16 * i + 64).cast());
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(16 * i + 128).cast());
+        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(16 * i + 192).cast());
+        // SAFETY: i + 16 <= n <= every length; unaligned loads.
+        let (x0, x1) = (_mm256_loadu_ps(xp.add(i)), _mm256_loadu_ps(xp.add(i + 8)));
+        for r in 0..4 {
+            let (w0, w1) = (
+                _mm256_loadu_ps(wp[r].add(i)),
+                _mm256_loadu_ps(wp[r].add(i + 8)),
+            );
+            acc[2 * r] = _mm256_fmadd_ps(x0, w0, acc[2 * r]);
+            acc[2 * r + 1] = _mm256_fmadd_ps(x1, w1, acc[2 * r + 1]);
+        }
+        i += 16;
+    }
+    let mut out = [0f32; 4];
+    for (r, o) in out.iter_mut().enumerate() {
+        let mut tail = 0f32;
+        for j in i..n {
+            tail = x[j].mul_add(w[r][j], tail);
+        }
+        *o = hsum(_mm256_add_ps(acc[2 * r], acc[2 * r + 1])) + tail;
+    }
+    out
+}
+
 /// Checks of the e4m3 kernels against the scalar decoder and f64, shared by this module's tests
 /// and `avx512`'s: each tier's kernel is passed in as a function pointer.
 #[cfg(test)]

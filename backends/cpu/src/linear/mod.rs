@@ -27,8 +27,11 @@ use crate::scratch::with_f32;
 use crate::simd::{dot, simd_dispatch, Arith, Tier};
 use fp8nsa_types::{ActQuant, CpuFp8Kernel, CpuFp8Path, LinearShape};
 
+mod dense;
 mod gemv;
 mod panel;
+
+pub use dense::gemv_f32;
 
 use gemv::{gemv1_rows, gemv_rows, gemv_rows_bf16, gemv_small_rows};
 use panel::{panel_gemm, panel_gemm_bf16};
