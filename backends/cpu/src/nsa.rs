@@ -72,9 +72,36 @@ fn fold_chunk_impl<A: Arith>(
     }
 }
 
-simd_dispatch!(fn fold_chunk => fold_chunk_impl(
+simd_dispatch!(fn fold_chunk_portable => fold_chunk_impl(
     q: &[f32], kc: &[f32], vc: &[f32], d: usize, dv: usize, st: &mut Softmax, scores: &mut [f32]
 ));
+
+/// [`fold_chunk_impl`] by the AVX2 kernel where the CPU has it and both head sizes are
+/// multiples of 8 (the same sums in another order: they agree to rounding); `scores` must hold
+/// `g · CHUNK` values.
+fn fold_chunk(
+    q: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    d: usize,
+    dv: usize,
+    st: &mut Softmax,
+    scores: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if d.is_multiple_of(8)
+        && dv.is_multiple_of(8)
+        && crate::simd::Tier::current() >= crate::simd::Tier::Avx2
+    {
+        let Softmax { m, l, acc } = st;
+        // SAFETY: the AVX2 tier is only detected with AVX2, FMA and F16C present; d and dv are
+        // multiples of 8; a chunk holds at most CHUNK (a multiple of 8) keys, and `scores`
+        // at least that many values.
+        unsafe { crate::x86::fold_chunk8(q, kc, vc, d, dv, m, l, acc, scores) };
+        return;
+    }
+    fold_chunk_portable(q, kc, vc, d, dv, st, scores)
+}
 
 /// One checked call: valid head dims, sequences that tile the query tokens in order with
 /// their keys inside the key total, and the selection's kind. Made once by [`plan`];
@@ -519,11 +546,13 @@ pub fn decode_attention(
         }
     }
     let g = hq / hkv;
-    out.par_chunks_mut(dv).enumerate().for_each(|(h, o)| {
+    // one task per kv head, its G query heads together: the head's keys and values are read
+    // once per step, not once per query head
+    out.par_chunks_mut(g * dv).enumerate().for_each(|(h, o)| {
         let head = HeadRows {
-            q: &q[h * d..(h + 1) * d],
-            k: k.head(h / g),
-            v: v.head(h / g),
+            q: &q[h * g * d..(h + 1) * g * d],
+            k: k.head(h),
+            v: v.head(h),
             d,
             dv,
         };
@@ -539,7 +568,8 @@ impl<'a> HeadMajor<'a> {
     }
 }
 
-/// One query head of a decode step and its kv head's rows (`k` / `v` from row 0 of that head).
+/// The query heads of one kv head at a decode step (`q [g, d]`) and that kv head's rows (`k` /
+/// `v` from row 0 of the head).
 struct HeadRows<'a> {
     q: &'a [f32],
     k: &'a [f32],
@@ -549,17 +579,19 @@ struct HeadRows<'a> {
 }
 
 impl HeadRows<'_> {
-    /// `o = softmax(scale · q kᵀ) v` over the rows of `runs` (`(first row, rows)`, in order),
-    /// each folded CHUNK rows at a time by the online softmax of the selection kernel.
+    /// `o [g, dv] = softmax(scale · q kᵀ) v` over the rows of `runs` (`(first row, rows)`, in
+    /// order), each folded CHUNK rows at a time by the online softmax of the selection kernel,
+    /// all g query heads per chunk.
     fn attend(&self, runs: impl IntoIterator<Item = (usize, usize)>, scale: f32, o: &mut [f32]) {
         let (d, dv) = (self.d, self.dv);
+        let g = self.q.len() / d;
         let qh: Vec<f32> = self.q.iter().map(|x| x * scale).collect();
         let mut st = Softmax {
-            m: vec![f32::NEG_INFINITY],
-            l: vec![0.0],
-            acc: vec![0.0; dv],
+            m: vec![f32::NEG_INFINITY; g],
+            l: vec![0.0; g],
+            acc: vec![0.0; g * dv],
         };
-        let mut scores = [0f32; CHUNK];
+        let mut scores = vec![0f32; g * CHUNK];
         for (r0, n) in runs {
             for c0 in (0..n).step_by(CHUNK) {
                 let (a, b) = (r0 + c0, r0 + (c0 + CHUNK).min(n));
@@ -567,10 +599,16 @@ impl HeadRows<'_> {
                 fold_chunk(&qh, kc, vc, d, dv, &mut st, &mut scores);
             }
         }
-        // l is 0 only without keys (zeros, as in the selection kernel); a NaN l stays NaN
-        let inv = if st.l[0] != 0.0 { 1.0 / st.l[0] } else { 0.0 };
-        for (o, a) in o.iter_mut().zip(&st.acc) {
-            *o = a * inv;
+        for ((o, a), &l) in o
+            .chunks_exact_mut(dv)
+            .zip(st.acc.chunks_exact(dv))
+            .zip(&st.l)
+        {
+            // l is 0 only without keys (zeros, as in the selection kernel); a NaN l stays NaN
+            let inv = if l != 0.0 { 1.0 / l } else { 0.0 };
+            for (o, a) in o.iter_mut().zip(a) {
+                *o = a * inv;
+            }
         }
     }
 }
@@ -586,7 +624,7 @@ pub struct PagedSeq<'a> {
 /// sit in pages of a shared pool read in place: the pool is head-major (`k.data` holds head
 /// `h`'s rows at `h · head_stride`, row `r` of the pool at `r · d` within it), and row `j` of
 /// sequence `s` is pool row `pages[j / page_size] · page_size + j % page_size`. `q` is
-/// `[B, hq, d]`, `out` `[B, hq, dv]`; one task per sequence and query head. Pages past a
+/// `[B, hq, d]`, `out` `[B, hq, dv]`; one task per sequence and kv head. Pages past a
 /// head's rows, or too few pages for a length, are [`Error::Invalid`].
 ///
 /// ```
@@ -667,12 +705,13 @@ pub fn decode_attention_paged(
         }
     }
     let g = hq / hkv;
-    out.par_chunks_mut(dv).enumerate().for_each(|(i, o)| {
-        let (s, h) = (&seqs[i / hq], i % hq);
+    // one task per sequence and kv head, its G query heads together (as `decode_attention`)
+    out.par_chunks_mut(g * dv).enumerate().for_each(|(i, o)| {
+        let (s, h) = (&seqs[i / hkv], i % hkv);
         let head = HeadRows {
-            q: &q[i * d..(i + 1) * d],
-            k: k.head(h / g),
-            v: v.head(h / g),
+            q: &q[i * g * d..(i + 1) * g * d],
+            k: k.head(h),
+            v: v.head(h),
             d,
             dv,
         };
@@ -689,6 +728,81 @@ pub fn decode_attention_paged(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The AVX2 fold against the portable one over several chunks (online-softmax rescaling
+    /// between them), partial chunks, G = 1 and 3, head sizes 8..128 (d != dv), scores large
+    /// enough that a missing max shift would overflow, and a NaN key poisoning only its head
+    /// group's output.
+    #[test]
+    fn avx2_fold_matches_portable() {
+        if crate::simd::Tier::detected() < crate::simd::Tier::Avx2 {
+            return; // the kernel-level suite (x86::tests) says so, or fails under CI's flag
+        }
+        use fp8nsa_test_support::{gaussian, rng};
+        let mut r = rng("avx2_fold_matches_portable");
+        for (g, d, dv, keys) in [
+            (1usize, 64usize, 64usize, 200usize),
+            (3, 128, 32, 64),
+            (3, 8, 24, 7),
+            (2, 16, 128, 130),
+        ] {
+            for nan in [false, true] {
+                let q: Vec<f32> = gaussian(&mut r, g * d).iter().map(|x| x * 4.0).collect();
+                let mut k = gaussian(&mut r, keys * d);
+                let v = gaussian(&mut r, keys * dv);
+                if nan {
+                    k[d * (keys / 2) + 1] = f32::NAN;
+                }
+                let run = |fast: bool| {
+                    let mut st = Softmax {
+                        m: vec![f32::NEG_INFINITY; g],
+                        l: vec![0.0; g],
+                        acc: vec![0.0; g * dv],
+                    };
+                    let mut scores = vec![0f32; g * CHUNK];
+                    for c0 in (0..keys).step_by(CHUNK) {
+                        let c1 = (c0 + CHUNK).min(keys);
+                        let (kc, vc) = (&k[c0 * d..c1 * d], &v[c0 * dv..c1 * dv]);
+                        if fast {
+                            fold_chunk(&q, kc, vc, d, dv, &mut st, &mut scores);
+                        } else {
+                            fold_chunk_portable(&q, kc, vc, d, dv, &mut st, &mut scores);
+                        }
+                    }
+                    st
+                };
+                let (a, b) = (run(true), run(false));
+                for gi in 0..g {
+                    if nan {
+                        assert!(
+                            a.l[gi].is_nan()
+                                || a.acc[gi * dv..(gi + 1) * dv].iter().any(|x| x.is_nan())
+                        );
+                        continue;
+                    }
+                    let rel = |x: f32, y: f32| (x - y).abs() / y.abs().max(1e-3);
+                    assert!(
+                        rel(a.m[gi], b.m[gi]) < 1e-5,
+                        "g {g} d {d}: max {} vs {}",
+                        a.m[gi],
+                        b.m[gi]
+                    );
+                    assert!(
+                        rel(a.l[gi], b.l[gi]) < 1e-4,
+                        "g {g} d {d}: sum {} vs {}",
+                        a.l[gi],
+                        b.l[gi]
+                    );
+                    for (x, y) in a.acc[gi * dv..(gi + 1) * dv].iter().zip(&b.acc[gi * dv..]) {
+                        assert!(
+                            (x / a.l[gi] - y / b.l[gi]).abs() < 1e-4,
+                            "g {g} d {d} dv {dv}: {x} vs {y}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 
     /// The paged decode kernel equals the contiguous one on the same rows, for page orders that
     /// are not the rows' order, lengths that end mid-page, pages larger than a chunk, and G = 3.

@@ -257,6 +257,174 @@ pub(crate) unsafe fn dot4_f32(x: &[f32], w: [&[f32]; 4], ahead: *const u8) -> [f
     out
 }
 
+/// [`crate::simd::exp_nonpos`] on eight lanes, the same arithmetic in the same order (so the
+/// same values): NaN lanes stay NaN, lanes below -87.3 give 0, positive lanes 1.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn exp_nonpos8(x: __m256) -> __m256 {
+    // NaN lanes: every comparison below is false for them, so they pass through to `r` as NaN
+    let x = _mm256_blendv_ps(
+        x,
+        _mm256_setzero_ps(),
+        _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_setzero_ps()),
+    );
+    let under = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.3));
+    let xc = _mm256_blendv_ps(x, _mm256_set1_ps(-87.3), under);
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        xc,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let r = _mm256_sub_ps(
+        _mm256_sub_ps(xc, _mm256_mul_ps(n, _mm256_set1_ps(0.693_145_75))),
+        _mm256_mul_ps(n, _mm256_set1_ps(1.428_606_8e-6)),
+    );
+    let mut p = _mm256_set1_ps(1.0 / 5040.0);
+    for c in [
+        1.0 / 720.0,
+        1.0 / 120.0,
+        1.0 / 24.0,
+        1.0 / 6.0,
+        0.5,
+        1.0,
+        1.0,
+    ] {
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+    }
+    let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    ));
+    let v = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    _mm256_andnot_ps(under, v)
+}
+
+/// The online-softmax fold of `nsa::fold_chunk` for `d` and `dv` multiples of 8: scores of
+/// eight keys at a time in registers (eight accumulators reduced together), the
+/// exponentials eight lanes at a time, and each 32-wide slice of the output accumulator kept in
+/// registers over all the chunk's keys. `q [g, d]` prescaled, `kc [c, d]`, `vc [c, dv]`,
+/// `m`/`l [g]`, `acc [g, dv]`, `scores` at least `c` (8-padded: `c.next_multiple_of(8)`).
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA; `d` and `dv` multiples of 8; the slices as above.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn fold_chunk8(
+    q: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    d: usize,
+    dv: usize,
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+    scores: &mut [f32],
+) {
+    let c = kc.len() / d;
+    if c == 0 {
+        return;
+    }
+    let g = q.len() / d;
+    assert!(
+        d.is_multiple_of(8)
+            && dv.is_multiple_of(8)
+            && vc.len() >= c * dv
+            && scores.len() >= c.next_multiple_of(8)
+    );
+    assert!(m.len() >= g && l.len() >= g && acc.len() >= g * dv);
+    let (kp, vp, sp) = (kc.as_ptr(), vc.as_ptr(), scores.as_mut_ptr());
+    for gi in 0..g {
+        let qp = q.as_ptr().add(gi * d);
+        let mut run_max = _mm256_set1_ps(f32::NEG_INFINITY);
+        for j0 in (0..c).step_by(8) {
+            // keys past the chunk repeat its last key; their scores are not kept
+            let rows: [usize; 8] = std::array::from_fn(|r| (j0 + r).min(c - 1) * d);
+            let mut a = [_mm256_setzero_ps(); 8];
+            for t in (0..d).step_by(8) {
+                // SAFETY: t + 8 <= d and every row index is below c, inside q and kc.
+                let qv = _mm256_loadu_ps(qp.add(t));
+                for r in 0..8 {
+                    a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp.add(rows[r] + t)), a[r]);
+                }
+            }
+            // eight horizontal sums at once: lane r of the result is key j0 + r's score
+            let t0 = _mm256_hadd_ps(a[0], a[1]);
+            let t1 = _mm256_hadd_ps(a[2], a[3]);
+            let t2 = _mm256_hadd_ps(a[4], a[5]);
+            let t3 = _mm256_hadd_ps(a[6], a[7]);
+            let (u0, u1) = (_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));
+            let s = _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(u0, u1),
+                _mm256_permute2f128_ps::<0x31>(u0, u1),
+            );
+            // -inf comes only from an Inf in a key; as exp(-inf) = 0 it would vanish, so it
+            // becomes NaN (as in the portable fold)
+            let ninf = _mm256_cmp_ps::<_CMP_EQ_OQ>(s, _mm256_set1_ps(f32::NEG_INFINITY));
+            let s = _mm256_blendv_ps(s, _mm256_set1_ps(f32::NAN), ninf);
+            // max ignoring NaN scores: the second operand is returned when either is NaN
+            let live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                _mm256_set1_epi32((c - j0) as i32),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            ));
+            let cand = _mm256_blendv_ps(_mm256_set1_ps(f32::NEG_INFINITY), s, live);
+            run_max = _mm256_max_ps(cand, run_max);
+            // SAFETY: j0 + 8 <= c.next_multiple_of(8) <= scores.len().
+            _mm256_storeu_ps(sp.add(j0), s);
+        }
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), run_max);
+        let mx = lanes.iter().fold(m[gi], |a, &b| a.max(b));
+        let alpha = (m[gi] - mx).exp();
+        let mxv = _mm256_set1_ps(mx);
+        let mut sum = _mm256_setzero_ps();
+        for j0 in (0..c).step_by(8) {
+            let live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                _mm256_set1_epi32((c - j0) as i32),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            ));
+            let e = _mm256_and_ps(
+                exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(sp.add(j0)), mxv)),
+                live,
+            );
+            sum = _mm256_add_ps(sum, e);
+            _mm256_storeu_ps(sp.add(j0), e);
+        }
+        m[gi] = mx;
+        l[gi] = l[gi] * alpha + hsum(sum);
+        let ap = acc.as_mut_ptr().add(gi * dv);
+        let al = _mm256_set1_ps(alpha);
+        // 32 output lanes at a time in four named registers (an array indexed up to a runtime
+        // width was kept on the stack, a store and reload per key), then 8 at a time
+        let mut c0 = 0;
+        while c0 + 32 <= dv {
+            let ld = |i: usize| _mm256_mul_ps(_mm256_loadu_ps(ap.add(c0 + 8 * i)), al);
+            let (mut o0, mut o1, mut o2, mut o3) = (ld(0), ld(1), ld(2), ld(3));
+            for j in 0..c {
+                // SAFETY: j < c keys of dv values each in vc; c0 + 32 <= dv.
+                let p = _mm256_broadcast_ss(&*sp.add(j));
+                let vj = vp.add(j * dv + c0);
+                o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj), o0);
+                o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj.add(8)), o1);
+                o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj.add(16)), o2);
+                o3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj.add(24)), o3);
+            }
+            for (i, o) in [o0, o1, o2, o3].into_iter().enumerate() {
+                _mm256_storeu_ps(ap.add(c0 + 8 * i), o);
+            }
+            c0 += 32;
+        }
+        while c0 < dv {
+            let mut o = _mm256_mul_ps(_mm256_loadu_ps(ap.add(c0)), al);
+            for j in 0..c {
+                // SAFETY: as above, c0 + 8 <= dv (dv is a multiple of 8).
+                let p = _mm256_broadcast_ss(&*sp.add(j));
+                o = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp.add(j * dv + c0)), o);
+            }
+            _mm256_storeu_ps(ap.add(c0), o);
+            c0 += 8;
+        }
+    }
+}
+
 /// Checks of the e4m3 kernels against the scalar decoder and f64, shared by this module's tests
 /// and `avx512`'s: each tier's kernel is passed in as a function pointer.
 #[cfg(test)]
@@ -392,6 +560,41 @@ mod tests {
             "run on an x86-64 CPU from Haswell / Zen on",
         )
         .is_some()
+    }
+
+    /// The eight-lane exponential gives the scalar one's bits, specials included.
+    #[test]
+    fn exp_nonpos8_equals_the_scalar_form() {
+        if !avx2() {
+            return;
+        }
+        let mut xs: Vec<f32> = (0..20000).map(|i| -(i as f32) * 0.004_57).collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            3.0,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -87.2,
+            -87.3,
+            -87.4,
+            -1e30,
+        ]);
+        while !xs.len().is_multiple_of(8) {
+            xs.push(-1.0);
+        }
+        for c in xs.chunks_exact(8) {
+            let mut got = [0f32; 8];
+            // SAFETY: AVX2 + FMA checked above; eight lanes in and out.
+            unsafe { _mm256_storeu_ps(got.as_mut_ptr(), exp_nonpos8(_mm256_loadu_ps(c.as_ptr()))) };
+            for (x, g) in c.iter().zip(got) {
+                let want = crate::simd::exp_nonpos(*x);
+                assert!(
+                    g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                    "{x}: {g} vs {want}"
+                );
+            }
+        }
     }
 
     #[test]
