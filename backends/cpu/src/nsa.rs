@@ -76,9 +76,68 @@ simd_dispatch!(fn fold_chunk_portable => fold_chunk_impl(
     q: &[f32], kc: &[f32], vc: &[f32], d: usize, dv: usize, st: &mut Softmax, scores: &mut [f32]
 ));
 
-/// [`fold_chunk_impl`] by the AVX2 kernel where the CPU has it and both head sizes are
-/// multiples of 8 (the same sums in another order: they agree to rounding); `scores` must hold
-/// `g · CHUNK` values.
+/// Row numbers `0..CHUNK`, the rows of a contiguous chunk.
+const CHUNK_ROWS: [u32; CHUNK] = {
+    let mut r = [0u32; CHUNK];
+    let mut i = 0;
+    while i < CHUNK {
+        r[i] = i as u32;
+        i += 1;
+    }
+    r
+};
+
+/// Whether [`fold_rows`] runs the AVX2 kernel for these head sizes.
+fn fold_fast(d: usize, dv: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if d.is_multiple_of(8)
+        && dv.is_multiple_of(8)
+        && crate::simd::Tier::current() >= crate::simd::Tier::Avx2
+    {
+        return true;
+    }
+    let _ = (d, dv);
+    false
+}
+
+/// [`fold_chunk_impl`] over the key rows `rows` (at most CHUNK, any rows of `k [.., d]` /
+/// `v [.., dv]`): by the AVX2 kernel where `fast` (from [`fold_fast`]), else run by run of
+/// consecutive rows through the portable fold (the same sums in another order: they agree to
+/// rounding). `scores` must hold `g · CHUNK` values.
+#[allow(clippy::too_many_arguments)]
+fn fold_rows(
+    fast: bool,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    rows: &[u32],
+    d: usize,
+    dv: usize,
+    st: &mut Softmax,
+    scores: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if fast {
+        let Softmax { m, l, acc } = st;
+        // SAFETY: `fast` comes from `fold_fast`: the AVX2 tier (only detected with AVX2, FMA
+        // and F16C present) and head sizes that are multiples of 8; the kernel checks the rest.
+        unsafe { crate::x86::fold_chunk8(q, k, v, rows, d, dv, m, l, acc, scores) };
+        return;
+    }
+    let _ = fast;
+    let mut i = 0;
+    while i < rows.len() {
+        let mut j = i + 1;
+        while j < rows.len() && rows[j] == rows[j - 1] + 1 {
+            j += 1;
+        }
+        let (a, b) = (rows[i] as usize, rows[j - 1] as usize + 1);
+        fold_chunk_portable(q, &k[a * d..b * d], &v[a * dv..b * dv], d, dv, st, scores);
+        i = j;
+    }
+}
+
+/// [`fold_rows`] over a contiguous chunk `kc [c, d]` / `vc [c, dv]` (`c <= CHUNK`).
 fn fold_chunk(
     q: &[f32],
     kc: &[f32],
@@ -88,19 +147,18 @@ fn fold_chunk(
     st: &mut Softmax,
     scores: &mut [f32],
 ) {
-    #[cfg(target_arch = "x86_64")]
-    if d.is_multiple_of(8)
-        && dv.is_multiple_of(8)
-        && crate::simd::Tier::current() >= crate::simd::Tier::Avx2
-    {
-        let Softmax { m, l, acc } = st;
-        // SAFETY: the AVX2 tier is only detected with AVX2, FMA and F16C present; d and dv are
-        // multiples of 8; a chunk holds at most CHUNK (a multiple of 8) keys, and `scores`
-        // at least that many values.
-        unsafe { crate::x86::fold_chunk8(q, kc, vc, d, dv, m, l, acc, scores) };
-        return;
-    }
-    fold_chunk_portable(q, kc, vc, d, dv, st, scores)
+    let c = kc.len() / d;
+    fold_rows(
+        fold_fast(d, dv),
+        q,
+        kc,
+        vc,
+        &CHUNK_ROWS[..c],
+        d,
+        dv,
+        st,
+        scores,
+    )
 }
 
 /// One checked call: valid head dims, sequences that tile the query tokens in order with
@@ -580,8 +638,8 @@ struct HeadRows<'a> {
 
 impl HeadRows<'_> {
     /// `o [g, dv] = softmax(scale · q kᵀ) v` over the rows of `runs` (`(first row, rows)`, in
-    /// order), each folded CHUNK rows at a time by the online softmax of the selection kernel,
-    /// all g query heads per chunk.
+    /// order), folded CHUNK rows at a time by the online softmax of the selection kernel, all
+    /// g query heads per chunk; a chunk takes its rows from as many runs (pages) as it needs.
     fn attend(&self, runs: impl IntoIterator<Item = (usize, usize)>, scale: f32, o: &mut [f32]) {
         let (d, dv) = (self.d, self.dv);
         let g = self.q.len() / d;
@@ -592,13 +650,40 @@ impl HeadRows<'_> {
             acc: vec![0.0; g * dv],
         };
         let mut scores = vec![0f32; g * CHUNK];
-        for (r0, n) in runs {
-            for c0 in (0..n).step_by(CHUNK) {
-                let (a, b) = (r0 + c0, r0 + (c0 + CHUNK).min(n));
-                let (kc, vc) = (&self.k[a * d..b * d], &self.v[a * dv..b * dv]);
-                fold_chunk(&qh, kc, vc, d, dv, &mut st, &mut scores);
+        let fast = fold_fast(d, dv);
+        let mut rows = [0u32; CHUNK];
+        let mut n = 0;
+        for (r0, len) in runs {
+            for r in r0..r0 + len {
+                rows[n] = r as u32;
+                n += 1;
+                if n == CHUNK {
+                    fold_rows(
+                        fast,
+                        &qh,
+                        self.k,
+                        self.v,
+                        &rows,
+                        d,
+                        dv,
+                        &mut st,
+                        &mut scores,
+                    );
+                    n = 0;
+                }
             }
         }
+        fold_rows(
+            fast,
+            &qh,
+            self.k,
+            self.v,
+            &rows[..n],
+            d,
+            dv,
+            &mut st,
+            &mut scores,
+        );
         for ((o, a), &l) in o
             .chunks_exact_mut(dv)
             .zip(st.acc.chunks_exact(dv))

@@ -92,6 +92,36 @@ pub(crate) unsafe fn decode_scaled(src: &[u8], scale: f32, dst: &mut [f32]) {
     }
 }
 
+/// [`decode_scaled`] for codes known to hold no NaN (`0x7f` / `0xff`; a weight checked once,
+/// as `LinearPlan::assume_nan_free` says), without the NaN scan and with one multiply: the
+/// decoded `v · 2^-8` times `scale · 2^8` is `v · scale` rounded once, the same bits as the two
+/// multiplies (both factors are exact), unless `scale · 2^8` overflows, where it takes the two.
+/// A NaN code gives a finite wrong value here.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn decode_scaled_nan_free(src: &[u8], scale: f32, dst: &mut [f32]) {
+    let s256 = scale * DECODE_SHIFT;
+    if !s256.is_finite() {
+        return decode_scaled(src, scale, dst);
+    }
+    let n = src.len().min(dst.len());
+    let s = _mm256_set1_ps(s256);
+    let (sp, dp) = (src.as_ptr(), dst.as_mut_ptr());
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: i + 16 <= n <= both lengths; unaligned loads and stores.
+        let (lo, hi) = decode16(_mm_loadu_si128(sp.add(i).cast()));
+        _mm256_storeu_ps(dp.add(i), _mm256_mul_ps(lo, s));
+        _mm256_storeu_ps(dp.add(i + 8), _mm256_mul_ps(hi, s));
+        i += 16;
+    }
+    for j in i..n {
+        dst[j] = e4m3_to_f32(src[j]) * scale;
+    }
+}
+
 /// `Σ_kb scale_r[kb] · Σ_{k in kb} x[k] · decode(w_r[k])` for four weight rows over the same
 /// `x` (each activation load shared by the four rows), K-blocks of `bk` codes: the per-block
 /// scale is applied to the vector partial sums, so each row is reduced to a scalar once. A row
@@ -298,20 +328,25 @@ unsafe fn exp_nonpos8(x: __m256) -> __m256 {
     _mm256_andnot_ps(under, v)
 }
 
-/// The online-softmax fold of `nsa::fold_chunk` for `d` and `dv` multiples of 8: scores of
+/// The online-softmax fold of `nsa::fold_chunk` for `d` and `dv` multiples of 8, over the
+/// key rows `rows` of `k [.., d]` / `v [.., dv]` (any rows, in the order given: a chunk may
+/// span pages): scores of
 /// eight keys at a time in registers (eight accumulators reduced together), the
 /// exponentials eight lanes at a time, and each 32-wide slice of the output accumulator kept in
-/// registers over all the chunk's keys. `q [g, d]` prescaled, `kc [c, d]`, `vc [c, dv]`,
-/// `m`/`l [g]`, `acc [g, dv]`, `scores` at least `c` (8-padded: `c.next_multiple_of(8)`).
+/// registers over all the chunk's keys. `q [g, d]` prescaled, `c = rows.len()` keys, every
+/// row inside `k` and `v` (checked, panicking), `m`/`l [g]`, `acc [g, dv]`, `scores` at least
+/// `c.next_multiple_of(8)`.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA; `d` and `dv` multiples of 8; the slices as above.
+/// The CPU must have AVX2 and FMA (the sizes are checked).
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
+// `j` indexes the rows and the scores alike
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 pub(crate) unsafe fn fold_chunk8(
     q: &[f32],
-    kc: &[f32],
-    vc: &[f32],
+    k: &[f32],
+    v: &[f32],
+    rows: &[u32],
     d: usize,
     dv: usize,
     m: &mut [f32],
@@ -319,31 +354,29 @@ pub(crate) unsafe fn fold_chunk8(
     acc: &mut [f32],
     scores: &mut [f32],
 ) {
-    let c = kc.len() / d;
+    let c = rows.len();
     if c == 0 {
         return;
     }
     let g = q.len() / d;
-    assert!(
-        d.is_multiple_of(8)
-            && dv.is_multiple_of(8)
-            && vc.len() >= c * dv
-            && scores.len() >= c.next_multiple_of(8)
-    );
+    assert!(d.is_multiple_of(8) && dv.is_multiple_of(8) && scores.len() >= c.next_multiple_of(8));
+    assert!(rows
+        .iter()
+        .all(|&r| (r as usize + 1) * d <= k.len() && (r as usize + 1) * dv <= v.len()));
     assert!(m.len() >= g && l.len() >= g && acc.len() >= g * dv);
-    let (kp, vp, sp) = (kc.as_ptr(), vc.as_ptr(), scores.as_mut_ptr());
+    let (kp, vp, sp) = (k.as_ptr(), v.as_ptr(), scores.as_mut_ptr());
     for gi in 0..g {
         let qp = q.as_ptr().add(gi * d);
         let mut run_max = _mm256_set1_ps(f32::NEG_INFINITY);
         for j0 in (0..c).step_by(8) {
             // keys past the chunk repeat its last key; their scores are not kept
-            let rows: [usize; 8] = std::array::from_fn(|r| (j0 + r).min(c - 1) * d);
+            let krow: [usize; 8] = std::array::from_fn(|r| rows[(j0 + r).min(c - 1)] as usize * d);
             let mut a = [_mm256_setzero_ps(); 8];
             for t in (0..d).step_by(8) {
                 // SAFETY: t + 8 <= d and every row index is below c, inside q and kc.
                 let qv = _mm256_loadu_ps(qp.add(t));
                 for r in 0..8 {
-                    a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp.add(rows[r] + t)), a[r]);
+                    a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp.add(krow[r] + t)), a[r]);
                 }
             }
             // eight horizontal sums at once: lane r of the result is key j0 + r's score
@@ -401,7 +434,7 @@ pub(crate) unsafe fn fold_chunk8(
             for j in 0..c {
                 // SAFETY: j < c keys of dv values each in vc; c0 + 32 <= dv.
                 let p = _mm256_broadcast_ss(&*sp.add(j));
-                let vj = vp.add(j * dv + c0);
+                let vj = vp.add(rows[j] as usize * dv + c0);
                 o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj), o0);
                 o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj.add(8)), o1);
                 o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj.add(16)), o2);
@@ -417,7 +450,7 @@ pub(crate) unsafe fn fold_chunk8(
             for j in 0..c {
                 // SAFETY: as above, c0 + 8 <= dv (dv is a multiple of 8).
                 let p = _mm256_broadcast_ss(&*sp.add(j));
-                o = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp.add(j * dv + c0)), o);
+                o = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp.add(rows[j] as usize * dv + c0)), o);
             }
             _mm256_storeu_ps(ap.add(c0), o);
             c0 += 8;
@@ -602,6 +635,41 @@ mod tests {
         if avx2() {
             // SAFETY: AVX2 + FMA + F16C checked above.
             unsafe { checks::decode_bit_for_bit(decode_scaled) };
+        }
+    }
+
+    /// The NaN-free decode gives the checked decode's bits on every non-NaN code, for scales
+    /// from subnormal to `f32::MAX` (where `scale · 2^8` overflows and it takes two multiplies).
+    #[test]
+    fn nan_free_decode_equals_the_checked_one() {
+        if !avx2() {
+            return;
+        }
+        let codes: Vec<u8> = (0..=255u8)
+            .filter(|c| c & 0x7f != 0x7f)
+            .cycle()
+            .take(600)
+            .collect();
+        for scale in [
+            1.0f32,
+            0.5,
+            3.0e-5,
+            1e-40,
+            7.6e35,
+            1e37,
+            f32::MAX,
+            1e-12 / 448.0,
+        ] {
+            for len in [codes.len(), 16, 5, 0] {
+                let (mut a, mut b) = (vec![0f32; len], vec![0f32; len]);
+                // SAFETY: AVX2 + FMA + F16C checked above.
+                unsafe {
+                    decode_scaled(&codes[..len], scale, &mut a);
+                    decode_scaled_nan_free(&codes[..len], scale, &mut b);
+                }
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&a), bits(&b), "scale {scale:e} len {len}");
+            }
         }
     }
 

@@ -295,6 +295,7 @@ pub(super) fn gemv_small_rows(
     n0: usize,
     yt: &mut [f32],
     buf: &mut [f32],
+    nan_free: bool,
 ) {
     #[cfg(target_arch = "x86_64")]
     {
@@ -307,6 +308,7 @@ pub(super) fn gemv_small_rows(
             n0: usize,
             yt: &mut [f32],
             buf: &mut [f32],
+            nan_free: bool,
         ) {
             let (m, k) = (s.m(), s.k());
             let rows = yt.len() / m;
@@ -314,7 +316,7 @@ pub(super) fn gemv_small_rows(
                 // a short last group repeats its last row rather than branching per row
                 let r = [0, 1, 2].map(|j| (g0 + j).min(rows - 1));
                 for (j, dst) in buf[..3 * k].chunks_exact_mut(k).enumerate() {
-                    dequant_row(w, sw, s, n0 + r[j], dst);
+                    dequant_row(w, sw, s, n0 + r[j], dst, nan_free);
                 }
                 let wr = [&buf[..k], &buf[k..2 * k], &buf[2 * k..3 * k]];
                 for i0 in (0..m).step_by(4) {
@@ -334,11 +336,11 @@ pub(super) fn gemv_small_rows(
         if tier >= Tier::Avx2 {
             // SAFETY: `tier` came from `Tier::current()`, which is never above the detected
             // tier, and the AVX2 tier is only detected with AVX2, FMA and F16C present.
-            return unsafe { run(xd, w, sw, s, n0, yt, buf) };
+            return unsafe { run(xd, w, sw, s, n0, yt, buf, nan_free) };
         }
     }
     // callers take this path only with an AVX2 `tier`, the value passed here
-    let _ = (tier, xd, w, sw, s, n0, yt, buf);
+    let _ = (tier, xd, w, sw, s, n0, yt, buf, nan_free);
     unreachable!("gemv_small_rows runs on the AVX2 tier only")
 }
 
@@ -346,18 +348,29 @@ pub(super) fn gemv_small_rows(
 /// decoder on every tier that has it (the caller's tier).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) fn dequant_row(w: &[u8], sw: &[f32], s: LinearShape, n: usize, dst: &mut [f32]) {
+pub(super) fn dequant_row(
+    w: &[u8],
+    sw: &[f32],
+    s: LinearShape,
+    n: usize,
+    dst: &mut [f32],
+    nan_free: bool,
+) {
     let kbs = s.k_blocks();
     for kb in 0..kbs {
         let (k0, k1) = (kb * s.bk(), (kb * s.bk() + s.bk()).min(s.k()));
+        let (src, scale) = (
+            &w[n * s.k() + k0..n * s.k() + k1],
+            sw[(n / s.bn()) * kbs + kb],
+        );
         // SAFETY: this function is compiled for AVX2 + FMA + F16C, which its caller (compiled
         // for them itself) checked the CPU has.
         unsafe {
-            crate::x86::decode_scaled(
-                &w[n * s.k() + k0..n * s.k() + k1],
-                sw[(n / s.bn()) * kbs + kb],
-                &mut dst[k0..k1],
-            )
+            if nan_free {
+                crate::x86::decode_scaled_nan_free(src, scale, &mut dst[k0..k1])
+            } else {
+                crate::x86::decode_scaled(src, scale, &mut dst[k0..k1])
+            }
         };
     }
 }

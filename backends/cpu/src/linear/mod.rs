@@ -273,7 +273,7 @@ pub(crate) fn gemv_task(
     } else if tier >= Tier::Avx2 && s.m() > 1 {
         // scaled activations (`gemv_wants_scaled_act`; W8A16's are their own values)
         with_f32(3 * s.k(), |buf| {
-            gemv_small_rows(tier, &xq.values, w, sw, s, n0, yt, buf)
+            gemv_small_rows(tier, &xq.values, w, sw, s, n0, yt, buf, nan_free)
         })
     } else if tier >= Tier::Avx2 {
         gemv1_rows(tier, xq, w, sw, s, n0, yt, nan_free)
