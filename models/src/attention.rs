@@ -6,7 +6,7 @@ use fp8nsa_ops::nsa::{
 
 use crate::config::{LlamaConfig, ModelOptions, RopeStyle};
 use crate::error::{invalid, Result};
-use crate::linear::Linear;
+use crate::linear::{forward_all, Linear};
 use crate::paged::{KvPool, LayerKv, SeqInner, SeqKv, Store};
 use crate::weights::Weights;
 
@@ -341,9 +341,10 @@ impl Attention {
         cache: &mut AttnCache,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
-        let q = self.q.forward(x)?.reshape((b, t, self.hq, self.hd))?;
-        let k = self.k.forward(x)?.reshape((b, t, self.hkv, self.hd))?;
-        let v = self.v.forward(x)?.reshape((b, t, self.hkv, self.hd))?;
+        let [q, k, v] = forward_all([&self.q, &self.k, &self.v], x)?;
+        let q = q.reshape((b, t, self.hq, self.hd))?;
+        let k = k.reshape((b, t, self.hkv, self.hd))?;
+        let v = v.reshape((b, t, self.hkv, self.hd))?;
         let (q, k) = match &self.qk_norm {
             Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             None => (q, k),
@@ -394,9 +395,10 @@ impl Attention {
         seqs: &mut [&mut SeqKv],
     ) -> Result<Tensor> {
         let (_, m, _) = x.dims3()?;
-        let q = self.q.forward(x)?.reshape((1, m, self.hq, self.hd))?;
-        let k = self.k.forward(x)?.reshape((1, m, self.hkv, self.hd))?;
-        let v = self.v.forward(x)?.reshape((1, m, self.hkv, self.hd))?;
+        let [q, k, v] = forward_all([&self.q, &self.k, &self.v], x)?;
+        let q = q.reshape((1, m, self.hq, self.hd))?;
+        let k = k.reshape((1, m, self.hkv, self.hd))?;
+        let v = v.reshape((1, m, self.hkv, self.hd))?;
         let (q, k) = match &self.qk_norm {
             Some((qn, kn)) => (qn.forward(&q)?, kn.forward(&k)?),
             None => (q, k),

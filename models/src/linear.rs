@@ -55,3 +55,26 @@ impl Module for Linear {
         }
     }
 }
+
+/// `ls[i].forward(x)` for projections that read the same input (q, k, v; gate, up): when all
+/// are fp8, one fused call (`Fp8Linear::forward_fused`: one activation quantization and one
+/// parallel region on the CPU at decode), with each output the projection's own.
+pub(crate) fn forward_all<const N: usize>(ls: [&Linear; N], x: &Tensor) -> Result<[Tensor; N]> {
+    let fp8: Vec<&Fp8Linear> = ls
+        .iter()
+        .filter_map(|l| match l {
+            Linear::Fp8(f) => Some(f),
+            Linear::Dense(_) => None,
+        })
+        .collect();
+    let outs: Vec<Tensor> = if fp8.len() == N {
+        Fp8Linear::forward_fused(&fp8, x)?
+    } else {
+        ls.iter()
+            .map(|l| l.forward(x))
+            .collect::<candle_core::Result<_>>()?
+    };
+    Ok(outs
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("one output per projection")))
+}

@@ -4,7 +4,7 @@ use candle_nn::{Embedding, RmsNorm};
 use crate::attention::{Attention, AttnCache, Rope};
 use crate::config::{LlamaConfig, ModelOptions};
 use crate::error::{invalid, Result};
-use crate::linear::{Linear, LinearKind};
+use crate::linear::{forward_all, Linear, LinearKind};
 use crate::paged::{KvPool, SeqKv, Store};
 use crate::weights::Weights;
 use fp8nsa_ops::{Fp8BlockWeight, Fp8Experts, Fp8Moe, MoeRouter};
@@ -40,7 +40,8 @@ impl Mlp {
     fn forward(&self, y: &Tensor) -> Result<Tensor> {
         Ok(match self {
             Mlp::Dense { gate, up, down } => {
-                down.forward(&(candle_nn::ops::silu(&gate.forward(y)?)? * up.forward(y)?)?)?
+                let [g, u] = forward_all([gate, up], y)?;
+                down.forward(&(candle_nn::ops::silu(&g)? * u)?)?
             }
             Mlp::Moe(moe) => moe.forward(y)?,
             Mlp::MoeLoop { router, experts } => {

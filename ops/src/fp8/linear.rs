@@ -120,6 +120,11 @@ impl Fp8Linear {
         self.act
     }
 
+    /// The backend this layer's calls run on (`FP8NSA_BACKEND` applied to `Auto`).
+    pub(crate) fn backend_resolved(&self) -> Result<Backend> {
+        self.backend.resolve()
+    }
+
     pub(crate) fn bias_host(&self) -> Option<&[f32]> {
         self.bias_host.as_deref()
     }

@@ -4,6 +4,7 @@ mod comm;
 mod cuda;
 mod experts;
 mod experts_cuda;
+mod fused;
 mod gather;
 mod linear;
 mod moe;

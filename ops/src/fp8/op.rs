@@ -73,31 +73,42 @@ impl<'a> Fp8LinearOp<'a> {
         let w = self.weight;
         let (data, dl) = w.data().storage_and_layout();
         let (scales, sl) = w.scales().storage_and_layout();
-        let (Storage::Cpu(data), Storage::Cpu(scales)) = (&*data, &*scales) else {
-            return Err(invalid("weight", "must be on the CPU for the CPU kernels"));
-        };
-        let codes = fp8_bytes("weight", data, dl)?;
-        let scales = match scales {
-            CpuStorage::F32(v) => {
-                let (a, b) = sl
-                    .contiguous_offsets()
-                    .ok_or_else(|| invalid("scales", "must be contiguous"))?;
-                &v[a..b]
-            }
-            other => {
-                return Err(Error::DType {
-                    arg: "scales",
-                    expected: "f32",
-                    got: other.dtype(),
-                })
-            }
-        };
+        let (codes, scales) = host_weight(&data, dl, &scales, sl)?;
         let mut out = vec![0f32; s.m() * s.n()];
         let nan_free = self.weight.nan_free(&codes);
         plan.assume_nan_free(nan_free)
             .run(&x, &codes, scales, self.bias, &mut out)?;
         Ok(from_f32(out, xs.dtype()))
     }
+}
+
+/// A CPU weight's codes and scales as host slices, from the storages of its two tensors.
+pub(crate) fn host_weight<'g>(
+    data: &'g Storage,
+    dl: &Layout,
+    scales: &'g Storage,
+    sl: &Layout,
+) -> Result<(std::borrow::Cow<'g, [u8]>, &'g [f32])> {
+    let (Storage::Cpu(data), Storage::Cpu(scales)) = (data, scales) else {
+        return Err(invalid("weight", "must be on the CPU for the CPU kernels"));
+    };
+    let codes = fp8_bytes("weight", data, dl)?;
+    let scales = match scales {
+        CpuStorage::F32(v) => {
+            let (a, b) = sl
+                .contiguous_offsets()
+                .ok_or_else(|| invalid("scales", "must be contiguous"))?;
+            &v[a..b]
+        }
+        other => {
+            return Err(Error::DType {
+                arg: "scales",
+                expected: "f32",
+                got: other.dtype(),
+            })
+        }
+    };
+    Ok((codes, scales))
 }
 
 impl CustomOp1 for Fp8LinearOp<'_> {

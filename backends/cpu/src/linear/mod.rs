@@ -197,6 +197,129 @@ impl LinearPlan {
     }
 }
 
+/// One weight of [`run_fused`]: its plan (made by [`plan`], with
+/// [`LinearPlan::assume_nan_free`] as for [`LinearPlan::run`]), codes, scales and bias.
+#[derive(Clone, Copy, Debug)]
+pub struct FusedPart<'a> {
+    pub plan: LinearPlan,
+    pub w: &'a [u8],
+    pub sw: &'a [f32],
+    pub bias: Option<&'a [f32]>,
+}
+
+/// Several linears over the same activations `x [m, k]` (q, k and v; gate and up), each part's
+/// output `out_p [m, n_p]` the bits [`LinearPlan::run`] gives it: where all parts run the GEMV
+/// with one activation scheme and K blocking, `x` is quantized once and the weight rows of all
+/// parts are one parallel region (a decode step's hand-offs between threads, per layer, go from
+/// five to two); otherwise each part runs alone.
+///
+/// ```
+/// use fp8nsa_cpu::linear::{plan, run_fused, FusedPart};
+/// use fp8nsa_types::{ActQuant, LinearShape};
+///
+/// let (wa, wb) = ([0x38u8; 6], [0x40u8; 3]); // e4m3 1.0 as [2, 3], 2.0 as [1, 3]
+/// let pa = plan(LinearShape::new(1, 2, 3, 128, 128)?, ActQuant::Group)?;
+/// let pb = plan(LinearShape::new(1, 1, 3, 128, 128)?, ActQuant::Group)?;
+/// let parts = [
+///     FusedPart { plan: pa, w: &wa, sw: &[1.0], bias: None },
+///     FusedPart { plan: pb, w: &wb, sw: &[0.5], bias: Some(&[1.0]) },
+/// ];
+/// let (mut ya, mut yb) = ([0f32; 2], [0f32; 1]);
+/// run_fused(&[1.0, 2.0, 3.0], &parts, &mut [&mut ya[..], &mut yb[..]])?;
+/// assert_eq!((ya, yb), ([6.0, 6.0], [7.0]));
+/// # Ok::<(), fp8nsa_cpu::Error>(())
+/// ```
+pub fn run_fused(x: &[f32], parts: &[FusedPart<'_>], outs: &mut [&mut [f32]]) -> Result<()> {
+    check_len("outs", outs.len(), parts.len())?;
+    let Some(first) = parts.first() else {
+        return Ok(());
+    };
+    let (s0, act, tier) = (first.plan.shape, first.plan.act, first.plan.tier);
+    let fusable = parts.iter().all(|p| {
+        let s = p.plan.shape;
+        p.plan.kernel == CpuFp8Kernel::Gemv
+            && p.plan.act == act
+            && p.plan.tier == tier
+            && (s.m(), s.k(), s.bk()) == (s0.m(), s0.k(), s0.bk())
+    });
+    if !fusable {
+        for (p, out) in parts.iter().zip(outs.iter_mut()) {
+            p.plan.run(x, p.w, p.sw, p.bias, out)?;
+        }
+        return Ok(());
+    }
+    let (m, k, bk) = (s0.m(), s0.k(), s0.bk());
+    check_len("x", x.len(), m * k)?;
+    for (p, out) in parts.iter().zip(outs.iter()) {
+        let s = p.plan.shape;
+        check_len("weight", p.w.len(), s.n() * s.k())?;
+        check_len("weight scales", p.sw.len(), s.n_blocks() * s.k_blocks())?;
+        check_len("out", out.len(), s.m() * s.n())?;
+        if let Some(b) = p.bias {
+            check_len("bias", b.len(), s.n())?;
+        }
+    }
+    let rows = gemv_task_rows(tier, m);
+    let act_len = if act == ActQuant::None { 0 } else { m * k };
+    // at M = 1 each task writes its part's output directly; above, a transposed `yt [n, m]`
+    // per part is untransposed afterwards (as in `run`)
+    let mut yts: Vec<Vec<f32>> = if m == 1 {
+        Vec::new()
+    } else {
+        parts
+            .iter()
+            .map(|p| vec![0f32; p.plan.shape.n() * m])
+            .collect()
+    };
+    with_f32(act_len, |abuf| -> Result<()> {
+        let deq = gemv_wants_scaled_act(tier, m, act);
+        let xq = quantize_act_in(x, m, k, bk, act, deq, abuf)?;
+        let xb = gemv_bf16_act(tier, &xq, act, s0);
+        let targets: Vec<&mut [f32]> = if m == 1 {
+            outs.iter_mut().map(|o| &mut **o).collect()
+        } else {
+            yts.iter_mut().map(|y| &mut y[..]).collect()
+        };
+        let mut tasks = Vec::new();
+        for (pi, yt) in targets.into_iter().enumerate() {
+            for (c, chunk) in yt.chunks_mut(rows * m).enumerate() {
+                tasks.push((pi, c, chunk));
+            }
+        }
+        tasks.into_par_iter().for_each(|(pi, c, yt)| {
+            let p = &parts[pi];
+            let xa = GemvAct {
+                q: &xq,
+                bf16: xb.as_deref(),
+            };
+            gemv_task(
+                tier,
+                xa,
+                p.w,
+                p.sw,
+                p.plan.shape,
+                c * rows,
+                yt,
+                p.plan.nan_free,
+            );
+        });
+        Ok(())
+    })?;
+    for (pi, (p, out)) in parts.iter().zip(outs.iter_mut()).enumerate() {
+        if m > 1 {
+            untranspose(&yts[pi], m, out);
+        }
+        if let Some(b) = p.bias {
+            for row in out.chunks_mut(p.plan.shape.n()) {
+                for (y, b) in row.iter_mut().zip(b) {
+                    *y += b;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// `out [m, n]` from the GEMV's transposed output `yt [n, m]`.
 pub(crate) fn untranspose(yt: &[f32], m: usize, out: &mut [f32]) {
     let n = out.len() / m;
@@ -308,6 +431,73 @@ pub const BF16_TILE_MIN_M: usize = 10;
 mod tests {
     use super::*;
     use crate::quant::{quantize_act, quantize_weight};
+
+    /// The fused call gives each part the bits of its own call: q/k/v-like parts of different
+    /// N (not multiples of the row blocking), with a bias on one, at M = 1, odd M, the GEMV's
+    /// largest M and past it (where the parts run alone), heterogeneous block scales.
+    #[test]
+    fn fused_parts_equal_separate_calls() {
+        use fp8nsa_test_support::{gaussian, rng};
+        let mut r = rng("fused_parts_equal_separate_calls");
+        let k = 300;
+        let ns = [576usize, 192, 37];
+        let weights: Vec<(Vec<u8>, Vec<f32>)> = ns
+            .iter()
+            .map(|&n| {
+                let w: Vec<f32> = gaussian(&mut r, n * k)
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| v * 10f32.powi(((i / k / 16 + i % k / 128) % 7) as i32 - 3))
+                    .collect();
+                quantize_weight(&w, n, k, 16, 128).unwrap()
+            })
+            .collect();
+        let bias = gaussian(&mut r, ns[1]);
+        for m in [1usize, 3, GEMV_MAX_M, GEMV_MAX_M + 3] {
+            let x = gaussian(&mut r, m * k);
+            for act in [ActQuant::Group, ActQuant::None] {
+                let parts: Vec<FusedPart> = ns
+                    .iter()
+                    .zip(&weights)
+                    .enumerate()
+                    .map(|(i, (&n, (w, sw)))| FusedPart {
+                        plan: plan(LinearShape::new(m, n, k, 16, 128).unwrap(), act)
+                            .unwrap()
+                            .assume_nan_free(true),
+                        w,
+                        sw,
+                        bias: (i == 1).then_some(&bias[..]),
+                    })
+                    .collect();
+                let mut fused: Vec<Vec<f32>> = ns.iter().map(|&n| vec![f32::NAN; m * n]).collect();
+                let mut outs: Vec<&mut [f32]> = fused.iter_mut().map(|v| &mut v[..]).collect();
+                run_fused(&x, &parts, &mut outs).unwrap();
+                for (p, got) in parts.iter().zip(&fused) {
+                    let mut want = vec![0f32; got.len()];
+                    p.plan.run(&x, p.w, p.sw, p.bias, &mut want).unwrap();
+                    assert_eq!(
+                        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "m {m} act {act:?} n {}",
+                        p.plan.shape().n()
+                    );
+                }
+            }
+        }
+        // a wrong output count is an error, not a panic
+        let p = plan(
+            LinearShape::new(1, 37, k, 16, 128).unwrap(),
+            ActQuant::Group,
+        )
+        .unwrap();
+        let part = FusedPart {
+            plan: p,
+            w: &weights[2].0,
+            sw: &weights[2].1,
+            bias: None,
+        };
+        assert!(run_fused(&vec![1.0; k], &[part], &mut []).is_err());
+    }
 
     /// The kernels write through reused scratch buffers and into the caller's `out`: whatever
     /// those held before (NaN here) must not leak into the result.

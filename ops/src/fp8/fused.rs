@@ -1,0 +1,172 @@
+//! Several `Fp8Linear`s over the same input in one call: q, k and v of an attention layer, gate
+//! and up of a SwiGLU MLP (vLLM's `QKVParallelLinear` / `MergedColumnParallelLinear` without
+//! concatenating the weights: each keeps its own blocks and scales, as loaded from the
+//! checkpoint's separate tensors, so each output is exactly what the layer gives alone).
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
+use fp8nsa_cpu::linear::{FusedPart, LinearPlan};
+use fp8nsa_types::LinearShape;
+
+use super::op::host_weight;
+use super::Fp8Linear;
+use crate::backend::Backend;
+use crate::error::{shape_err, Result};
+use crate::storage::{f32_slice, from_f32, ParkedError};
+
+impl Fp8Linear {
+    /// `layers[i].forward(x)` for every layer, as one call where that pays: on the CPU, when
+    /// every layer runs the decode GEMV (at most `GEMV_MAX_M` rows) with the same K blocking
+    /// and activation scheme, `x` is quantized once and all weights' rows are one parallel
+    /// region (`fp8nsa_cpu::linear::run_fused`). Everywhere else (CUDA, PJRT, prefill-sized
+    /// calls, mixed schemes) each layer runs alone. The outputs are the layers' own, bit for bit.
+    ///
+    /// ```
+    /// use candle_core::{Device, Module, Tensor};
+    /// use fp8nsa_ops::{ActQuant, Fp8BlockWeight, Fp8Linear};
+    ///
+    /// let dev = Device::Cpu;
+    /// let layer = |n| -> Result<Fp8Linear, Box<dyn std::error::Error>> {
+    ///     let w = Tensor::randn(0f32, 1.0, (n, 256), &dev)?;
+    ///     Ok(Fp8Linear::new(Fp8BlockWeight::quantize(&w, [128, 128])?, None, ActQuant::Group)?)
+    /// };
+    /// let (q, k) = (layer(576)?, layer(192)?);
+    /// let x = Tensor::randn(0f32, 1.0, (1, 1, 256), &dev)?;
+    /// let out = Fp8Linear::forward_fused(&[&q, &k], &x)?;
+    /// assert_eq!(out[1].dims(), &[1, 1, 192]);
+    /// let alone = k.forward(&x)?;
+    /// assert_eq!((&out[1] - alone)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn forward_fused(layers: &[&Fp8Linear], x: &Tensor) -> Result<Vec<Tensor>> {
+        match fused_plans(layers, x)? {
+            Some(plans) => {
+                let op = FusedOp {
+                    layers,
+                    plans: &plans,
+                    err: ParkedError::new(),
+                };
+                let (m, k) = (plans[0].shape().m(), plans[0].shape().k());
+                let flat = x
+                    .reshape((m, k))?
+                    .contiguous()?
+                    .apply_op1_no_bwd(&op)
+                    .map_err(|e| op.err.or(e))?;
+                let mut off = 0;
+                plans
+                    .iter()
+                    .map(|p| {
+                        let n = p.shape().n();
+                        let mut dims = x.dims().to_vec();
+                        *dims.last_mut().expect("x was checked to have a last dim") = n;
+                        let y = flat.narrow(0, off, m * n)?.reshape(dims)?;
+                        off += m * n;
+                        Ok(y)
+                    })
+                    .collect()
+            }
+            None => layers.iter().map(|l| l.forward_t(x)).collect(),
+        }
+    }
+}
+
+/// The CPU plans of a fused call, or `None` where the layers run one by one.
+fn fused_plans(layers: &[&Fp8Linear], x: &Tensor) -> Result<Option<Vec<LinearPlan>>> {
+    let Some(first) = layers.first() else {
+        return Ok(None);
+    };
+    let k = first.weight().shape()[1];
+    if x.dims().last() != Some(&k) || x.elem_count() == 0 {
+        return Err(shape_err(
+            "x",
+            format!("[.., {k}] with at least one row"),
+            x.dims(),
+        ));
+    }
+    let on_cpu = x.device().is_cpu()
+        && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        && layers.iter().all(|l| l.weight().device().is_cpu());
+    if layers.len() < 2 || !on_cpu {
+        return Ok(None);
+    }
+    for l in layers {
+        if !matches!(l.backend_resolved()?, Backend::Auto | Backend::Cpu) {
+            return Ok(None);
+        }
+    }
+    let m = x.elem_count() / k;
+    let mut plans = Vec::with_capacity(layers.len());
+    for l in layers {
+        let [n, kl] = l.weight().shape();
+        let [bn, bk] = l.weight().block();
+        if kl != k || bk != first.weight().block()[1] || l.act() != first.act() {
+            return Ok(None);
+        }
+        let p = fp8nsa_cpu::linear::plan(LinearShape::new(m, n, k, bn, bk)?, l.act())?;
+        if p.path().kernel != fp8nsa_types::CpuFp8Kernel::Gemv {
+            return Ok(None);
+        }
+        plans.push(p);
+    }
+    Ok(Some(plans))
+}
+
+struct FusedOp<'a> {
+    layers: &'a [&'a Fp8Linear],
+    plans: &'a [LinearPlan],
+    err: ParkedError,
+}
+
+impl CustomOp1 for FusedOp<'_> {
+    fn name(&self) -> &'static str {
+        "fp8nsa-fp8-linear-fused"
+    }
+
+    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.err.park((|| {
+            let x = f32_slice("x", xs, xl)?;
+            let guards: Vec<_> = self
+                .layers
+                .iter()
+                .map(|l| {
+                    (
+                        l.weight().data().storage_and_layout(),
+                        l.weight().scales().storage_and_layout(),
+                    )
+                })
+                .collect();
+            let mut host = Vec::with_capacity(guards.len());
+            for ((data, dl), (scales, sl)) in &guards {
+                host.push(host_weight(data, dl, scales, sl)?);
+            }
+            let parts: Vec<FusedPart> = self
+                .layers
+                .iter()
+                .zip(self.plans)
+                .zip(&host)
+                .map(|((l, p), (codes, scales))| FusedPart {
+                    plan: p.assume_nan_free(l.weight().nan_free(codes)),
+                    w: codes,
+                    sw: scales,
+                    bias: l.bias_host(),
+                })
+                .collect();
+            let sizes: Vec<usize> = self
+                .plans
+                .iter()
+                .map(|p| p.shape().m() * p.shape().n())
+                .collect();
+            let total = sizes.iter().sum();
+            let mut out = vec![0f32; total];
+            let mut outs: Vec<&mut [f32]> = Vec::with_capacity(sizes.len());
+            let mut rest = &mut out[..];
+            for &s in &sizes {
+                let (a, b) = rest.split_at_mut(s);
+                outs.push(a);
+                rest = b;
+            }
+            fp8nsa_cpu::linear::run_fused(&x, &parts, &mut outs)?;
+            Ok((from_f32(out, xs.dtype()), Shape::from(total)))
+        })())
+    }
+}
