@@ -218,8 +218,9 @@ pub struct FusedPart<'a> {
 /// use fp8nsa_types::{ActQuant, LinearShape};
 ///
 /// let (wa, wb) = ([0x38u8; 6], [0x40u8; 3]); // e4m3 1.0 as [2, 3], 2.0 as [1, 3]
-/// let pa = plan(LinearShape::new(1, 2, 3, 128, 128)?, ActQuant::Group)?;
-/// let pb = plan(LinearShape::new(1, 1, 3, 128, 128)?, ActQuant::Group)?;
+/// // W8A16 (f32 activations): exact sums here
+/// let pa = plan(LinearShape::new(1, 2, 3, 128, 128)?, ActQuant::None)?;
+/// let pb = plan(LinearShape::new(1, 1, 3, 128, 128)?, ActQuant::None)?;
 /// let parts = [
 ///     FusedPart { plan: pa, w: &wa, sw: &[1.0], bias: None },
 ///     FusedPart { plan: pb, w: &wb, sw: &[0.5], bias: Some(&[1.0]) },
