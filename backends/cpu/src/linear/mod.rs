@@ -129,12 +129,15 @@ impl LinearPlan {
         out: &mut [f32],
     ) -> Result<()> {
         let (s, act, kernel) = (self.shape, self.act, self.kernel);
-        check_len("x", x.len(), s.m() * s.k())?;
-        check_len("weight", w.len(), s.n() * s.k())?;
-        check_len("weight scales", sw.len(), s.n_blocks() * s.k_blocks())?;
-        check_len("out", out.len(), s.m() * s.n())?;
-        if let Some(b) = bias {
-            check_len("bias", b.len(), s.n())?;
+        let part = FusedPart {
+            plan: *self,
+            w,
+            sw,
+            bias,
+        };
+        part.check(x, out)?;
+        if kernel == CpuFp8Kernel::Gemv {
+            return gemv_parts(x, &[part], &mut [out]);
         }
         let (m, k, bk) = (s.m(), s.k(), s.bk());
         // the activations' quantized copy (none for W8A16) lives in a reused buffer
@@ -143,46 +146,14 @@ impl LinearPlan {
         // call even if a test caps the tier meanwhile
         let tier = self.tier;
         with_f32(act_len, |abuf| -> Result<()> {
-            match kernel {
-                CpuFp8Kernel::Gemv => {
-                    let rows = gemv_task_rows(tier, m);
-                    // each task fills a contiguous run of the transposed output yt [n, m]; at
-                    // M = 1 that is `out` itself
-                    let mut gemv = |yt: &mut [f32]| -> Result<()> {
-                        let deq = gemv_wants_scaled_act(tier, m, act);
-                        let xq = quantize_act_in(x, m, k, bk, act, deq, abuf)?;
-                        let xb = gemv_bf16_act(tier, &xq, act, s);
-                        let nan_free = self.nan_free;
-                        yt.par_chunks_mut(rows * m).enumerate().for_each(|(c, yt)| {
-                            let xq = GemvAct {
-                                q: &xq,
-                                bf16: xb.as_deref(),
-                            };
-                            gemv_task(tier, xq, w, sw, s, c * rows, yt, nan_free)
-                        });
-                        Ok(())
-                    };
-                    if m == 1 {
-                        gemv(out)?;
-                    } else {
-                        with_f32(s.n() * m, |yt| -> Result<()> {
-                            gemv(yt)?;
-                            untranspose(yt, m, out);
-                            Ok(())
-                        })?;
-                    }
-                }
-                CpuFp8Kernel::PanelGemm => {
-                    if uses_bf16(tier, act) {
-                        // from BF16_TILE_MIN_M rows: each weight tile decoded once, all rows
-                        // of a short call in one tile
-                        let xq = quantize_act_in(x, m, k, bk, act, false, abuf)?;
-                        panel_gemm_bf16(tier, &xq, w, sw, s, out);
-                    } else {
-                        let xd = quantize_act_in(x, m, k, bk, act, true, abuf)?;
-                        panel_gemm(&xd.values, w, sw, s, out);
-                    }
-                }
+            if uses_bf16(tier, act) {
+                // from BF16_TILE_MIN_M rows: each weight tile decoded once, all rows of a short
+                // call in one tile
+                let xq = quantize_act_in(x, m, k, bk, act, false, abuf)?;
+                panel_gemm_bf16(tier, &xq, w, sw, s, out);
+            } else {
+                let xd = quantize_act_in(x, m, k, bk, act, true, abuf)?;
+                panel_gemm(&xd.values, w, sw, s, out);
             }
             Ok(())
         })?;
@@ -205,6 +176,21 @@ pub struct FusedPart<'a> {
     pub w: &'a [u8],
     pub sw: &'a [f32],
     pub bias: Option<&'a [f32]>,
+}
+
+impl FusedPart<'_> {
+    /// Every buffer of a call at its plan's size (`Error::Shape` naming the buffer otherwise).
+    fn check(&self, x: &[f32], out: &[f32]) -> Result<()> {
+        let s = self.plan.shape;
+        check_len("x", x.len(), s.m() * s.k())?;
+        check_len("weight", self.w.len(), s.n() * s.k())?;
+        check_len("weight scales", self.sw.len(), s.n_blocks() * s.k_blocks())?;
+        check_len("out", out.len(), s.m() * s.n())?;
+        if let Some(b) = self.bias {
+            check_len("bias", b.len(), s.n())?;
+        }
+        Ok(())
+    }
 }
 
 /// Several linears over the same activations `x [m, k]` (q, k and v; gate and up), each part's
@@ -249,67 +235,87 @@ pub fn run_fused(x: &[f32], parts: &[FusedPart<'_>], outs: &mut [&mut [f32]]) ->
         }
         return Ok(());
     }
-    let (m, k, bk) = (s0.m(), s0.k(), s0.bk());
-    check_len("x", x.len(), m * k)?;
     for (p, out) in parts.iter().zip(outs.iter()) {
-        let s = p.plan.shape;
-        check_len("weight", p.w.len(), s.n() * s.k())?;
-        check_len("weight scales", p.sw.len(), s.n_blocks() * s.k_blocks())?;
-        check_len("out", out.len(), s.m() * s.n())?;
-        if let Some(b) = p.bias {
-            check_len("bias", b.len(), s.n())?;
-        }
+        p.check(x, out)?;
     }
+    gemv_parts(x, parts, outs)
+}
+
+/// The GEMV of `parts` (checked: the same M, K blocking, activation scheme and tier, every
+/// buffer its plan's size) over one quantization of `x` and one parallel region over all
+/// parts' weight rows; [`LinearPlan::run`] is the one-part case.
+fn gemv_parts(x: &[f32], parts: &[FusedPart<'_>], outs: &mut [&mut [f32]]) -> Result<()> {
+    let first = parts[0].plan;
+    let (s0, act, tier) = (first.shape, first.act, first.tier);
+    let (m, k, bk) = (s0.m(), s0.k(), s0.bk());
     let rows = gemv_task_rows(tier, m);
+    // the activations' quantized copy (none for W8A16) lives in a reused buffer
     let act_len = if act == ActQuant::None { 0 } else { m * k };
-    // at M = 1 each task writes its part's output directly; above, a transposed `yt [n, m]`
-    // per part is untransposed afterwards (as in `run`)
-    let mut yts: Vec<Vec<f32>> = if m == 1 {
-        Vec::new()
+    // each task fills a contiguous run of its part's transposed output yt [n, m]: at M = 1 the
+    // part's output itself, above it a slice of one reused buffer, untransposed afterwards
+    let yt_len = if m == 1 {
+        0
     } else {
-        parts
-            .iter()
-            .map(|p| vec![0f32; p.plan.shape.n() * m])
-            .collect()
+        parts.iter().map(|p| p.plan.shape.n() * m).sum()
     };
-    with_f32(act_len, |abuf| -> Result<()> {
-        let deq = gemv_wants_scaled_act(tier, m, act);
-        let xq = quantize_act_in(x, m, k, bk, act, deq, abuf)?;
-        let xb = gemv_bf16_act(tier, &xq, act, s0);
-        let targets: Vec<&mut [f32]> = if m == 1 {
-            outs.iter_mut().map(|o| &mut **o).collect()
-        } else {
-            yts.iter_mut().map(|y| &mut y[..]).collect()
-        };
-        let mut tasks = Vec::new();
-        for (pi, yt) in targets.into_iter().enumerate() {
-            for (c, chunk) in yt.chunks_mut(rows * m).enumerate() {
-                tasks.push((pi, c, chunk));
+    with_f32(act_len, |abuf| {
+        with_f32(yt_len, |ytbuf| -> Result<()> {
+            let deq = gemv_wants_scaled_act(tier, m, act);
+            let xq = quantize_act_in(x, m, k, bk, act, deq, abuf)?;
+            let xb = gemv_bf16_act(tier, &xq, act, s0);
+            {
+                let targets: Vec<&mut [f32]> = if m == 1 {
+                    outs.iter_mut().map(|o| &mut **o).collect()
+                } else {
+                    let mut rest = &mut ytbuf[..];
+                    parts
+                        .iter()
+                        .map(|p| {
+                            let (a, b) =
+                                std::mem::take(&mut rest).split_at_mut(p.plan.shape.n() * m);
+                            rest = b;
+                            a
+                        })
+                        .collect()
+                };
+                targets
+                    .into_par_iter()
+                    .enumerate()
+                    .flat_map(|(pi, yt)| {
+                        yt.par_chunks_mut(rows * m)
+                            .enumerate()
+                            .map(move |(c, yt)| (pi, c, yt))
+                    })
+                    .for_each(|(pi, c, yt)| {
+                        let p = &parts[pi];
+                        let xa = GemvAct {
+                            q: &xq,
+                            bf16: xb.as_deref(),
+                        };
+                        gemv_task(
+                            tier,
+                            xa,
+                            p.w,
+                            p.sw,
+                            p.plan.shape,
+                            c * rows,
+                            yt,
+                            p.plan.nan_free,
+                        );
+                    });
             }
-        }
-        tasks.into_par_iter().for_each(|(pi, c, yt)| {
-            let p = &parts[pi];
-            let xa = GemvAct {
-                q: &xq,
-                bf16: xb.as_deref(),
-            };
-            gemv_task(
-                tier,
-                xa,
-                p.w,
-                p.sw,
-                p.plan.shape,
-                c * rows,
-                yt,
-                p.plan.nan_free,
-            );
-        });
-        Ok(())
+            if m > 1 {
+                let mut rest = &ytbuf[..];
+                for (p, out) in parts.iter().zip(outs.iter_mut()) {
+                    let (a, b) = rest.split_at(p.plan.shape.n() * m);
+                    untranspose(a, m, out);
+                    rest = b;
+                }
+            }
+            Ok(())
+        })
     })?;
-    for (pi, (p, out)) in parts.iter().zip(outs.iter_mut()).enumerate() {
-        if m > 1 {
-            untranspose(&yts[pi], m, out);
-        }
+    for (p, out) in parts.iter().zip(outs.iter_mut()) {
         if let Some(b) = p.bias {
             for row in out.chunks_mut(p.plan.shape.n()) {
                 for (y, b) in row.iter_mut().zip(b) {
