@@ -61,17 +61,34 @@ impl Clone for Rope {
 
 impl Rope {
     pub(crate) fn new(cfg: &LlamaConfig) -> Result<Self> {
-        let hd = cfg.head_dim();
-        let (inv, attn_factor) = cfg.rope_scaling()?.frequencies(cfg.rope_theta, hd);
+        Self::with_dim(
+            &cfg.rope_scaling()?,
+            cfg.rope_theta,
+            cfg.head_dim(),
+            cfg.max_position_embeddings,
+            cfg.rope_style,
+        )
+    }
+
+    /// Tables for rotating `dim` dimensions (even) with base `theta`, `scaling`, up to `max`
+    /// positions, pairing dimensions as `style` says.
+    pub(crate) fn with_dim(
+        scaling: &crate::rope::RopeScaling,
+        theta: f64,
+        dim: usize,
+        max: usize,
+        style: RopeStyle,
+    ) -> Result<Self> {
+        let (inv, attn_factor) = scaling.frequencies(theta, dim);
         let inv: Vec<f32> = inv.iter().map(|&f| f as f32).collect();
-        let inv = Tensor::from_vec(inv, (1, hd / 2), &Device::Cpu)?;
-        let max = cfg.max_position_embeddings.max(1);
+        let inv = Tensor::from_vec(inv, (1, dim / 2), &Device::Cpu)?;
+        let max = max.max(1);
         let tables = Self::build(&inv, attn_factor, ROPE_INITIAL.min(max))?;
         Ok(Self {
             inv,
             attn_factor,
             max,
-            style: cfg.rope_style,
+            style,
             tables: std::sync::RwLock::new(tables),
         })
     }
@@ -113,7 +130,7 @@ impl Rope {
     }
 
     /// Rotates `x [B, T, H, D]` for positions `pos..pos + T`.
-    fn apply(&self, x: &Tensor, pos: usize) -> Result<Tensor> {
+    pub(crate) fn apply(&self, x: &Tensor, pos: usize) -> Result<Tensor> {
         let (cos, sin) = self.rows(pos, x.dims()[1])?;
         self.rotate(x, &cos, &sin)
     }
@@ -164,6 +181,8 @@ enum Impl {
 pub(crate) enum AttnCache {
     Dense(KvBuf),
     Nsa(NsaCache),
+    /// DeepSeek's latent cache.
+    Mla(crate::deepseek::MlaCache),
 }
 
 impl AttnCache {
@@ -171,15 +190,31 @@ impl AttnCache {
         Ok(match self {
             AttnCache::Dense(kv) => AttnCache::Dense(kv.try_clone()?),
             AttnCache::Nsa(c) => AttnCache::Nsa(c.try_clone()?),
+            AttnCache::Mla(c) => AttnCache::Mla(c.try_clone()?),
         })
+    }
+
+    /// Floats kept per token (see [`crate::Cache::floats_per_token`]); 0 before the first
+    /// token.
+    pub(crate) fn floats_per_token(&self) -> Option<usize> {
+        match self {
+            AttnCache::Dense(kv) => Some(kv.kv.as_ref().map_or(0, |(k, v)| {
+                let per = |t: &Tensor| t.dims()[1] * t.dims()[3];
+                per(k) + per(v)
+            })),
+            AttnCache::Mla(c) => Some(c.row_floats()),
+            AttnCache::Nsa(_) => None,
+        }
     }
 
     /// Makes the positions the last step wrote count. The model calls this once the whole step
     /// succeeded, so a failed step leaves every dense layer's cache as it was (the NSA cache
     /// keeps its own state).
     pub(crate) fn commit(&mut self, t: usize) {
-        if let AttnCache::Dense(kv) = self {
-            kv.len += t;
+        match self {
+            AttnCache::Dense(kv) => kv.len += t,
+            AttnCache::Mla(c) => c.commit(t),
+            AttnCache::Nsa(_) => {}
         }
     }
 }

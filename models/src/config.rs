@@ -89,7 +89,9 @@ fn default_act() -> String {
 }
 
 /// An id, a list of ids, or null (none).
-fn one_or_many<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Vec<u32>, D::Error> {
+pub(crate) fn one_or_many<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Vec<u32>, D::Error> {
     #[derive(Deserialize)]
     #[serde(untagged)]
     enum OneOrMany {
@@ -226,7 +228,7 @@ impl LlamaConfig {
 #[derive(Clone, Debug, Default)]
 pub struct ModelOptions {
     /// Kind of the attention and MLP projections. Weights that a checkpoint already stores in
-    /// fp8 are used as fp8 whatever this says.
+    /// fp8 are used as fp8 whatever this says (W8A16 under `Dense`).
     pub linear: LinearKind,
     pub attention: AttentionKind,
     /// Also quantize the output head (off by default, as in fp8 checkpoints).

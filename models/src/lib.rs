@@ -17,6 +17,7 @@
 
 mod attention;
 mod config;
+mod deepseek;
 mod engine;
 mod error;
 pub mod eval;
@@ -33,6 +34,7 @@ mod weights;
 
 pub use attention::AttentionKind;
 pub use config::{LlamaConfig, ModelOptions, MoeConfig, RopeStyle};
+pub use deepseek::{DeepSeekConfig, IndexerDims};
 pub use engine::{Engine, EngineConfig, EngineStats, Event, FinishReason, Request};
 pub use error::{Error, Result};
 pub use generate::{generate, perplexity, Sampling};

@@ -7,7 +7,9 @@ use crate::weights::Weights;
 /// What a projection becomes when the model is built.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum LinearKind {
-    /// `candle_nn::Linear` on the (dequantized) weight.
+    /// `candle_nn::Linear` on the weight as stored; a weight stored in fp8 stays fp8 and runs
+    /// W8A16 (activations not quantized), so nothing is rounded that the checkpoint did not
+    /// round.
     #[default]
     Dense,
     /// `Fp8Linear`: dense weights are quantized on load in `block`s; fp8 checkpoints keep
@@ -24,14 +26,15 @@ pub enum Linear {
 
 impl Linear {
     /// Builds `{name}.weight` (and `{name}.bias` when present) as `kind`. A stored fp8 weight
-    /// (with `{name}.weight_scale_inv`) is loaded as fp8 with its block size.
+    /// (with `{name}.weight_scale_inv`) is loaded as fp8 with its block size, its activations
+    /// quantized as `kind` says (`Dense`: not at all).
     pub fn build(w: &Weights, name: &str, kind: LinearKind, keep_dense: bool) -> Result<Self> {
         let bias = w.get_opt(&format!("{name}.bias"))?;
         if let Some((data, scales, block)) = w.fp8(name)? {
             let weight = Fp8BlockWeight::from_parts(data, scales, block)?;
             let act = match kind {
                 LinearKind::Fp8 { act, .. } => act,
-                LinearKind::Dense => ActQuant::Group,
+                LinearKind::Dense => ActQuant::None,
             };
             return Ok(Linear::Fp8(Fp8Linear::new(weight, bias, act)?));
         }

@@ -3,6 +3,7 @@ use candle_nn::{Embedding, RmsNorm};
 
 use crate::attention::{Attention, AttnCache, Rope};
 use crate::config::{LlamaConfig, ModelOptions};
+use crate::deepseek::{Mla, MlaCache};
 use crate::error::{invalid, Result};
 use crate::linear::{forward_all, Linear, LinearKind};
 use crate::paged::{KvPool, SeqKv, Store};
@@ -10,15 +11,65 @@ use crate::weights::Weights;
 use fp8nsa_ops::{Fp8BlockWeight, Fp8Experts, Fp8Moe, MoeRouter};
 
 #[derive(Clone, Debug)]
-struct Block {
-    ln1: RmsNorm,
-    attn: Attention,
-    ln2: RmsNorm,
-    mlp: Mlp,
+pub(crate) struct Block {
+    pub(crate) ln1: RmsNorm,
+    pub(crate) attn: Mixer,
+    pub(crate) ln2: RmsNorm,
+    pub(crate) mlp: Mlp,
+}
+
+/// A layer's token mixer: grouped-query attention (dense or NSA), or DeepSeek's multi-head
+/// latent attention.
+#[derive(Clone, Debug)]
+pub(crate) enum Mixer {
+    Gqa(Box<Attention>),
+    Mla(Box<Mla>),
+}
+
+impl Mixer {
+    fn forward(
+        &self,
+        x: &Tensor,
+        pos: usize,
+        rope: &Rope,
+        cache: &mut AttnCache,
+    ) -> Result<Tensor> {
+        match (self, cache) {
+            (Mixer::Mla(m), AttnCache::Mla(c)) => m.forward(x, pos, c),
+            (Mixer::Gqa(a), c) => a.forward(x, pos, rope, c),
+            (Mixer::Mla(_), _) => Err(invalid("cache", "built for another attention kind")),
+        }
+    }
+
+    fn new_cache(&self) -> AttnCache {
+        match self {
+            Mixer::Gqa(a) => a.new_cache(),
+            Mixer::Mla(_) => AttnCache::Mla(MlaCache::default()),
+        }
+    }
+
+    fn projections(&self) -> Vec<&Linear> {
+        match self {
+            Mixer::Gqa(a) => a.projections().to_vec(),
+            Mixer::Mla(m) => m.projections(),
+        }
+    }
+
+    fn gqa(&self) -> Result<&Attention> {
+        match self {
+            Mixer::Gqa(a) => Ok(a),
+            // the paged pools hold per-head keys and values; MLA's latent rows are not paged yet
+            Mixer::Mla(_) => Err(invalid(
+                "kv",
+                "paged KV (forward_batch, the serving engine) is not implemented for MLA \
+                 (DeepSeek) models: use forward with a Cache",
+            )),
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
-enum Mlp {
+pub(crate) enum Mlp {
     /// SwiGLU: `down(silu(gate(x)) * up(x))`.
     Dense {
         gate: Linear,
@@ -34,6 +85,8 @@ enum Mlp {
         /// `[gate, up, down]` per expert.
         experts: Vec<[Linear; 3]>,
     },
+    /// DeepSeek's MoE: the routed experts plus shared experts every token runs.
+    Shared { routed: Box<Mlp>, shared: Box<Mlp> },
 }
 
 impl Mlp {
@@ -44,6 +97,7 @@ impl Mlp {
                 down.forward(&(candle_nn::ops::silu(&g)? * u)?)?
             }
             Mlp::Moe(moe) => moe.forward(y)?,
+            Mlp::Shared { routed, shared } => (routed.forward(y)? + shared.forward(y)?)?,
             Mlp::MoeLoop { router, experts } => {
                 let (x2, r) = router.group(y)?;
                 let xp = x2.index_select(&r.rows, 0)?;
@@ -71,6 +125,7 @@ impl Mlp {
                 .filter(|l| matches!(l, Linear::Fp8(_)))
                 .count(),
             Mlp::Moe(moe) => 3 * moe.num_experts(),
+            Mlp::Shared { routed, shared } => routed.fp8_count() + shared.fp8_count(),
             Mlp::MoeLoop { experts, .. } => experts
                 .iter()
                 .flatten()
@@ -118,6 +173,15 @@ fn moe_block(
             Ok([build("gate_proj")?, build("up_proj")?, build("down_proj")?])
         })
         .collect::<Result<Vec<_>>>()?;
+    experts_mlp(
+        MoeRouter::new(router, m.num_experts_per_tok, m.norm_topk_prob)?,
+        experts,
+    )
+}
+
+/// Routed experts (`[gate, up, down]` each) behind `router`: all fp8, the grouped [`Fp8Moe`];
+/// otherwise the per-expert loop.
+pub(crate) fn experts_mlp(router: MoeRouter, experts: Vec<[Linear; 3]>) -> Result<Mlp> {
     let fp8 = |i: usize| -> Option<(Vec<Fp8BlockWeight>, fp8nsa_ops::ActQuant)> {
         let mut act = None;
         let ws = experts
@@ -134,31 +198,59 @@ fn moe_block(
     };
     if let (Some(g), Some(u), Some(d)) = (fp8(0), fp8(1), fp8(2)) {
         let stack = |(ws, act): (Vec<Fp8BlockWeight>, _)| Fp8Experts::new(&ws, act);
-        return Ok(Mlp::Moe(Fp8Moe::new(
+        return Ok(Mlp::Moe(Fp8Moe::with_router(
             router,
             stack(g)?,
             stack(u)?,
             stack(d)?,
-            m.num_experts_per_tok,
-            m.norm_topk_prob,
         )?));
     }
-    Ok(Mlp::MoeLoop {
-        router: MoeRouter::new(router, m.num_experts_per_tok, m.norm_topk_prob)?,
-        experts,
-    })
+    Ok(Mlp::MoeLoop { router, experts })
+}
+
+/// The output head: the checkpoint's `lm_head` or the embeddings as `cfg.tie_word_embeddings`
+/// says, dense unless `opts.fp8_lm_head`.
+pub(crate) fn build_head(
+    cfg: &LlamaConfig,
+    w: &Weights,
+    embed_w: &Tensor,
+    opts: &ModelOptions,
+    keep_dense: &dyn Fn(&str) -> bool,
+) -> Result<Linear> {
+    let head_kind = if opts.fp8_lm_head {
+        opts.linear
+    } else {
+        LinearKind::Dense
+    };
+    // untied: the checkpoint's own head, never the embeddings in its place
+    let has_head = w.contains("lm_head.weight");
+    if cfg.tie_word_embeddings == Some(false) && !has_head {
+        return Err(invalid(
+            "lm_head.weight",
+            "missing: the config says tie_word_embeddings = false, so the checkpoint \
+             needs its own head",
+        ));
+    }
+    if cfg.tie_word_embeddings.unwrap_or(!has_head) {
+        let mut tied =
+            Weights::from_tensors([("lm_head.weight".to_string(), embed_w.clone())].into());
+        tied.fp8_block = w.fp8_block;
+        Linear::build(&tied, "lm_head", head_kind, keep_dense("lm_head"))
+    } else {
+        Linear::build(w, "lm_head", head_kind, keep_dense("lm_head"))
+    }
 }
 
 /// A Llama-family decoder (RMSNorm, RoPE, GQA attention, SwiGLU MLP, tied or untied head) on
 /// the CPU, batch 1, f32 activations.
 #[derive(Clone, Debug)]
 pub struct Llama {
-    cfg: LlamaConfig,
-    embed: Embedding,
-    blocks: Vec<Block>,
-    norm: RmsNorm,
-    lm_head: Linear,
-    rope: Rope,
+    pub(crate) cfg: LlamaConfig,
+    pub(crate) embed: Embedding,
+    pub(crate) blocks: Vec<Block>,
+    pub(crate) norm: RmsNorm,
+    pub(crate) lm_head: Linear,
+    pub(crate) rope: Rope,
 }
 
 /// Decode state of every layer.
@@ -176,6 +268,13 @@ impl Cache {
 
     pub fn is_empty(&self) -> bool {
         self.pos == 0
+    }
+
+    /// Floats the cache keeps per token, summed over layers (keys and values of dense
+    /// attention, the latent row of MLA plus V3.2's index key); `None` for NSA layers, whose
+    /// compressed pages are not per token.
+    pub fn floats_per_token(&self) -> Option<usize> {
+        self.layers.iter().map(AttnCache::floats_per_token).sum()
     }
 
     /// An independent copy (to branch a conversation): the caches are written in place, so a
@@ -237,35 +336,20 @@ impl Llama {
             };
             blocks.push(Block {
                 ln1: norm(&format!("{p}.input_layernorm.weight"))?,
-                attn: Attention::new(cfg, w, &format!("{p}.self_attn"), opts, &keep_dense)?,
+                attn: Mixer::Gqa(Box::new(Attention::new(
+                    cfg,
+                    w,
+                    &format!("{p}.self_attn"),
+                    opts,
+                    &keep_dense,
+                )?)),
                 ln2: norm(&format!("{p}.post_attention_layernorm.weight"))?,
                 mlp,
             });
             on_layer(l + 1, cfg.num_hidden_layers);
         }
         let embed_w = w.get("model.embed_tokens.weight")?;
-        let head_kind = if opts.fp8_lm_head {
-            opts.linear
-        } else {
-            LinearKind::Dense
-        };
-        // untied: the checkpoint's own head, never the embeddings in its place
-        let has_head = w.contains("lm_head.weight");
-        if cfg.tie_word_embeddings == Some(false) && !has_head {
-            return Err(invalid(
-                "lm_head.weight",
-                "missing: the config says tie_word_embeddings = false, so the checkpoint \
-                 needs its own head",
-            ));
-        }
-        let lm_head = if cfg.tie_word_embeddings.unwrap_or(!has_head) {
-            let mut tied =
-                Weights::from_tensors([("lm_head.weight".to_string(), embed_w.clone())].into());
-            tied.fp8_block = w.fp8_block;
-            Linear::build(&tied, "lm_head", head_kind, keep_dense("lm_head"))?
-        } else {
-            Linear::build(w, "lm_head", head_kind, keep_dense("lm_head"))?
-        };
+        let lm_head = build_head(cfg, w, &embed_w, opts, &keep_dense)?;
         Ok(Self {
             cfg: cfg.clone(),
             embed: Embedding::new(embed_w, cfg.hidden_size),
@@ -289,7 +373,7 @@ impl Llama {
                 .blocks
                 .iter()
                 .map(|b| {
-                    b.attn.projections().iter().map(|l| fp8(l)).sum::<usize>() + b.mlp.fp8_count()
+                    b.attn.projections().into_iter().map(fp8).sum::<usize>() + b.mlp.fp8_count()
                 })
                 .sum::<usize>()
     }
@@ -380,7 +464,7 @@ impl Llama {
         let layers = self
             .blocks
             .iter()
-            .map(|b| b.attn.kv_layout())
+            .map(|b| b.attn.gqa()?.kv_layout())
             .collect::<Result<Vec<_>>>()?;
         let device = self.embed.embeddings().device();
         KvPool::new(&layers, pages, page_size, DType::F32, device)
@@ -459,7 +543,11 @@ impl Llama {
             }
         }
         let before: Vec<usize> = batch.iter().map(|s| s.kv.len()).collect();
-        let nsa: Vec<_> = self.blocks.iter().map(|b| b.attn.nsa_config()).collect();
+        let nsa: Vec<_> = self
+            .blocks
+            .iter()
+            .map(|b| Ok(b.attn.gqa()?.nsa_config()))
+            .collect::<Result<_>>()?;
         let roll_back = |batch: &mut [BatchSeq<'_>]| {
             for (s, &len) in batch.iter_mut().zip(&before) {
                 s.kv.roll_back(len, pool, &nsa);
@@ -514,9 +602,14 @@ impl Llama {
         let _span = tracing::debug_span!("fp8nsa::llama_batch", seqs = batch.len(), m).entered();
         let mut seqs: Vec<&mut SeqKv> = batch.iter_mut().map(|s| &mut *s.kv).collect();
         for (l, b) in self.blocks.iter().enumerate() {
-            let h =
-                b.attn
-                    .forward_batch(&b.ln1.forward(&x)?, &segs, &self.rope, l, pool, &mut seqs)?;
+            let h = b.attn.gqa()?.forward_batch(
+                &b.ln1.forward(&x)?,
+                &segs,
+                &self.rope,
+                l,
+                pool,
+                &mut seqs,
+            )?;
             x = (x + h)?;
             let m = b.mlp.forward(&b.ln2.forward(&x)?)?;
             x = (x + m)?;

@@ -12,12 +12,16 @@ use crate::paged::KvPool;
 use crate::weights::Weights;
 
 /// The `model_type`s [`Model::load_hf`] runs.
-pub const SUPPORTED_MODEL_TYPES: [&str; 3] = ["llama", "qwen3", "qwen3_moe"];
+pub const SUPPORTED_MODEL_TYPES: [&str; 5] =
+    ["llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32"];
 
 /// A decoder loaded from a Hugging Face directory (`config.json` + `*.safetensors`, fp8
 /// checkpoints included): Llama 1-3 (RoPE scaling included), Qwen3 (its per-head q/k RMSNorm)
 /// and Qwen3-MoE (MoE layers as [`fp8nsa_ops::Fp8Moe`] over fp8 experts) all run as [`Llama`],
 /// which picks up `q_norm` / `k_norm` and MoE layers where the config and weights have them.
+/// DeepSeek-V3 (`deepseek_v3`) and V3.2 (`deepseek_v32`) run on the same decoder with
+/// multi-head latent attention, sigmoid group-limited MoE and, for V3.2, the DSA indexer
+/// ([`DeepSeekConfig`](crate::DeepSeekConfig)); their multi-token-prediction layer is not read.
 ///
 /// ```no_run
 /// use fp8nsa_models::{Model, ModelOptions};
@@ -61,6 +65,16 @@ impl Model {
                     SUPPORTED_MODEL_TYPES.join(", ")
                 ),
             ));
+        }
+        if model_type.starts_with("deepseek") {
+            let cfg: crate::DeepSeekConfig =
+                serde_json::from_value(raw.clone()).map_err(|e| Error::File {
+                    path: cfg_path.clone(),
+                    msg: e.to_string(),
+                })?;
+            let weights = Weights::open_hf_dir(dir, &raw)?;
+            let inner = crate::deepseek::build(&cfg, &weights, opts, model_type == "deepseek_v32")?;
+            return Ok(Self { model_type, inner });
         }
         let (cfg, weights) = Weights::load_hf_dir(dir)?;
         if model_type.starts_with("qwen3") {

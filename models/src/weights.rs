@@ -284,6 +284,14 @@ impl Weights {
         cfg.validate()?;
         let raw: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| file_err(&cfg_path, e))?;
+        Ok((cfg, Self::open_hf_dir(dir, &raw)?))
+    }
+
+    /// The tensors of a Hugging Face directory whose `config.json` is `raw` (already parsed
+    /// by the caller for its own architecture): the quantization settings and the shards'
+    /// headers, checked; no tensor is read yet.
+    pub(crate) fn open_hf_dir(dir: &Path, raw: &serde_json::Value) -> Result<Self> {
+        let cfg_path = dir.join("config.json");
         let mut w = Self::default();
         if let Some(qc) = raw.get("quantization_config") {
             if let Some(b) = qc["weight_block_size"].as_array() {
@@ -335,7 +343,7 @@ impl Weights {
             }
         }
         w.shards = Some(Arc::new(shards));
-        Ok((cfg, w))
+        Ok(w)
     }
 
     /// A GGUF file of the llama architecture, every tensor dequantized to f32 on load and

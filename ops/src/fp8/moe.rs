@@ -68,6 +68,20 @@ impl Fp8Moe {
         })
     }
 
+    /// [`Self::new`] with a router built apart (e.g. [`MoeRouter::sigmoid_grouped`] for
+    /// DeepSeek-V3), whose expert count and hidden size must match the experts'.
+    pub fn with_router(
+        router: MoeRouter,
+        gate: Fp8Experts,
+        up: Fp8Experts,
+        down: Fp8Experts,
+    ) -> Result<Self> {
+        let (top_k, norm) = (router.top_k, router.norm_topk_prob);
+        let mut moe = Self::new(router.weight.clone(), gate, up, down, top_k, norm)?;
+        moe.router = router;
+        Ok(moe)
+    }
+
     pub fn top_k(&self) -> usize {
         self.router.top_k
     }
@@ -98,9 +112,10 @@ impl Fp8Moe {
     }
 }
 
-/// Token-choice top-k routing (Qwen3-MoE / DeepSeek style): softmax over `router [E, H] . x`,
-/// each token's `top_k` most probable experts, their probabilities as weights (renormalized
-/// over the chosen `top_k` when `norm_topk_prob`). Shared by [`Fp8Moe`] and any other expert
+/// Token-choice top-k routing: by default (Qwen3-MoE) softmax over `router [E, H] . x`, each
+/// token's `top_k` most probable experts, their probabilities as weights (renormalized over the
+/// chosen `top_k` when `norm_topk_prob`); DeepSeek-V3's sigmoid, group-limited choice is
+/// [`MoeRouter::sigmoid_grouped`]. Shared by [`Fp8Moe`] and any other expert
 /// implementation (a dense baseline), so both route identically.
 ///
 /// ```
@@ -121,6 +136,21 @@ pub struct MoeRouter {
     weight: Tensor,
     top_k: usize,
     norm_topk_prob: bool,
+    scoring: Scoring,
+}
+
+/// How a router turns its logits into a choice and weights.
+#[derive(Clone, Debug, PartialEq)]
+enum Scoring {
+    /// Softmax over all experts; the `top_k` most probable.
+    Softmax,
+    /// DeepSeek-V3's `noaux_tc`: see [`MoeRouter::sigmoid_grouped`].
+    SigmoidGrouped {
+        bias: Vec<f32>,
+        n_group: usize,
+        topk_group: usize,
+        scaling: f32,
+    },
 }
 
 /// A batch's rows grouped by expert: what one grouped call per projection takes.
@@ -152,6 +182,13 @@ impl Routing {
     }
 }
 
+/// The `k` entries of `among` with the largest `v`, largest first, ties to the lower index.
+fn best(v: &[f32], mut among: Vec<usize>, k: usize) -> Vec<usize> {
+    among.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
+    among.truncate(k);
+    among
+}
+
 impl MoeRouter {
     /// `weight [E, H]` (any float dtype, any device), `1 <= top_k <= E`.
     pub fn new(weight: Tensor, top_k: usize, norm_topk_prob: bool) -> Result<Self> {
@@ -169,7 +206,90 @@ impl MoeRouter {
             weight: weight.to_device(&Device::Cpu)?.to_dtype(DType::F32)?,
             top_k,
             norm_topk_prob,
+            scoring: Scoring::Softmax,
         })
+    }
+
+    /// DeepSeek-V3's router (`scoring_func: sigmoid`, `topk_method: noaux_tc`): scores
+    /// `sigmoid(router . x)`; the choice adds `bias` (`e_score_correction_bias`, `[E]`) to them,
+    /// splits the experts into `n_group` equal groups, ranks each group by the sum of its two
+    /// best biased scores, keeps the `topk_group` best groups and picks the `top_k` best biased
+    /// scores among their experts (ties to the lower index throughout). The weights are the
+    /// picks' unbiased scores, divided by their sum when `norm_topk_prob`, times
+    /// `routed_scaling_factor`.
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use fp8nsa_ops::MoeRouter;
+    ///
+    /// let dev = Device::Cpu;
+    /// // four experts in two groups; the token's logits are the router's rows
+    /// let router = Tensor::new(&[[1f32], [0.5], [-1.0], [2.0]], &dev)?;
+    /// let bias = Tensor::new(&[0f32, 0.0, 3.0, 0.0], &dev)?;
+    /// let r = MoeRouter::sigmoid_grouped(router, 2, true, bias, 2, 1, 2.5)?;
+    /// let (experts, weights) = r.route(&Tensor::new(&[[1f32]], &dev)?)?;
+    /// // the bias makes group {2, 3} win and expert 2 the first pick; its weight is unbiased
+    /// assert_eq!(experts, [2, 3]);
+    /// let s = |x: f32| 1.0 / (1.0 + (-x).exp());
+    /// assert!((weights[0] - 2.5 * s(-1.0) / (s(-1.0) + s(2.0))).abs() < 1e-6);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn sigmoid_grouped(
+        weight: Tensor,
+        top_k: usize,
+        norm_topk_prob: bool,
+        bias: Tensor,
+        n_group: usize,
+        topk_group: usize,
+        routed_scaling_factor: f32,
+    ) -> Result<Self> {
+        let mut r = Self::new(weight, top_k, norm_topk_prob)?;
+        let e = r.num_experts();
+        if bias.dims() != [e] {
+            return Err(shape_err(
+                "e_score_correction_bias",
+                format!("[{e}]"),
+                bias.dims(),
+            ));
+        }
+        let bias: Vec<f32> = bias.to_dtype(DType::F32)?.to_vec1()?;
+        if bias.iter().any(|b| !b.is_finite()) {
+            return Err(invalid("e_score_correction_bias", "must be finite"));
+        }
+        if n_group == 0 || !e.is_multiple_of(n_group) {
+            return Err(invalid(
+                "n_group",
+                format!("must divide the {e} experts, got {n_group}"),
+            ));
+        }
+        if topk_group == 0 || topk_group > n_group {
+            return Err(invalid(
+                "topk_group",
+                format!("must be in 1..={n_group} (n_group), got {topk_group}"),
+            ));
+        }
+        if top_k > topk_group * (e / n_group) {
+            return Err(invalid(
+                "top_k",
+                format!(
+                    "{top_k} experts cannot come from {topk_group} groups of {}",
+                    e / n_group
+                ),
+            ));
+        }
+        if !(routed_scaling_factor.is_finite() && routed_scaling_factor > 0.0) {
+            return Err(invalid(
+                "routed_scaling_factor",
+                format!("must be finite and > 0, got {routed_scaling_factor}"),
+            ));
+        }
+        r.scoring = Scoring::SigmoidGrouped {
+            bias,
+            n_group,
+            topk_group,
+            scaling: routed_scaling_factor,
+        };
+        Ok(r)
     }
 
     pub fn num_experts(&self) -> usize {
@@ -197,25 +317,63 @@ impl MoeRouter {
             .to_device(&Device::Cpu)?
             .to_dtype(DType::F32)?
             .matmul(&self.weight.t()?)?;
-        let probs = candle_nn::ops::softmax_last_dim(&logits)?;
-        let probs: Vec<Vec<f32>> = probs.to_vec2()?;
         let (mut experts, mut weights) = (Vec::new(), Vec::new());
-        for p in probs {
-            if p.iter().any(|v| v.is_nan()) {
-                return Err(invalid("x", "the router's probabilities are NaN"));
+        match &self.scoring {
+            Scoring::Softmax => {
+                let probs = candle_nn::ops::softmax_last_dim(&logits)?;
+                for p in probs.to_vec2::<f32>()? {
+                    if p.iter().any(|v| v.is_nan()) {
+                        return Err(invalid("x", "the router's probabilities are NaN"));
+                    }
+                    let chosen = best(&p, (0..p.len()).collect(), self.top_k);
+                    let sum: f32 = chosen.iter().map(|&e| p[e]).sum();
+                    for e in chosen {
+                        experts.push(e);
+                        weights.push(if self.norm_topk_prob {
+                            p[e] / sum
+                        } else {
+                            p[e]
+                        });
+                    }
+                }
             }
-            let mut order: Vec<usize> = (0..p.len()).collect();
-            // stable: equal probabilities keep the lower expert first
-            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]));
-            let chosen = &order[..self.top_k];
-            let sum: f32 = chosen.iter().map(|&e| p[e]).sum();
-            for &e in chosen {
-                experts.push(e);
-                weights.push(if self.norm_topk_prob {
-                    p[e] / sum
-                } else {
-                    p[e]
-                });
+            Scoring::SigmoidGrouped {
+                bias,
+                n_group,
+                topk_group,
+                scaling,
+            } => {
+                for l in logits.to_vec2::<f32>()? {
+                    if l.iter().any(|v| v.is_nan()) {
+                        return Err(invalid("x", "the router's scores are NaN"));
+                    }
+                    let score: Vec<f32> = l.iter().map(|&v| 1.0 / (1.0 + (-v).exp())).collect();
+                    let choice: Vec<f32> = score.iter().zip(bias).map(|(s, b)| s + b).collect();
+                    let size = choice.len() / n_group;
+                    let group_score: Vec<f32> = choice
+                        .chunks(size)
+                        .map(|g| {
+                            let top = best(g, (0..g.len()).collect(), 2.min(g.len()));
+                            top.iter().map(|&i| g[i]).sum()
+                        })
+                        .collect();
+                    let groups = best(&group_score, (0..*n_group).collect(), *topk_group);
+                    let candidates: Vec<usize> = groups
+                        .iter()
+                        .flat_map(|&g| g * size..(g + 1) * size)
+                        .collect();
+                    let chosen = best(&choice, candidates, self.top_k);
+                    let sum: f32 = chosen.iter().map(|&e| score[e]).sum();
+                    for e in chosen {
+                        experts.push(e);
+                        let w = if self.norm_topk_prob {
+                            score[e] / (sum + 1e-20)
+                        } else {
+                            score[e]
+                        };
+                        weights.push(w * scaling);
+                    }
+                }
             }
         }
         Ok((experts, weights))
