@@ -137,7 +137,7 @@ impl Rope {
 
     /// Rotates `x [1, M, H, D]` whose rows are runs of positions `segs` (`(pos, len)` per
     /// sequence of a ragged batch).
-    fn apply_segments(&self, x: &Tensor, segs: &[(usize, usize)]) -> Result<Tensor> {
+    pub(crate) fn apply_segments(&self, x: &Tensor, segs: &[(usize, usize)]) -> Result<Tensor> {
         if let [(pos, _)] = segs {
             return self.apply(x, *pos);
         }

@@ -22,10 +22,24 @@ use crate::config::{one_or_many, LlamaConfig, ModelOptions, MoeConfig, RopeStyle
 use crate::error::{invalid, Result};
 use crate::linear::{Linear, LinearKind};
 use crate::llama::{build_head, experts_mlp, Block, Llama, Mixer, Mlp};
+use crate::paged::{KvPool, LayerKv, SeqKv};
 use crate::rope::RopeScaling;
 use crate::weights::Weights;
 
 /// The architecture of a DeepSeek-V3 / V3.2 checkpoint (`config.json` field names).
+///
+/// ```
+/// use fp8nsa_models::{DeepSeekConfig, Llama, ModelOptions};
+///
+/// let cfg = DeepSeekConfig::tiny(); // V3.2-shaped: the indexer keeps 8 keys per query
+/// let model = Llama::deepseek(&cfg, &cfg.random_weights(7)?, &ModelOptions::default())?;
+/// let mut cache = model.new_cache();
+/// let logits = model.forward(&(0..12).collect::<Vec<u32>>(), &mut cache)?;
+/// assert_eq!(logits.dims(), &[12, cfg.vocab_size]);
+/// // per token and layer: the latent row (64 + 16) and the index key (32)
+/// assert_eq!(cache.floats_per_token(), Some(2 * (64 + 16 + 32)));
+/// # Ok::<(), fp8nsa_models::Error>(())
+/// ```
 #[derive(Clone, Debug, PartialEq, Deserialize, serde::Serialize)]
 pub struct DeepSeekConfig {
     pub vocab_size: usize,
@@ -733,9 +747,75 @@ impl Mla {
         v
     }
 
+    /// What this layer keeps per token in a [`KvPool`].
+    pub(crate) fn kv_layout(&self) -> LayerKv {
+        LayerKv::Latent {
+            width: self.rank + self.rope_dim,
+            index: self.indexer.as_ref().map_or(0, |ix| ix.dims.head_dim),
+        }
+    }
+
     /// `x [1, T, hidden]` at positions `pos..pos + T`.
     pub(crate) fn forward(&self, x: &Tensor, pos: usize, cache: &mut MlaCache) -> Result<Tensor> {
         let (_, t, _) = x.dims3()?;
+        let segs = [(pos, t)];
+        let p = self.project(x, &segs)?;
+        let latent = append(&mut cache.latent, cache.len, &p.rows)?; // [pos + T, W]
+        let selection = match (&self.indexer, &p.cq) {
+            (Some(ix), Some(cq)) => {
+                let keys = append(&mut cache.index, cache.len, &ix.keys(x, &segs)?)?;
+                ix.select(x, cq, &keys, pos)?
+            }
+            _ => None,
+        };
+        self.output(&self.attend(&p.qa, &latent, pos, selection)?)
+    }
+
+    /// A ragged batch (`Llama::forward_batch`): `x [1, M, hidden]` holds each sequence's new
+    /// tokens in turn, `segs[i] = (pos, len)`; the projections run once over all M tokens,
+    /// attention per sequence over the rows of its pages in `pool` (layer `layer`).
+    pub(crate) fn forward_batch(
+        &self,
+        x: &Tensor,
+        segs: &[(usize, usize)],
+        layer: usize,
+        pool: &KvPool,
+        seqs: &[&mut SeqKv],
+    ) -> Result<Tensor> {
+        let p = self.project(x, segs)?;
+        let ikeys = match &self.indexer {
+            Some(ix) => Some(ix.keys(x, segs)?),
+            None => None,
+        };
+        let mut outs = Vec::with_capacity(segs.len());
+        let mut off = 0;
+        for (&(pos, t), seq) in segs.iter().zip(seqs) {
+            let rows = p.rows.narrow(0, off, t)?;
+            let ik = match &ikeys {
+                Some(k) => Some(k.narrow(0, off, t)?),
+                None => None,
+            };
+            let (latent, keys) = pool.write_read_latent(layer, seq, pos, &rows, ik.as_ref())?;
+            let selection = match (&self.indexer, &p.cq, &keys) {
+                (Some(ix), Some(cq), Some(keys)) => {
+                    ix.select(&x.narrow(1, off, t)?, &cq.narrow(1, off, t)?, keys, pos)?
+                }
+                _ => None,
+            };
+            outs.push(self.attend(&p.qa.narrow(1, off, t)?, &latent, pos, selection)?);
+            off += t;
+        }
+        let o = match outs.len() {
+            1 => outs.pop().expect("one output"),
+            _ => Tensor::cat(&outs, 1)?,
+        };
+        self.output(&o)
+    }
+
+    /// The step's queries in latent space and cache rows, for `x [1, M, hidden]` whose rows
+    /// are runs of positions `segs`.
+    fn project(&self, x: &Tensor, segs: &[(usize, usize)]) -> Result<Projected> {
+        let (_, m, _) = x.dims3()?;
         let (h, nope, rd, r) = (self.heads, self.nope, self.rope_dim, self.rank);
         let (q, cq) = match &self.q {
             QProj::Lora { a, norm, b } => {
@@ -744,21 +824,16 @@ impl Mla {
             }
             QProj::Direct(p) => (p.forward(x)?, None),
         };
-        let q = q.reshape((1, t, h, nope + rd))?;
+        let q = q.reshape((1, m, h, nope + rd))?;
         let q_pe = self
             .rope
-            .apply(&q.narrow(3, nope, rd)?.contiguous()?, pos)?;
+            .apply_segments(&q.narrow(3, nope, rd)?.contiguous()?, segs)?;
         let kv = self.kv_a.forward(x)?;
         let c = self.kv_norm.forward(&kv.narrow(2, 0, r)?.contiguous()?)?;
-        let k_pe = kv.narrow(2, r, rd)?.contiguous()?.reshape((1, t, 1, rd))?;
-        let k_pe = self.rope.apply(&k_pe, pos)?.reshape((t, rd))?;
-        let rows = Tensor::cat(&[&c.reshape((t, r))?, &k_pe], 1)?;
-        let latent = append(&mut cache.latent, cache.len, &rows)?; // [pos + T, r + rd]
-        let selection = match (&self.indexer, &cq) {
-            (Some(ix), Some(cq)) => ix.select(x, cq, pos, cache)?,
-            _ => None,
-        };
-        // [H, T, nope] . [H, nope, r]: the query in latent space, then its rotated part
+        let k_pe = kv.narrow(2, r, rd)?.contiguous()?.reshape((1, m, 1, rd))?;
+        let k_pe = self.rope.apply_segments(&k_pe, segs)?.reshape((m, rd))?;
+        let rows = Tensor::cat(&[&c.reshape((m, r))?, &k_pe], 1)?;
+        // [H, M, nope] . [H, nope, r]: the query in latent space, then its rotated part
         let qn = q
             .narrow(3, 0, nope)?
             .squeeze(0)?
@@ -766,9 +841,25 @@ impl Mla {
             .contiguous()?;
         let q_lat = qn.matmul(&self.w_uk)?;
         let qp = q_pe.squeeze(0)?.transpose(0, 1)?.contiguous()?;
-        let qa = Tensor::cat(&[&q_lat, &qp], 2)?; // [H, T, r + rd]
-        let o_lat = match selection {
-            None => self.attend_all(&qa, &latent, pos)?,
+        Ok(Projected {
+            qa: Tensor::cat(&[&q_lat, &qp], 2)?,
+            rows,
+            cq,
+        })
+    }
+
+    /// `qa [H, T, W]` at positions `pos..` against `latent [Tk, W]`, every causal key or the
+    /// indexer's `selection`: the attended latents `[H, T, r]`.
+    fn attend(
+        &self,
+        qa: &Tensor,
+        latent: &Tensor,
+        pos: usize,
+        selection: Option<TokenSelection>,
+    ) -> Result<Tensor> {
+        let r = self.rank;
+        match selection {
+            None => self.attend_all(qa, latent, pos),
             Some(sel) => {
                 // the cache row serves as key and as value: the first r outputs are the
                 // weighted latents, the rotated tail is dropped
@@ -779,17 +870,22 @@ impl Mla {
                     .q_offset(pos)
                     .min_len(0)
                     .forward(&q4, &kv4, &kv4, &sel)?;
-                o.narrow(3, 0, r)?
+                Ok(o.narrow(3, 0, r)?
                     .squeeze(0)?
                     .transpose(0, 1)?
-                    .contiguous()?
+                    .contiguous()?)
             }
-        };
-        let o = o_lat.matmul(&self.w_uv)?; // [H, T, v]
+        }
+    }
+
+    /// Each head's value projection of its attended latents `[H, M, r]`, then `o_proj`.
+    fn output(&self, o_lat: &Tensor) -> Result<Tensor> {
+        let (h, m, _) = o_lat.dims3()?;
+        let o = o_lat.matmul(&self.w_uv)?; // [H, M, v]
         let o = o
             .transpose(0, 1)?
             .contiguous()?
-            .reshape((1, t, h * self.v))?;
+            .reshape((1, m, h * self.v))?;
         Ok(self.o.forward(&o)?)
     }
 
@@ -801,8 +897,8 @@ impl Mla {
         if t == 1 && latent.device().is_cpu() {
             // one query: the cache read in place, key and value alike
             let kv = latent.reshape((1, 1, tk, w))?;
-            let o =
-                fp8nsa_ops::nsa::decode_attention(&qa.reshape((1, h, w))?, &kv, &kv, self.scale)?;
+            let q = qa.reshape((1, h, w))?;
+            let o = fp8nsa_ops::nsa::decode_attention(&q, &kv, &kv, self.scale)?;
             return Ok(o.narrow(2, 0, r)?.reshape((h, 1, r))?);
         }
         let s = (qa.reshape((h * t, w))?.matmul(&latent.t()?)? * self.scale as f64)?;
@@ -819,15 +915,47 @@ impl Mla {
     }
 }
 
+/// One step's MLA projections.
+struct Projected {
+    /// `[H, M, W]`: each head's query as `[q_nope . W_uk | rotated q_pe]`.
+    qa: Tensor,
+    /// `[M, W]`: the cache rows `[norm(c) | rotated k_pe]`.
+    rows: Tensor,
+    /// `[1, M, q_lora_rank]`: the normalized query latent (the indexer's input).
+    cq: Option<Tensor>,
+}
+
 impl Indexer {
-    /// Writes the step's index keys into `cache` and returns the keys each query keeps, or
-    /// `None` when every query keeps all its causal keys (`pos + T <= topk`).
+    /// `[d]` with its first `rope_dim` dimensions rotated, for rows `[1, M, n, d]` at `segs`.
+    fn rotate(&self, v: &Tensor, segs: &[(usize, usize)]) -> Result<Tensor> {
+        let (_, m, n, d) = v.dims4()?;
+        let rd = self.rope_dim;
+        let pe = self
+            .rope
+            .apply_segments(&v.narrow(3, 0, rd)?.contiguous()?, segs)?;
+        Ok(Tensor::cat(&[&pe, &v.narrow(3, rd, d - rd)?], 3)?.reshape((m * n, d))?)
+    }
+
+    /// The index keys `[M, d]` of `x [1, M, hidden]` at `segs`.
+    fn keys(&self, x: &Tensor, segs: &[(usize, usize)]) -> Result<Tensor> {
+        let (_, m, _) = x.dims3()?;
+        let d = self.dims.head_dim;
+        let k = self
+            .k_norm
+            .forward(&self.wk.forward(x)?)?
+            .reshape((1, m, 1, d))?;
+        self.rotate(&k, segs)
+    }
+
+    /// The keys each query of `x [1, T, hidden]` (positions `pos..`, query latent `cq`) keeps
+    /// among `keys [pos + T, d]`, or `None` when every query keeps all its causal keys
+    /// (`pos + T <= topk`).
     fn select(
         &self,
         x: &Tensor,
         cq: &Tensor,
+        keys: &Tensor,
         pos: usize,
-        cache: &mut MlaCache,
     ) -> Result<Option<TokenSelection>> {
         let (_, t, _) = x.dims3()?;
         let IndexerDims {
@@ -835,27 +963,19 @@ impl Indexer {
             head_dim: d,
             topk,
         } = self.dims;
-        let rd = self.rope_dim;
-        let rotate = |v: &Tensor, n: usize| -> Result<Tensor> {
-            // [1, T, n, d]: the first rd dimensions rotated, the rest as they are
-            let pe = self.rope.apply(&v.narrow(3, 0, rd)?.contiguous()?, pos)?;
-            Ok(Tensor::cat(&[&pe, &v.narrow(3, rd, d - rd)?], 3)?.reshape((t * n, d))?)
-        };
-        let k = self
-            .k_norm
-            .forward(&self.wk.forward(x)?)?
-            .reshape((1, t, 1, d))?;
-        let keys = append(&mut cache.index, cache.len, &rotate(&k, 1)?)?; // [pos + T, d]
         if pos + t <= topk {
             return Ok(None);
         }
+        let _span = tracing::debug_span!("fp8nsa::dsa_indexer", t, keys = pos + t).entered();
         let q = self.wq_b.forward(cq)?.reshape((1, t, heads, d))?;
-        let q = rotate(&q, heads)?; // [T · heads, d]
+        let q = self.rotate(&q, &[(pos, t)])?; // [T · heads, d]
         let wts =
             (self.weights_proj.forward(x)? * ((heads as f64).powf(-0.5) * (d as f64).powf(-0.5)))?;
-        let tk = keys.dims()[0];
-        let s = q.matmul(&keys.t()?)?.relu()?.reshape((t, heads, tk))?;
-        let score = wts.reshape((t, 1, heads))?.matmul(&s)?.reshape((t, tk))?;
+        let score = fp8nsa_ops::nsa::index_scores(
+            &q.reshape((t, heads, d))?,
+            &wts.reshape((t, heads))?,
+            keys,
+        )?;
         let score: Vec<Vec<f32>> = score.to_vec2()?;
         let lists: Vec<Vec<i32>> = score
             .iter()
@@ -880,6 +1000,14 @@ impl Indexer {
         }
         let idx = Tensor::from_vec(idx, (1, t, 1, width), x.device())?;
         Ok(Some(TokenSelection::new(idx)?))
+    }
+}
+
+impl Llama {
+    /// DeepSeek-V3, or V3.2 when `cfg` has the indexer fields, from weights in the published
+    /// layout (see [`DeepSeekConfig`]); [`crate::Model::load_hf`] does this for a checkpoint.
+    pub fn deepseek(cfg: &DeepSeekConfig, w: &Weights, opts: &ModelOptions) -> Result<Self> {
+        build(cfg, w, opts, cfg.indexer().is_some())
     }
 }
 

@@ -124,6 +124,11 @@ pub(crate) fn pick(
                     break;
                 }
             }
+            // the nucleus is chosen by probability, the draw walks it in token order: two
+            // near-equal probabilities swapped by rounding (a batched step against the same
+            // sequence alone) then change the drawn token only when the draw lands within that
+            // rounding of a boundary, not whenever their order flips
+            kept.sort_unstable_by_key(|x| x.0);
             let total: f64 = kept.iter().map(|x| x.1).sum();
             let mut r = rng.random::<f64>() * total;
             for (i, w) in &kept {

@@ -6,7 +6,7 @@ use crate::config::{LlamaConfig, ModelOptions};
 use crate::deepseek::{Mla, MlaCache};
 use crate::error::{invalid, Result};
 use crate::linear::{forward_all, Linear, LinearKind};
-use crate::paged::{KvPool, SeqKv, Store};
+use crate::paged::{KvPool, LayerKv, SeqKv, Store};
 use crate::weights::Weights;
 use fp8nsa_ops::{Fp8BlockWeight, Fp8Experts, Fp8Moe, MoeRouter};
 
@@ -55,15 +55,33 @@ impl Mixer {
         }
     }
 
-    fn gqa(&self) -> Result<&Attention> {
+    /// What the layer keeps per token in a [`KvPool`].
+    fn kv_layout(&self) -> Result<LayerKv> {
         match self {
-            Mixer::Gqa(a) => Ok(a),
-            // the paged pools hold per-head keys and values; MLA's latent rows are not paged yet
-            Mixer::Mla(_) => Err(invalid(
-                "kv",
-                "paged KV (forward_batch, the serving engine) is not implemented for MLA \
-                 (DeepSeek) models: use forward with a Cache",
-            )),
+            Mixer::Gqa(a) => a.kv_layout(),
+            Mixer::Mla(m) => Ok(m.kv_layout()),
+        }
+    }
+
+    fn nsa_config(&self) -> Option<&fp8nsa_ops::nsa::NsaConfig> {
+        match self {
+            Mixer::Gqa(a) => a.nsa_config(),
+            Mixer::Mla(_) => None,
+        }
+    }
+
+    fn forward_batch(
+        &self,
+        x: &Tensor,
+        segs: &[(usize, usize)],
+        rope: &Rope,
+        layer: usize,
+        pool: &KvPool,
+        seqs: &mut [&mut SeqKv],
+    ) -> Result<Tensor> {
+        match self {
+            Mixer::Gqa(a) => a.forward_batch(x, segs, rope, layer, pool, seqs),
+            Mixer::Mla(m) => m.forward_batch(x, segs, layer, pool, seqs),
         }
     }
 }
@@ -464,7 +482,7 @@ impl Llama {
         let layers = self
             .blocks
             .iter()
-            .map(|b| b.attn.gqa()?.kv_layout())
+            .map(|b| b.attn.kv_layout())
             .collect::<Result<Vec<_>>>()?;
         let device = self.embed.embeddings().device();
         KvPool::new(&layers, pages, page_size, DType::F32, device)
@@ -508,6 +526,7 @@ impl Llama {
         let layers_ok = match &pool.store {
             Store::Dense { layers, .. } => layers.len() == self.blocks.len(),
             Store::Nsa { layers } => layers.len() == self.blocks.len(),
+            Store::Latent { layers, .. } => layers.len() == self.blocks.len(),
         };
         if !layers_ok {
             return Err(invalid("kv", "the pool was made for another model"));
@@ -543,11 +562,7 @@ impl Llama {
             }
         }
         let before: Vec<usize> = batch.iter().map(|s| s.kv.len()).collect();
-        let nsa: Vec<_> = self
-            .blocks
-            .iter()
-            .map(|b| Ok(b.attn.gqa()?.nsa_config()))
-            .collect::<Result<_>>()?;
+        let nsa: Vec<_> = self.blocks.iter().map(|b| b.attn.nsa_config()).collect();
         let roll_back = |batch: &mut [BatchSeq<'_>]| {
             for (s, &len) in batch.iter_mut().zip(&before) {
                 s.kv.roll_back(len, pool, &nsa);
@@ -602,14 +617,9 @@ impl Llama {
         let _span = tracing::debug_span!("fp8nsa::llama_batch", seqs = batch.len(), m).entered();
         let mut seqs: Vec<&mut SeqKv> = batch.iter_mut().map(|s| &mut *s.kv).collect();
         for (l, b) in self.blocks.iter().enumerate() {
-            let h = b.attn.gqa()?.forward_batch(
-                &b.ln1.forward(&x)?,
-                &segs,
-                &self.rope,
-                l,
-                pool,
-                &mut seqs,
-            )?;
+            let h =
+                b.attn
+                    .forward_batch(&b.ln1.forward(&x)?, &segs, &self.rope, l, pool, &mut seqs)?;
             x = (x + h)?;
             let m = b.mlp.forward(&b.ln2.forward(&x)?)?;
             x = (x + m)?;

@@ -31,12 +31,29 @@ pub(crate) enum Store {
     Nsa {
         layers: Vec<(NsaPages, SharedAllocator)>,
     },
+    /// MLA (DeepSeek): one allocator, the same page ids in every layer, as `Dense`.
+    Latent {
+        alloc: SharedAllocator,
+        layers: Vec<LatentPools>,
+    },
 }
+
+/// One MLA layer's pools: the latent rows `[rows, W]` and, with V3.2's indexer, its key rows
+/// `[rows, D_I]`.
+pub(crate) type LatentPools = (Tensor, Option<Tensor>);
 
 /// What one layer's attention needs to be made.
 pub(crate) enum LayerKv {
-    Dense { hkv: usize, d: usize },
+    Dense {
+        hkv: usize,
+        d: usize,
+    },
     Nsa(fp8nsa_ops::nsa::NsaDims),
+    /// Floats per token of the latent row and of the index key (0: no indexer).
+    Latent {
+        width: usize,
+        index: usize,
+    },
 }
 
 impl KvPool {
@@ -62,7 +79,34 @@ impl KvPool {
                 format!("{pages} pages of {page_size} rows are more rows than a u32 indexes"),
             ));
         };
+        let bytes_ok = |per_row: usize| {
+            rows.checked_mul(per_row)
+                .and_then(|x| x.checked_mul(dtype.size_in_bytes()))
+                .is_some_and(|b| b <= isize::MAX as usize)
+        };
         let store = match layers.first() {
+            Some(LayerKv::Latent { .. }) => Store::Latent {
+                alloc: SharedAllocator::new(PagePool::new(pages, 1)?),
+                layers: layers
+                    .iter()
+                    .map(|l| {
+                        let LayerKv::Latent { width, index } = *l else {
+                            return Err(invalid("attention", "every layer must be MLA or none"));
+                        };
+                        if !bytes_ok(width + index) {
+                            return Err(invalid(
+                                "kv_pages",
+                                format!("{pages} pages do not fit in memory's address space"),
+                            ));
+                        }
+                        let ix = match index {
+                            0 => None,
+                            d => Some(Tensor::zeros((rows, d), dtype, device)?),
+                        };
+                        Ok((Tensor::zeros((rows, width), dtype, device)?, ix))
+                    })
+                    .collect::<Result<_>>()?,
+            },
             Some(LayerKv::Nsa(_)) => Store::Nsa {
                 layers: layers
                     .iter()
@@ -85,12 +129,7 @@ impl KvPool {
                         let LayerKv::Dense { hkv, d } = *l else {
                             return Err(invalid("attention", "every layer must be NSA or none"));
                         };
-                        let bytes = rows
-                            .checked_mul(hkv)
-                            .and_then(|x| x.checked_mul(d))
-                            .and_then(|x| x.checked_mul(dtype.size_in_bytes()))
-                            .filter(|&b| b <= isize::MAX as usize);
-                        if bytes.is_none() {
+                        if !hkv.checked_mul(d).is_some_and(bytes_ok) {
                             return Err(invalid(
                                 "kv_pages",
                                 format!("{pages} pages do not fit in memory's address space"),
@@ -127,7 +166,9 @@ impl KvPool {
     /// Pages no sequence holds.
     pub fn free_pages(&self) -> usize {
         match &self.store {
-            Store::Dense { alloc, .. } => alloc.lock().free_pages(NsaPool::Raw),
+            Store::Dense { alloc, .. } | Store::Latent { alloc, .. } => {
+                alloc.lock().free_pages(NsaPool::Raw)
+            }
             Store::Nsa { layers } => layers
                 .iter()
                 .map(|(_, a)| a.lock().free_pages(NsaPool::Raw))
@@ -144,7 +185,8 @@ impl KvPool {
     /// An empty sequence whose pages come from this pool (and go back to it when dropped).
     pub fn new_seq(&self) -> SeqKv {
         let inner = match &self.store {
-            Store::Dense { alloc, .. } => SeqInner::Dense {
+            // MLA pages are kept as dense ones are: one page list for every layer
+            Store::Dense { alloc, .. } | Store::Latent { alloc, .. } => SeqInner::Dense {
                 alloc: alloc.clone(),
                 pages: Vec::new(),
             },
@@ -226,6 +268,64 @@ impl KvPool {
             kp.index_select(&rows, 1)?.unsqueeze(0)?,
             vp.index_select(&rows, 1)?.unsqueeze(0)?,
         ))
+    }
+
+    /// Pool rows of `seq`'s positions `from..to` (its pages must cover them).
+    fn rows(&self, pages: &[usize], from: usize, to: usize, device: &Device) -> Result<Tensor> {
+        let ps = self.page_size;
+        let rows: Vec<u32> = (from..to)
+            .map(|p| (pages[p / ps] * ps + p % ps) as u32)
+            .collect();
+        Ok(Tensor::from_vec(rows, to - from, device)?)
+    }
+
+    /// MLA `layer`'s pools (latent, index keys) and `seq`'s pages in them.
+    fn latent<'a>(
+        &'a self,
+        layer: usize,
+        seq: &'a SeqKv,
+    ) -> Result<(&'a LatentPools, &'a [usize])> {
+        match (&self.store, &seq.inner) {
+            (Store::Latent { layers, .. }, SeqInner::Dense { pages, .. }) => {
+                Ok((&layers[layer], pages))
+            }
+            _ => Err(invalid("kv", "the pool was not made for MLA")),
+        }
+    }
+
+    /// Writes MLA rows `latent [T, W]` (and `index [T, D_I]`) at positions `pos..pos + T` of
+    /// `seq` in `layer`, then returns its rows `0..pos + T` gathered (pages reserved).
+    pub(crate) fn write_read_latent(
+        &self,
+        layer: usize,
+        seq: &SeqKv,
+        pos: usize,
+        latent: &Tensor,
+        index: Option<&Tensor>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let ((lp, ip), pages) = self.latent(layer, seq)?;
+        let t = latent.dims()[0];
+        let ps = self.page_size;
+        if (pos + t).div_ceil(ps) > pages.len() {
+            return Err(invalid("kv", "pages not reserved for the step's tokens"));
+        }
+        // one copy per run of rows within a page
+        let mut p = pos;
+        while p < pos + t {
+            let run = (ps - p % ps).min(pos + t - p);
+            let row = pages[p / ps] * ps + p % ps;
+            lp.slice_set(&latent.narrow(0, p - pos, run)?.contiguous()?, 0, row)?;
+            if let (Some(ip), Some(ix)) = (ip, index) {
+                ip.slice_set(&ix.narrow(0, p - pos, run)?.contiguous()?, 0, row)?;
+            }
+            p += run;
+        }
+        let all = self.rows(pages, 0, pos + t, lp.device())?;
+        let index = match ip {
+            Some(ip) => Some(ip.index_select(&all, 0)?),
+            None => None,
+        };
+        Ok((lp.index_select(&all, 0)?, index))
     }
 
     /// The key and value pools `[Hkv, rows, D]` of dense `layer`, and `seq`'s pages in them.

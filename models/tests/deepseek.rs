@@ -624,11 +624,68 @@ fn configs_and_checkpoints_that_cannot_run_are_typed_errors() {
         Model::load_hf(dir.path(), &ModelOptions::default()),
         Err(Error::File { .. })
     ));
-    // the paged batch step is not there for MLA yet: a typed error, no panic
-    std::fs::write(&idx, text).unwrap();
-    let m = Model::load_hf(dir.path(), &ModelOptions::default()).unwrap();
-    assert!(matches!(
-        m.new_kv_pool(8, 16),
-        Err(Error::Invalid { arg: "kv", .. })
-    ));
+}
+
+/// The serving engine's ragged step: four sequences prefilled in chunks of different sizes,
+/// joining at different steps, then decoded together; each new token's logits equal the
+/// sequence run alone through the cache with the same chunks. V3.2 keeps 5 keys, so most
+/// queries run the indexer's selection over the sequence's pages.
+#[test]
+fn batched_paged_step_gives_each_sequence_its_own_logits() {
+    use fp8nsa_models::{BatchSeq, Logits, SeqKv};
+    for (topk, ty) in [(None, "deepseek_v3"), (Some(5), "deepseek_v32")] {
+        let cfg = config(topk);
+        let ck = checkpoint(&cfg, 6);
+        let (_dir, model) = load(&cfg, &ck, ty);
+        let lens = [13usize, 3, 20, 1];
+        let chunks = [4usize, 8, 7, 1];
+        let prompts: Vec<Vec<u32>> = (0..4)
+            .map(|i| tokens(&cfg, lens[i], i as u32 + 9))
+            .collect();
+        let pool = model.new_kv_pool(16, 4).unwrap();
+        let mut kv: Vec<SeqKv> = (0..4).map(|_| pool.new_seq()).collect();
+        let mut fed: Vec<Vec<Vec<u32>>> = vec![Vec::new(); 4];
+        let mut got: Vec<Vec<Tensor>> = vec![Vec::new(); 4];
+        let (mut done, mut decoded) = ([0usize; 4], [0usize; 4]);
+        for step in 0..30 {
+            let mut parts: Vec<(usize, Vec<u32>)> = Vec::new();
+            for i in (0..4).filter(|&i| step >= i) {
+                if done[i] < lens[i] {
+                    let n = chunks[i].min(lens[i] - done[i]);
+                    parts.push((i, prompts[i][done[i]..done[i] + n].to_vec()));
+                    done[i] += n;
+                } else if decoded[i] < 4 {
+                    parts.push((i, vec![(step * 37 + i * 11) as u32 % 300]));
+                    decoded[i] += 1;
+                }
+            }
+            if parts.is_empty() {
+                break;
+            }
+            let mut slots: Vec<Option<&mut SeqKv>> = kv.iter_mut().map(Some).collect();
+            let mut batch: Vec<BatchSeq> = parts
+                .iter()
+                .map(|(i, toks)| BatchSeq {
+                    tokens: toks,
+                    kv: slots[*i].take().unwrap(),
+                })
+                .collect();
+            let out = model.forward_batch(&pool, &mut batch, Logits::All).unwrap();
+            for ((i, toks), o) in parts.into_iter().zip(out) {
+                fed[i].push(toks);
+                got[i].push(o);
+            }
+        }
+        assert_eq!(decoded, [4; 4]);
+        for i in 0..4 {
+            let mut cache = model.new_cache();
+            for (chunk, o) in fed[i].iter().zip(&got[i]) {
+                let want = model.forward(chunk, &mut cache).unwrap();
+                let e = fp8nsa_test_support::rel_frobenius(o, &want);
+                assert!(e < 1e-5, "{ty} sequence {i} at {}: {e}", cache.len());
+            }
+        }
+        drop(kv);
+        assert_eq!(pool.free_pages(), 16, "{ty}: pages back");
+    }
 }

@@ -20,6 +20,7 @@
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 mod avx512bf16;
+pub mod dsa;
 mod error;
 pub mod experts;
 pub mod fp8;

@@ -328,7 +328,7 @@ impl SelectionPlan<'_> {
         lse: &mut [f32],
     ) -> Result<()>
     where
-        T: Copy + Into<f32> + Send + Sync,
+        T: KeyElem,
     {
         let (dims, seqs, tq, tk) = (self.dims, self.seqs, self.tq, self.tk);
         check_len("q", q.len(), tq * dims.hq() * dims.d())?;
@@ -423,7 +423,7 @@ pub fn selection_attention<T>(
     lse: &mut [f32],
 ) -> Result<()>
 where
-    T: Copy + Into<f32> + Send + Sync,
+    T: KeyElem,
 {
     let tk = k.len() / (dims.hkv() * dims.d());
     let block_size = match spans {
@@ -472,8 +472,33 @@ struct RowArgs<'a, T> {
     scale: f32,
 }
 
+/// An element type the selection kernel reads: f32, bf16 or f16. f32 keys and values are
+/// read in place; the others are converted into a chunk buffer first.
+pub trait KeyElem: Copy + Into<f32> + Send + Sync {
+    /// The slice itself when the elements are f32.
+    fn as_f32(s: &[Self]) -> Option<&[f32]>;
+}
+
+impl KeyElem for f32 {
+    fn as_f32(s: &[f32]) -> Option<&[f32]> {
+        Some(s)
+    }
+}
+
+impl KeyElem for half::bf16 {
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+}
+
+impl KeyElem for half::f16 {
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+}
+
 /// Query heads `heads` of one token; `o [heads, dv]`, `lse [heads]`.
-fn attend_heads<T: Copy + Into<f32>>(
+fn attend_heads<T: KeyElem>(
     a: &RowArgs<'_, T>,
     spans: &Spans<&[i32]>,
     heads: std::ops::Range<usize>,
@@ -503,22 +528,51 @@ fn attend_heads<T: Copy + Into<f32>>(
         // chunks fill across span boundaries: many short spans (token-level selections, small
         // blocks) fold CHUNK keys at a time like one long span, instead of one softmax
         // rescale per span
-        sc.kc.clear();
-        sc.vc.clear();
-        for j in sc.spans.iter().flat_map(|&(s0, s1)| s0..s1) {
-            let key = a.keys.row(j) * hkv + kvh;
-            sc.kc
-                .extend(a.k[key * d..(key + 1) * d].iter().map(|&x| x.into()));
-            sc.vc
-                .extend(a.v[key * dv..(key + 1) * dv].iter().map(|&x| x.into()));
-            if sc.kc.len() == CHUNK * d {
-                fold_chunk(&sc.q, &sc.kc, &sc.vc, d, dv, &mut st, &mut sc.scores);
-                sc.kc.clear();
-                sc.vc.clear();
+        if let (Some(k), Some(v)) = (T::as_f32(a.k), T::as_f32(a.v)) {
+            // f32: the chunk is a list of rows read in place (a token-level selection would
+            // otherwise copy every selected key and value row before folding it)
+            let fast = fold_fast(d, dv);
+            let mut rows = [0u32; CHUNK];
+            let mut n = 0;
+            for j in sc.spans.iter().flat_map(|&(s0, s1)| s0..s1) {
+                rows[n] = (a.keys.row(j) * hkv + kvh) as u32;
+                n += 1;
+                if n == CHUNK {
+                    fold_rows(fast, &sc.q, k, v, &rows, d, dv, &mut st, &mut sc.scores);
+                    n = 0;
+                }
             }
-        }
-        if !sc.kc.is_empty() {
-            fold_chunk(&sc.q, &sc.kc, &sc.vc, d, dv, &mut st, &mut sc.scores);
+            if n > 0 {
+                fold_rows(
+                    fast,
+                    &sc.q,
+                    k,
+                    v,
+                    &rows[..n],
+                    d,
+                    dv,
+                    &mut st,
+                    &mut sc.scores,
+                );
+            }
+        } else {
+            sc.kc.clear();
+            sc.vc.clear();
+            for j in sc.spans.iter().flat_map(|&(s0, s1)| s0..s1) {
+                let key = a.keys.row(j) * hkv + kvh;
+                sc.kc
+                    .extend(a.k[key * d..(key + 1) * d].iter().map(|&x| x.into()));
+                sc.vc
+                    .extend(a.v[key * dv..(key + 1) * dv].iter().map(|&x| x.into()));
+                if sc.kc.len() == CHUNK * d {
+                    fold_chunk(&sc.q, &sc.kc, &sc.vc, d, dv, &mut st, &mut sc.scores);
+                    sc.kc.clear();
+                    sc.vc.clear();
+                }
+            }
+            if !sc.kc.is_empty() {
+                fold_chunk(&sc.q, &sc.kc, &sc.vc, d, dv, &mut st, &mut sc.scores);
+            }
         }
         let base = h - heads.start;
         for gi in 0..gn {
@@ -605,10 +659,19 @@ pub fn decode_attention(
     }
     let g = hq / hkv;
     // one task per kv head, its G query heads together: the head's keys and values are read
-    // once per step, not once per query head
-    out.par_chunks_mut(g * dv).enumerate().for_each(|(h, o)| {
+    // once per step, not once per query head. With fewer kv heads than threads (MLA's one
+    // latent head) a head's query heads are split into as few groups as keep every thread
+    // busy; each group reads the keys again
+    let threads = rayon::current_num_threads();
+    let split = (1..=g)
+        .filter(|s| g % s == 0)
+        .find(|&s| hkv * s >= threads)
+        .unwrap_or(g);
+    let hu = g / split;
+    out.par_chunks_mut(hu * dv).enumerate().for_each(|(u, o)| {
+        let (h, q0) = (u / split, u * hu);
         let head = HeadRows {
-            q: &q[h * g * d..(h + 1) * g * d],
+            q: &q[q0 * d..(q0 + hu) * d],
             k: k.head(h),
             v: v.head(h),
             d,

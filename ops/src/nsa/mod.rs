@@ -25,6 +25,7 @@ mod compress;
 mod config;
 mod cuda;
 mod decode;
+mod dsa;
 mod layer;
 mod op;
 mod paged;
@@ -39,6 +40,7 @@ pub use attention::{
 pub use compress::{Compressor, MlpCompressor};
 pub use config::{CompressorKind, NsaConfig};
 pub use decode::{decode_attention, decode_attention_paged};
+pub use dsa::index_scores;
 pub use layer::{AttnDims, Gates, NativeSparseAttention, NsaDims, NsaOutput};
 pub use paged::{
     NsaCache, NsaPages, NsaPool, NsaSeqState, PageAllocator, PagePool, SharedAllocator,
