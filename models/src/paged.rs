@@ -5,7 +5,9 @@
 //! all indexed by the same page ids (a sequence's page list is its block table in every layer,
 //! as in vLLM). The NSA variant keeps each layer's [`NsaPages`] with its own allocator and a
 //! [`NsaSeqState`] per layer and sequence; every layer stores the same tokens, so their
-//! allocators stay in step and the first one speaks for all.
+//! allocators stay in step and the first one speaks for all. MLA (DeepSeek) keeps pages as dense
+//! attention does, one allocator and page ids shared by every layer, each page holding rows of
+//! the latent `[c | k_pe]` (and V3.2's index keys) instead of per-head keys and values.
 
 use candle_core::{DType, Device, Tensor};
 use fp8nsa_ops::nsa::{NsaPages, NsaPool, NsaSeqState, PagePool, SharedAllocator};
@@ -338,7 +340,7 @@ impl KvPool {
             (Store::Dense { layers, .. }, SeqInner::Dense { pages, .. }) => {
                 Ok((&layers[layer], pages))
             }
-            _ => Err(invalid("kv", "dense attention on an NSA pool")),
+            _ => Err(invalid("kv", "the pool was not made for dense attention")),
         }
     }
 }

@@ -59,16 +59,24 @@ fn fp8(act: ActQuant) -> ModelOptions {
 /// from alone only in the f32 summation order of kernels picked by the step's row count.
 /// W8A8 quantizes activations to e4m3, which is discontinuous: a last-bit difference in a
 /// hidden state can move a code by one step (6%) in the next layer, so its bound is the
-/// quantization's, and still far below what rows mixed between sequences give (order 1).
+/// quantization's (seen: 5.4e-2 with fresh random prompts), and still far below what rows mixed
+/// between sequences give (order 1).
 fn bound(opts: &ModelOptions) -> f64 {
     match opts.linear {
         LinearKind::Fp8 {
             act: ActQuant::Group,
             ..
-        } => 5e-2,
+        } => 1e-1,
         _ => 1e-5,
     }
 }
+
+/// A router's top-k is discontinuous: where two experts' scores for a token are within
+/// rounding of each other, the batched step and the sequence alone can hand that token
+/// different experts (seen once with fresh random prompts: 2.2e-2 on a dense Qwen3-MoE chunk).
+/// An MoE model may have one chunk per check past `bound` but under this; rows mixed between
+/// sequences give order 1.
+const ROUTING_FLIP: f64 = 1e-1;
 
 fn nsa() -> AttentionKind {
     // small blocks so that a 70-token context selects among several
@@ -139,14 +147,18 @@ fn check(arch: Arch, opts: ModelOptions) {
         }
     }
     assert_eq!(decoded, [6; 4], "the schedule ran to the end");
+    let mut flips = 0;
     for i in 0..4 {
         let mut cache = model.new_cache();
         for (chunk, o) in fed[i].iter().zip(&got[i]) {
             let want = model.forward(chunk, &mut cache).unwrap();
             let e = rel_frobenius(o, &want);
+            let flip = matches!(arch, Arch::Qwen3Moe) && e >= tol && e < ROUTING_FLIP;
+            flips += flip as usize;
             assert!(
-                e < tol,
-                "{arch:?} ({} fp8 layers) sequence {i} at {}: rel err {e}",
+                (e < tol || flip) && flips <= 1,
+                "{arch:?} ({} fp8 layers) sequence {i} at {}: rel err {e} ({flips} chunks past \
+                 {tol})",
                 model.fp8_layer_count(),
                 cache.len()
             );
