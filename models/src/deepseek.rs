@@ -1020,10 +1020,20 @@ pub(crate) fn build(
     v32: bool,
 ) -> Result<Llama> {
     cfg.validate(v32)?;
-    if !v32 && cfg.indexer().is_some() {
-        // a V3 config never has one; V3.2 weights under a V3 type would run without it
+    let v3_only;
+    let cfg = if !v32 && cfg.indexer().is_some() {
+        // a V3 config never has one; V3.2 weights under the V3 type run without it
         tracing::warn!("deepseek_v3 config with index_* fields: the indexer is not used");
-    }
+        v3_only = DeepSeekConfig {
+            index_n_heads: None,
+            index_head_dim: None,
+            index_topk: None,
+            ..cfg.clone()
+        };
+        &v3_only
+    } else {
+        cfg
+    };
     if matches!(opts.attention, crate::AttentionKind::Nsa(_)) {
         return Err(invalid(
             "attention",

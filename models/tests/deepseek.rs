@@ -522,8 +522,13 @@ fn v32_with_topk_past_the_sequence_is_v3_and_a_smaller_topk_is_not() {
     // the same weights under V3: the indexer's tensors are there but not read
     let (_b, v3) = load(&all, &ck, "deepseek_v3");
     let ids = tokens(&all, 14, 3);
-    let a = v32.forward(&ids, &mut v32.new_cache()).unwrap();
-    let b = v3.forward(&ids, &mut v3.new_cache()).unwrap();
+    let (mut ca, mut cb) = (v32.new_cache(), v3.new_cache());
+    let a = v32.forward(&ids, &mut ca).unwrap();
+    let b = v3.forward(&ids, &mut cb).unwrap();
+    // V3 runs no indexer (no index keys cached), V3.2 does
+    let latent = all.kv_lora_rank + all.qk_rope_head_dim;
+    assert_eq!(cb.floats_per_token(), Some(2 * latent));
+    assert_eq!(ca.floats_per_token(), Some(2 * (latent + 32)));
     let rel = fp8nsa_test_support::rel_frobenius(&a, &b);
     assert!(rel < 1e-6, "{rel}");
     let few = config(Some(4));
