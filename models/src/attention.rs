@@ -442,78 +442,78 @@ impl Attention {
             rope.apply_segments(&q, segs)?,
             rope.apply_segments(&k, segs)?,
         );
-        let mut outs: Vec<Option<Tensor>> = vec![None; segs.len()];
-        // decode tokens (one new token, dense attention, on the CPU in f32) attend together
-        // through one paged kernel reading the pages in place; the others one by one
-        let mut decode: Vec<(usize, usize)> = Vec::new(); // (sequence, row in x)
-        let mut off = 0;
-        for (i, (&(pos, t), seq)) in segs.iter().zip(seqs.iter_mut()).enumerate() {
-            let (qs, ks, vs) = (
-                q.narrow(1, off, t)?,
-                k.narrow(1, off, t)?,
-                v.narrow(1, off, t)?,
-            );
-            let o = match &self.imp {
-                Impl::Dense => {
-                    pool.write(layer, seq, pos, &ks, &vs)?;
-                    if t == 1 && q.device().is_cpu() && q.dtype() == DType::F32 {
-                        decode.push((i, off));
-                        off += t;
-                        continue;
-                    }
-                    let (kh, vh) = pool.read(layer, seq, pos + t)?;
-                    self.dense(&qs, &kh, &vh, pos)?
-                }
-                Impl::Nsa(nsa) => match (&mut seq.inner, &pool.store) {
-                    (SeqInner::Nsa(states), Store::Nsa { layers }) => nsa.forward_step_paged(
-                        &x.narrow(1, off, t)?,
-                        &qs,
-                        &ks.contiguous()?,
-                        &vs.contiguous()?,
-                        &layers[layer].0,
-                        &mut states[layer],
-                    )?,
-                    _ => return Err(invalid("kv", "the pool was made for dense attention")),
-                },
-            };
-            outs[i] = Some(o.reshape((1, t, self.hq * self.hd))?);
-            off += t;
-        }
-        if !decode.is_empty() {
-            let rows: Vec<u32> = decode.iter().map(|&(_, r)| r as u32).collect();
-            let rows = Tensor::from_vec(rows, decode.len(), q.device())?;
-            let qd = q.squeeze(0)?.index_select(&rows, 0)?; // [Bd, Hq, D]
-            let mut lists: Vec<&[usize]> = Vec::with_capacity(decode.len());
-            let mut lens = Vec::with_capacity(decode.len());
-            let mut kv = None;
-            for &(i, _) in &decode {
-                let (pools, pages) = pool.dense(layer, seqs[i])?;
-                kv = Some(pools);
-                lists.push(pages);
-                lens.push(segs[i].0 + 1);
+        let o = if matches!(self.imp, Impl::Dense) && q.device().is_cpu() && q.dtype() == DType::F32
+        {
+            // every new token (a decode step's one, a prefill chunk's many) attends through one
+            // paged kernel reading the pages in place, as one query row over its own prefix
+            let mut off = 0;
+            let mut lists: Vec<&[usize]> = Vec::with_capacity(m);
+            let mut lens = Vec::with_capacity(m);
+            for (&(pos, t), seq) in segs.iter().zip(seqs.iter_mut()) {
+                pool.write(
+                    layer,
+                    seq,
+                    pos,
+                    &k.narrow(1, off, t)?,
+                    &v.narrow(1, off, t)?,
+                )?;
+                off += t;
             }
-            let (kp, vp) = kv.expect("at least one decode sequence");
+            let mut kv = None;
+            for (&(pos, t), seq) in segs.iter().zip(seqs.iter()) {
+                let (pools, pages) = pool.dense(layer, seq)?;
+                kv = Some(pools);
+                for j in 0..t {
+                    lists.push(pages);
+                    lens.push(pos + j + 1);
+                }
+            }
+            let (kp, vp) = kv.ok_or_else(|| invalid("seqs", "an empty batch"))?;
             let scale = 1.0 / (self.hd as f32).sqrt();
-            let od = fp8nsa_ops::nsa::decode_attention_paged(
-                &qd,
+            fp8nsa_ops::nsa::decode_attention_paged(
+                &q.squeeze(0)?,
                 kp,
                 vp,
                 &lists,
                 &lens,
                 pool.page_size(),
                 scale,
-            )?;
-            for (j, &(i, _)) in decode.iter().enumerate() {
-                outs[i] = Some(od.narrow(0, j, 1)?.reshape((1, 1, self.hq * self.hd))?);
+            )?
+            .reshape((1, m, self.hq * self.hd))?
+        } else {
+            let mut outs = Vec::with_capacity(segs.len());
+            let mut off = 0;
+            for (&(pos, t), seq) in segs.iter().zip(seqs.iter_mut()) {
+                let (qs, ks, vs) = (
+                    q.narrow(1, off, t)?,
+                    k.narrow(1, off, t)?,
+                    v.narrow(1, off, t)?,
+                );
+                let o = match &self.imp {
+                    Impl::Dense => {
+                        pool.write(layer, seq, pos, &ks, &vs)?;
+                        let (kh, vh) = pool.read(layer, seq, pos + t)?;
+                        self.dense(&qs, &kh, &vh, pos)?
+                    }
+                    Impl::Nsa(nsa) => match (&mut seq.inner, &pool.store) {
+                        (SeqInner::Nsa(states), Store::Nsa { layers }) => nsa.forward_step_paged(
+                            &x.narrow(1, off, t)?,
+                            &qs,
+                            &ks.contiguous()?,
+                            &vs.contiguous()?,
+                            &layers[layer].0,
+                            &mut states[layer],
+                        )?,
+                        _ => return Err(invalid("kv", "the pool was made for dense attention")),
+                    },
+                };
+                outs.push(o.reshape((1, t, self.hq * self.hd))?);
+                off += t;
             }
-        }
-        let mut outs: Vec<Tensor> = outs
-            .into_iter()
-            .map(|o| o.expect("every sequence attended"))
-            .collect();
-        let o = match outs.len() {
-            1 => outs.pop().expect("one output"),
-            _ => Tensor::cat(&outs, 1)?,
+            match outs.len() {
+                1 => outs.pop().expect("one output"),
+                _ => Tensor::cat(&outs, 1)?,
+            }
         };
         Ok(self.o.forward(&o)?)
     }
@@ -532,6 +532,12 @@ impl Attention {
             let q1 = q.reshape((b, self.hq, self.hd))?;
             let o = fp8nsa_ops::nsa::decode_attention(&q1, kh, vh, scale)?;
             return Ok(o.reshape((b, 1, self.hq, self.hd))?);
+        }
+        if q.device().is_cpu() && [q, kh, vh].iter().all(|x| x.dtype() == DType::F32) {
+            // a prefill chunk through the same fold, token by token over its own prefix (the
+            // masked scores never computed)
+            let scale = 1.0 / (self.hd as f32).sqrt();
+            return Ok(fp8nsa_ops::nsa::causal_attention(q, kh, vh, scale)?);
         }
         let tk = kh.dims()[2];
         let g = self.hq / self.hkv;

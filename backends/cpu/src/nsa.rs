@@ -635,6 +635,55 @@ pub fn decode_attention(
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
+    if len == 0 {
+        // nothing to attend (the causal form has no row for its token): zeros, as the fold
+        // gives a query without keys
+        check_len("q", q.len(), dims.hq() * dims.d())?;
+        check_len("out", out.len(), dims.hq() * dims.dv())?;
+        out.fill(0.0);
+        return Ok(());
+    }
+    causal_attention(q, k, v, dims, 1, len, scale, out)
+}
+
+/// Causal dense attention of `t` new tokens of one sequence over its first `len` rows (the
+/// new tokens' own keys included, last): token `i` sits at position `len - t + i` and sees
+/// rows `0..=len - t + i`. `q [t, hq, d]`, `out [t, hq, dv]`; otherwise as
+/// [`decode_attention`], which is the case `t = 1`. A prefill chunk runs as `t` decode steps
+/// would, through the same fold: no score matrix, no mask, and the keys past each token's
+/// position are never read.
+///
+/// ```
+/// use fp8nsa_cpu::nsa::{causal_attention, decode_attention, HeadMajor};
+/// use fp8nsa_types::AttnDims;
+///
+/// let dims = AttnDims::new(1, 1, 2, 1)?;
+/// let k = [1f32, 0.0, 0.0, 1.0, 1.0, 1.0];
+/// let v = [1f32, 3.0, 8.0];
+/// let (kv, vv) = (HeadMajor { data: &k, head_stride: 6 }, HeadMajor { data: &v, head_stride: 3 });
+/// let q = [0f32, 0.0, 0.0, 0.0]; // two new tokens at positions 1 and 2, equal scores
+/// let mut out = [0f32; 2];
+/// causal_attention(&q, kv, vv, dims, 2, 3, 1.0, &mut out)?;
+/// assert!((out[0] - 2.0).abs() < 1e-6); // rows 0 and 1
+/// assert!((out[1] - 4.0).abs() < 1e-6); // rows 0, 1 and 2
+/// // the last token is a decode step over all three rows
+/// let mut one = [0f32; 1];
+/// decode_attention(&q[2..], kv, vv, dims, 3, 1.0, &mut one)?;
+/// assert_eq!(one[0], out[1]);
+/// assert!(causal_attention(&q, kv, vv, dims, 2, 1, 1.0, &mut out).is_err()); // t > len
+/// # Ok::<(), fp8nsa_cpu::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention(
+    q: &[f32],
+    k: HeadMajor<'_>,
+    v: HeadMajor<'_>,
+    dims: AttnDims,
+    t: usize,
+    len: usize,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
     let (hq, hkv, d, dv) = (dims.hq(), dims.hkv(), dims.d(), dims.dv());
     if !hq.is_multiple_of(hkv) {
         return Err(Error::Invalid {
@@ -642,8 +691,14 @@ pub fn decode_attention(
             msg: format!("{hq} query heads are not a multiple of {hkv} kv heads"),
         });
     }
-    check_len("q", q.len(), hq * d)?;
-    check_len("out", out.len(), hq * dv)?;
+    if t > len {
+        return Err(Error::Invalid {
+            arg: "t",
+            msg: format!("{t} new tokens cannot sit in the first {len} rows"),
+        });
+    }
+    check_len("q", q.len(), t * hq * d)?;
+    check_len("out", out.len(), t * hq * dv)?;
     for (arg, kv, w) in [("k", k, d), ("v", v, dv)] {
         let need = (hkv - 1) * kv.head_stride + len * w;
         if kv.head_stride < len * w || kv.data.len() < need {
@@ -657,27 +712,31 @@ pub fn decode_attention(
             });
         }
     }
+    if t == 0 {
+        return Ok(());
+    }
     let g = hq / hkv;
-    // one task per kv head, its G query heads together: the head's keys and values are read
-    // once per step, not once per query head. With fewer kv heads than threads (MLA's one
-    // latent head) a head's query heads are split into as few groups as keep every thread
-    // busy; each group reads the keys again
+    // one task per token and kv head, its G query heads together: the head's keys and values
+    // are read once per token, not once per query head. With fewer tasks than threads (a
+    // decode step of MLA's one latent head) a head's query heads are split into as few groups
+    // as keep every thread busy; each group reads the keys again
     let threads = rayon::current_num_threads();
     let split = (1..=g)
         .filter(|s| g % s == 0)
-        .find(|&s| hkv * s >= threads)
+        .find(|&s| t * hkv * s >= threads)
         .unwrap_or(g);
     let hu = g / split;
+    // task u covers query heads u·hu.. of the flattened [t, hq]
     out.par_chunks_mut(hu * dv).enumerate().for_each(|(u, o)| {
-        let (h, q0) = (u / split, u * hu);
+        let (tok, h) = (u / (hkv * split), u % (hkv * split) / split);
         let head = HeadRows {
-            q: &q[q0 * d..(q0 + hu) * d],
+            q: &q[u * hu * d..(u + 1) * hu * d],
             k: k.head(h),
             v: v.head(h),
             d,
             dv,
         };
-        head.attend([(0, len)], scale, o);
+        head.attend([(0, len - t + tok + 1)], scale, o);
     });
     Ok(())
 }
@@ -1102,33 +1161,123 @@ mod tests {
             let mut out = vec![f32::NAN; hq * dv];
             decode_attention(&q, kv, vv, dims, len, scale, &mut out).unwrap();
             for h in 0..hq {
-                let kvh = h / (hq / hkv);
-                let s: Vec<f64> = (0..len)
-                    .map(|j| {
-                        let kr = &k[kvh * cap * d + j * d..][..d];
-                        let qr = &q[h * d..(h + 1) * d];
-                        qr.iter()
-                            .zip(kr)
-                            .map(|(a, b)| *a as f64 * *b as f64)
-                            .sum::<f64>()
-                            * scale as f64
-                    })
-                    .collect();
-                let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let p: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
-                let den: f64 = p.iter().sum();
-                for c in 0..dv {
-                    let want: f64 = (0..len)
-                        .map(|j| p[j] / den * v[kvh * cap * dv + j * dv + c] as f64)
-                        .sum();
+                let want = f64_attend(
+                    &q[h * d..(h + 1) * d],
+                    &k,
+                    &v,
+                    (h / (hq / hkv), cap, dv),
+                    len,
+                    scale,
+                );
+                for (c, w) in want.iter().enumerate() {
                     let got = out[h * dv + c] as f64;
                     assert!(
-                        (got - want).abs() < 1e-5,
-                        "len {len} head {h} col {c}: {got} vs {want}"
+                        (got - w).abs() < 1e-5,
+                        "len {len} head {h} col {c}: {got} vs {w}"
                     );
                 }
             }
         }
+    }
+
+    /// f64 softmax attention of one query row over rows `0..n` of kv head `kvh` in head-major
+    /// buffers with `cap` rows per head.
+    fn f64_attend(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        (kvh, cap, dv): (usize, usize, usize),
+        n: usize,
+        scale: f32,
+    ) -> Vec<f64> {
+        let d = q.len();
+        let s: Vec<f64> = (0..n)
+            .map(|j| {
+                let kr = &k[kvh * cap * d + j * d..][..d];
+                q.iter()
+                    .zip(kr)
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum::<f64>()
+                    * scale as f64
+            })
+            .collect();
+        let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let p: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+        let den: f64 = p.iter().sum();
+        (0..dv)
+            .map(|c| {
+                (0..n)
+                    .map(|j| p[j] / den * v[kvh * cap * dv + j * dv + c] as f64)
+                    .sum()
+            })
+            .collect()
+    }
+
+    /// A chunk of `t` new tokens against f64, token by token over its own prefix: past rows
+    /// before the chunk, chunks across the 64-key fold, head sizes for the AVX2 fold and the
+    /// portable one (20), G = 1 and 3, one kv head (the query-head split), head strides past
+    /// the valid rows; and the last token of the chunk equal to a decode step.
+    #[test]
+    fn causal_attention_matches_f64_token_by_token() {
+        use fp8nsa_test_support::{gaussian, rng};
+        let mut r = rng("causal_attention_matches_f64_token_by_token");
+        for (hq, hkv, d, dv) in [
+            (9usize, 3usize, 64usize, 48usize),
+            (4, 1, 20, 20),
+            (2, 2, 8, 32),
+        ] {
+            for (past, t) in [(0usize, 1usize), (0, 5), (3, 64), (70, 70), (130, 3)] {
+                let len = past + t;
+                let cap = len + 5;
+                let dims = AttnDims::new(hq, hkv, d, dv).unwrap();
+                let k: Vec<f32> = gaussian(&mut r, hkv * cap * d);
+                let v: Vec<f32> = gaussian(&mut r, hkv * cap * dv);
+                let q: Vec<f32> = gaussian(&mut r, t * hq * d)
+                    .iter()
+                    .map(|x| x * 3.0)
+                    .collect();
+                let scale = 0.3;
+                let kv = HeadMajor {
+                    data: &k,
+                    head_stride: cap * d,
+                };
+                let vv = HeadMajor {
+                    data: &v,
+                    head_stride: cap * dv,
+                };
+                let mut out = vec![f32::NAN; t * hq * dv];
+                causal_attention(&q, kv, vv, dims, t, len, scale, &mut out).unwrap();
+                for i in 0..t {
+                    for h in 0..hq {
+                        let qr = &q[(i * hq + h) * d..][..d];
+                        let want =
+                            f64_attend(qr, &k, &v, (h / (hq / hkv), cap, dv), past + i + 1, scale);
+                        assert_eq!(want.len(), dv);
+                        let got = &out[(i * hq + h) * dv..][..dv];
+                        for (c, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                            assert!(
+                                (g as f64 - w).abs() < 1e-5,
+                                "hq {hq} d {d} past {past} token {i} head {h} col {c}: {g} vs {w}"
+                            );
+                        }
+                    }
+                }
+                let mut one = vec![0f32; hq * dv];
+                decode_attention(&q[(t - 1) * hq * d..], kv, vv, dims, len, scale, &mut one)
+                    .unwrap();
+                assert_eq!(one, out[(t - 1) * hq * dv..], "past {past} t {t}");
+            }
+        }
+        // t == 0 is nothing to do; t past len is refused by name
+        let dims = AttnDims::new(1, 1, 8, 8).unwrap();
+        let z = [0f32; 16];
+        let hm = HeadMajor {
+            data: &z,
+            head_stride: 16,
+        };
+        causal_attention(&[], hm, hm, dims, 0, 2, 1.0, &mut []).unwrap();
+        let r = causal_attention(&[0.0; 24], hm, hm, dims, 3, 2, 1.0, &mut [0.0; 24]);
+        assert!(matches!(r, Err(Error::Invalid { arg: "t", .. })), "{r:?}");
     }
 
     #[test]

@@ -1,7 +1,8 @@
-//! Dense attention of one new token over a head-major decode cache, on the CPU, read in place:
-//! the cache's first `Tk` rows are a strided view of a larger buffer, which Candle's matmul
-//! path (scores, softmax, weighted sum, three ops and their temporaries per layer) handled at
-//! several times the cost at decode.
+//! Dense attention of new tokens over a head-major cache, on the CPU, read in place: the
+//! cache's first `Tk` rows are a strided view of a larger buffer, which Candle's matmul path
+//! (scores, mask, softmax, weighted sum: four ops and their temporaries per layer) handled at
+//! several times the cost at decode, and at twice the work in a prefill (every masked score
+//! computed, then discarded).
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
@@ -40,6 +41,42 @@ pub fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Resul
     let (b, hq, d) = q
         .dims3()
         .map_err(|_| shape_err("q", "[B, Hq, D] (one token per sequence)", q.dims()))?;
+    let o = attend(&q.reshape((b, 1, hq, d))?, k, v, scale, true)?;
+    Ok(o.squeeze(1)?)
+}
+
+/// Causal dense attention of `T` new tokens per sequence over a head-major cache that already
+/// holds them: `q [B, T, Hq, D]`, `k [B, Hkv, Tk, D]`, `v [B, Hkv, Tk, Dv]` as in
+/// [`decode_attention`] (which is `T = 1`), token `i` at position `Tk - T + i` seeing rows
+/// `0..=Tk - T + i`; `o [B, T, Hq, Dv]`. A prefill chunk through the decode fold: no score
+/// matrix, no mask, and no work on the keys a token cannot see.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use fp8nsa_ops::nsa::{causal_attention, decode_attention};
+///
+/// let dev = Device::Cpu;
+/// let cache = Tensor::randn(0f32, 1.0, (1, 2, 64, 16), &dev)?; // room for 64 rows
+/// let k = cache.narrow(2, 0, 10)?; // 10 valid rows, the last 3 the new tokens'
+/// let q = Tensor::randn(0f32, 1.0, (1, 3, 4, 16), &dev)?;
+/// let o = causal_attention(&q, &k, &k, 0.25)?;
+/// assert_eq!(o.dims(), &[1, 3, 4, 16]);
+/// // the first new token sees rows 0..8, as a decode step over 8 rows would
+/// let first = decode_attention(&q.get(0)?.narrow(0, 0, 1)?, &k.narrow(2, 0, 8)?, &k.narrow(2, 0, 8)?, 0.25)?;
+/// let diff = (o.get(0)?.narrow(0, 0, 1)? - first)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert_eq!(diff, 0.0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
+    attend(q, k, v, scale, false)
+}
+
+/// `q [B, T, Hq, D]` over `k` / `v [B, Hkv, Tk, D]`, causal; `one` says the caller is the
+/// one-token form, whose zero-row cache gives zeros instead of an error.
+fn attend(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32, one: bool) -> Result<Tensor> {
+    let (b, t, hq, d) = q
+        .dims4()
+        .map_err(|_| shape_err("q", "[B, T, Hq, D]", q.dims()))?;
     let dims4 = |arg: &'static str, t: &Tensor| -> Result<[usize; 4]> {
         match *t.dims() {
             [b, h, n, w] => Ok([b, h, n, w]),
@@ -68,13 +105,18 @@ pub fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Resul
     }
     for (arg, t) in [("q", q), ("k", k), ("v", v)] {
         if !matches!(t.device(), Device::Cpu) {
-            return Err(invalid(arg, "decode_attention runs on CPU tensors"));
+            return Err(invalid(
+                arg,
+                "attention over a head-major cache runs on CPU tensors",
+            ));
         }
     }
     let op = DecodeOp {
         dims: AttnDims::new(hq, hkv, d, dv)?,
+        t,
         tk,
         scale,
+        one,
         err: ParkedError::new(),
     };
     let o = q
@@ -86,8 +128,12 @@ pub fn decode_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Resul
 
 struct DecodeOp {
     dims: AttnDims,
+    /// New tokens per sequence.
+    t: usize,
     tk: usize,
     scale: f32,
+    /// `decode_attention`: one token, and no rows is zeros rather than an error.
+    one: bool,
     err: ParkedError,
 }
 
@@ -145,20 +191,21 @@ impl CustomOp3 for DecodeOp {
             };
             let q = contiguous("q", qd, ql)?;
             let (kh, vh) = (head_major("k", ks, kl, d)?, head_major("v", vs, vl, dv)?);
-            let b = kh.len();
-            let mut o = vec![0f32; b * hq * dv];
-            for (bi, ob) in o.chunks_exact_mut(hq * dv).enumerate() {
-                fp8nsa_cpu::nsa::decode_attention(
-                    &q[bi * hq * d..(bi + 1) * hq * d],
-                    kh[bi],
-                    vh[bi],
-                    self.dims,
-                    self.tk,
-                    self.scale,
-                    ob,
-                )?;
+            let (b, t) = (kh.len(), self.t);
+            let mut o = vec![0f32; b * t * hq * dv];
+            for (bi, ob) in o.chunks_exact_mut((t * hq * dv).max(1)).enumerate() {
+                let qb = &q[bi * t * hq * d..(bi + 1) * t * hq * d];
+                if self.one {
+                    fp8nsa_cpu::nsa::decode_attention(
+                        qb, kh[bi], vh[bi], self.dims, self.tk, self.scale, ob,
+                    )?;
+                } else {
+                    fp8nsa_cpu::nsa::causal_attention(
+                        qb, kh[bi], vh[bi], self.dims, t, self.tk, self.scale, ob,
+                    )?;
+                }
             }
-            Ok((CpuStorage::F32(o), Shape::from((b, hq, dv))))
+            Ok((CpuStorage::F32(o), Shape::from((b, t, hq, dv))))
         })())
     }
 }
@@ -374,5 +421,62 @@ mod tests {
         // a 2-D q names q (it was candle's "unexpected rank")
         let r = decode_attention(&q.get(0).unwrap(), &k, &v, 0.2);
         assert!(matches!(r, Err(Error::Shape { arg: "q", .. })), "{r:?}");
+    }
+
+    /// A prefill chunk of T tokens per sequence, on strided cache views of two sequences,
+    /// against Candle's score matrix with the causal mask, softmax and weighted sum.
+    #[test]
+    fn causal_chunks_match_masked_candle_softmax() {
+        let dev = Device::Cpu;
+        let (b, hq, hkv, cap, d, dv) = (2, 6, 2, 96, 32, 24);
+        for (past, t) in [(0usize, 7usize), (60, 5), (1, 70)] {
+            let tk = past + t;
+            let kbuf = Tensor::randn(0f32, 1.0, (b, hkv, cap, d), &dev).unwrap();
+            let vbuf = Tensor::randn(0f32, 1.0, (b, hkv, cap, dv), &dev).unwrap();
+            let q = (Tensor::randn(0f32, 1.0, (b, t, hq, d), &dev).unwrap() * 3.0).unwrap();
+            let (k, v) = (
+                kbuf.narrow(2, 0, tk).unwrap(),
+                vbuf.narrow(2, 0, tk).unwrap(),
+            );
+            let got = causal_attention(&q, &k, &v, 0.2).unwrap();
+            assert_eq!(got.dims(), &[b, t, hq, dv]);
+            let g = hq / hkv;
+            let mask: Vec<f32> = (0..t)
+                .flat_map(|i| {
+                    (0..tk).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 })
+                })
+                .collect();
+            let mask = Tensor::from_vec(mask, (t, tk), &dev).unwrap();
+            for bi in 0..b {
+                for h in 0..hq {
+                    let qh = q
+                        .get(bi)
+                        .unwrap()
+                        .narrow(1, h, 1)
+                        .unwrap()
+                        .squeeze(1)
+                        .unwrap();
+                    let kh = k.get(bi).unwrap().get(h / g).unwrap().contiguous().unwrap();
+                    let vh = v.get(bi).unwrap().get(h / g).unwrap().contiguous().unwrap();
+                    let s = (qh.matmul(&kh.t().unwrap()).unwrap() * 0.2).unwrap();
+                    let p = candle_nn::ops::softmax(&(s + &mask).unwrap(), D::Minus1).unwrap();
+                    let want = p.matmul(&vh).unwrap();
+                    let mine = got
+                        .get(bi)
+                        .unwrap()
+                        .narrow(1, h, 1)
+                        .unwrap()
+                        .squeeze(1)
+                        .unwrap();
+                    let diff = fp8nsa_test_support::max_abs_diff(&mine, &want);
+                    assert!(diff < 1e-5, "past {past} t {t} seq {bi} head {h}: {diff}");
+                }
+            }
+        }
+        // more new tokens than the cache holds: named
+        let k = Tensor::zeros((1, 1, 3, 8), DType::F32, &dev).unwrap();
+        let q = Tensor::zeros((1, 4, 1, 8), DType::F32, &dev).unwrap();
+        let r = causal_attention(&q, &k, &k, 1.0);
+        assert!(matches!(r, Err(Error::Invalid { arg: "t", .. })), "{r:?}");
     }
 }
