@@ -36,8 +36,9 @@
 
 pub use fp8nsa_ops::Error as OpsError;
 pub use fp8nsa_ops::{
-    dense_linear, ActQuant, Backend, CudaFp8Kernel, CudaFp8Path, Fp8BlockWeight, Fp8Experts,
-    Fp8Linear, Fp8Moe, Fp8Path, MoeRouter, PjrtRuntime, ScaleDType, Settings, TpuKernel,
+    dense_linear, silu_mul, ActQuant, Backend, CudaFp8Kernel, CudaFp8Path, Fp8BlockWeight,
+    Fp8Experts, Fp8Linear, Fp8Moe, Fp8Path, MoeRouter, PjrtRuntime, ScaleDType, Settings,
+    TpuKernel,
 };
 pub use fp8nsa_ops::{Error, Result};
 /// The shared vocabulary (shapes, sequences, selections as spans, kernel choices, settings)

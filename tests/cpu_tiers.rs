@@ -222,6 +222,68 @@ fn decode_check(rng: &mut StdRng, tier: Tier) {
     }
 }
 
+/// The prefill fold (`causal_attention`, a chunk of new tokens over its own prefix) and
+/// SwiGLU's `silu_mul` against f64.
+fn prefill_check(rng: &mut StdRng, tier: Tier) {
+    let (hq, hkv, d, past, t) = (6, 2, 64, 37, 30);
+    let tk = past + t;
+    let (k, v) = (gaussian(rng, hkv * tk * d), gaussian(rng, hkv * tk * d));
+    let q: Vec<f32> = gaussian(rng, t * hq * d).iter().map(|x| x * 3.0).collect();
+    let o = fp8nsa::nsa::causal_attention(
+        &tensor(q.clone(), &[1, t, hq, d]),
+        &tensor(k.clone(), &[1, hkv, tk, d]),
+        &tensor(v.clone(), &[1, hkv, tk, d]),
+        0.125,
+    )
+    .unwrap();
+    let o: Vec<f32> = o.flatten_all().unwrap().to_vec1().unwrap();
+    for i in 0..t {
+        for h in 0..hq {
+            let kvh = h / (hq / hkv);
+            let qh = &q[(i * hq + h) * d..][..d];
+            let n = past + i + 1;
+            let s: Vec<f64> = (0..n)
+                .map(|j| {
+                    let kr = &k[(kvh * tk + j) * d..][..d];
+                    0.125
+                        * qh.iter()
+                            .zip(kr)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum::<f64>()
+                })
+                .collect();
+            let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let p: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+            let z: f64 = p.iter().sum();
+            for c in 0..d {
+                let want: f64 = (0..n)
+                    .map(|j| p[j] * v[(kvh * tk + j) * d + c] as f64)
+                    .sum::<f64>()
+                    / z;
+                let got = o[(i * hq + h) * d + c] as f64;
+                assert!(
+                    (got - want).abs() < 1e-5 * (1.0 + want.abs()),
+                    "{tier:?} causal token {i} h {h} c {c}: {got} vs {want}"
+                );
+            }
+        }
+    }
+    let n = 3 * 1024 + 5;
+    let g: Vec<f32> = gaussian(rng, n).iter().map(|x| x * 6.0).collect();
+    let u = gaussian(rng, n);
+    let y = fp8nsa::silu_mul(&tensor(g.clone(), &[n]), &tensor(u.clone(), &[n])).unwrap();
+    let y: Vec<f32> = y.to_vec1().unwrap();
+    for i in 0..n {
+        let (g, u) = (g[i] as f64, u[i] as f64);
+        let want = g / (1.0 + (-g).exp()) * u;
+        assert!(
+            (y[i] as f64 - want).abs() <= 1e-6 * want.abs() + 1e-30,
+            "{tier:?} silu_mul {i}: {} vs {want}",
+            y[i]
+        );
+    }
+}
+
 fn tensor_i32(v: Vec<i32>, dims: &[usize]) -> Tensor {
     Tensor::from_vec(v, dims, &candle_core::Device::Cpu).unwrap()
 }
@@ -242,6 +304,7 @@ fn every_tier_matches_the_reference() {
         fp8_sweep(&mut rng, tier);
         nsa_check(&mut rng, tier);
         decode_check(&mut rng, tier);
+        prefill_check(&mut rng, tier);
     }
     Tier::cap(Tier::Avx512Bf16);
     assert_eq!(Tier::current(), Tier::detected());

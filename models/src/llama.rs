@@ -112,7 +112,7 @@ impl Mlp {
         Ok(match self {
             Mlp::Dense { gate, up, down } => {
                 let [g, u] = forward_all([gate, up], y)?;
-                down.forward(&(candle_nn::ops::silu(&g)? * u)?)?
+                down.forward(&fp8nsa_ops::silu_mul(&g, &u)?)?
             }
             Mlp::Moe(moe) => moe.forward(y)?,
             Mlp::Shared { routed, shared } => (routed.forward(y)? + shared.forward(y)?)?,
@@ -124,7 +124,7 @@ impl Mlp {
                 for ([gate, up, down], &c) in experts.iter().zip(&r.counts) {
                     if c > 0 {
                         let xs = xp.narrow(0, r0, c)?;
-                        let a = (candle_nn::ops::silu(&gate.forward(&xs)?)? * up.forward(&xs)?)?;
+                        let a = fp8nsa_ops::silu_mul(&gate.forward(&xs)?, &up.forward(&xs)?)?;
                         parts.push(down.forward(&a)?);
                         r0 += c;
                     }

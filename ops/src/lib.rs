@@ -13,6 +13,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod act;
 pub mod backend;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -23,6 +24,7 @@ pub mod nsa;
 pub mod reference;
 mod storage;
 
+pub use act::silu_mul;
 pub use backend::{Backend, PjrtRuntime};
 pub use dense::dense_linear;
 pub use error::{Error, Result};

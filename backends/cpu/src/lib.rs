@@ -16,6 +16,7 @@
 //! assert_eq!(fp8::e4m3_to_f32(fp8::f32_to_e4m3(448.0)), 448.0);
 //! ```
 
+pub mod act;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]

@@ -106,7 +106,7 @@ impl Fp8Moe {
         let xp = x2.index_select(&r.rows, 0)?;
         let g = self.gate.forward_contiguous(&xp, &r.counts)?;
         let u = self.up.forward_contiguous(&xp, &r.counts)?;
-        let a = (g.silu()? * u)?;
+        let a = crate::silu_mul(&g, &u)?;
         let d = self.down.forward_contiguous(&a, &r.counts)?;
         Ok(r.combine(&d)?.reshape(x.dims())?.to_dtype(x.dtype())?)
     }

@@ -233,7 +233,7 @@ impl ExpertParallel {
         let xp = x2.index_select(&local.rows, 0)?;
         let g = self.gate.forward_contiguous(&xp, &local.counts)?;
         let u = self.up.forward_contiguous(&xp, &local.counts)?;
-        let a = (g.silu()? * u)?;
+        let a = crate::silu_mul(&g, &u)?;
         let d = self.down.forward_contiguous(&a, &local.counts)?;
         Ok(local.combine(&d)?.reshape(out_dims)?)
     }
