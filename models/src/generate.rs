@@ -58,7 +58,7 @@ pub fn generate(
         Sampling::Greedy => rand::rngs::StdRng::seed_from_u64(0),
     };
     let mut out = Vec::with_capacity(max_new);
-    let mut logits = model.forward(prompt, cache)?;
+    let mut logits = model.forward_logits(prompt, cache, crate::Logits::Last)?;
     for _ in 0..max_new {
         let last = logits.get(logits.dims()[0] - 1)?;
         let next = pick(&last, sampling, &mut rng)?;

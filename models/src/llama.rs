@@ -405,6 +405,32 @@ impl Llama {
 
     /// Logits `[T, vocab]` (f32) of `tokens`, appended to what `cache` has seen.
     pub fn forward(&self, tokens: &[u32], cache: &mut Cache) -> Result<Tensor> {
+        self.forward_logits(tokens, cache, Logits::All)
+    }
+
+    /// [`Self::forward`] with the logits `which` asks for: [`Logits::Last`] gives `[1, vocab]`
+    /// for the last token only (what sampling after a prompt needs: the head, a fifth of
+    /// SmolLM2's prefill work, runs over one row instead of all of them).
+    ///
+    /// ```
+    /// use fp8nsa_models::{Llama, LlamaConfig, Logits, ModelOptions, Weights};
+    ///
+    /// let cfg = LlamaConfig::tiny();
+    /// let model = Llama::new(&cfg, &Weights::random(&cfg, 7)?, &ModelOptions::default())?;
+    /// let (mut a, mut b) = (model.new_cache(), model.new_cache());
+    /// let all = model.forward(&[1, 2, 3], &mut a)?;
+    /// let last = model.forward_logits(&[1, 2, 3], &mut b, Logits::Last)?;
+    /// assert_eq!(last.dims(), &[1, cfg.vocab_size]);
+    /// let diff = (all.narrow(0, 2, 1)? - last)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    /// assert!(diff < 1e-5);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn forward_logits(
+        &self,
+        tokens: &[u32],
+        cache: &mut Cache,
+        which: Logits,
+    ) -> Result<Tensor> {
         // The step runs on a thread of the rayon pool its kernels use, so each parallel kernel
         // starts on a running worker with the caller's thread taking part. Called from outside
         // the pool, every kernel would instead queue its work, wake the workers and put the
@@ -412,13 +438,13 @@ impl Llama {
         // CPU weights: a CUDA backend keeps per-thread library handles, which steps wandering
         // across workers would multiply.)
         if self.embed.embeddings().device().is_cpu() {
-            rayon::scope(|_| self.forward_in_pool(tokens, cache))
+            rayon::scope(|_| self.forward_in_pool(tokens, cache, which))
         } else {
-            self.forward_in_pool(tokens, cache)
+            self.forward_in_pool(tokens, cache, which)
         }
     }
 
-    fn forward_in_pool(&self, tokens: &[u32], cache: &mut Cache) -> Result<Tensor> {
+    fn forward_in_pool(&self, tokens: &[u32], cache: &mut Cache, which: Logits) -> Result<Tensor> {
         let t = tokens.len();
         if t == 0 {
             return Err(crate::error::invalid("tokens", "needs at least one token"));
@@ -445,6 +471,9 @@ impl Llama {
             x = (x + h)?;
             let m = b.mlp.forward(&b.ln2.forward(&x)?)?;
             x = (x + m)?;
+        }
+        if which == Logits::Last {
+            x = x.narrow(1, t - 1, 1)?;
         }
         let logits = self.lm_head.forward(&self.norm.forward(&x)?)?.squeeze(0)?;
         // the whole step succeeded: the positions each layer wrote now count
