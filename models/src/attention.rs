@@ -445,10 +445,8 @@ impl Attention {
         let o = if matches!(self.imp, Impl::Dense) && q.device().is_cpu() && q.dtype() == DType::F32
         {
             // every new token (a decode step's one, a prefill chunk's many) attends through one
-            // paged kernel reading the pages in place, as one query row over its own prefix
+            // paged kernel reading the pages in place, each over the rows up to its own
             let mut off = 0;
-            let mut lists: Vec<&[usize]> = Vec::with_capacity(m);
-            let mut lens = Vec::with_capacity(m);
             for (&(pos, t), seq) in segs.iter().zip(seqs.iter_mut()) {
                 pool.write(
                     layer,
@@ -459,23 +457,24 @@ impl Attention {
                 )?;
                 off += t;
             }
+            let mut lists: Vec<&[usize]> = Vec::with_capacity(segs.len());
             let mut kv = None;
-            for (&(pos, t), seq) in segs.iter().zip(seqs.iter()) {
+            for seq in seqs.iter() {
                 let (pools, pages) = pool.dense(layer, seq)?;
                 kv = Some(pools);
-                for j in 0..t {
-                    lists.push(pages);
-                    lens.push(pos + j + 1);
-                }
+                lists.push(pages);
             }
+            let lens: Vec<usize> = segs.iter().map(|&(pos, t)| pos + t).collect();
+            let news: Vec<usize> = segs.iter().map(|&(_, t)| t).collect();
             let (kp, vp) = kv.ok_or_else(|| invalid("seqs", "an empty batch"))?;
             let scale = 1.0 / (self.hd as f32).sqrt();
-            fp8nsa_ops::nsa::decode_attention_paged(
+            fp8nsa_ops::nsa::causal_attention_paged(
                 &q.squeeze(0)?,
                 kp,
                 vp,
                 &lists,
                 &lens,
+                &news,
                 pool.page_size(),
                 scale,
             )?

@@ -716,6 +716,30 @@ pub fn causal_attention(
         return Ok(());
     }
     let g = hq / hkv;
+    #[cfg(target_arch = "x86_64")]
+    if t > 1 && blocked_fast(g, dv) {
+        // a prefill chunk: tasks of a few tokens' rows per kv head, blocked
+        let bt = block_tokens(g);
+        let tasks: Vec<(usize, usize)> = (0..t)
+            .step_by(bt)
+            .flat_map(|i0| (0..hkv).map(move |h| (i0, h)))
+            .collect();
+        let outs: Vec<Vec<f32>> = tasks
+            .par_iter()
+            .map(|&(i0, h)| {
+                let i1 = (i0 + bt).min(t);
+                let (rows, lim) = block_rows(q, (i0, i1), len - t + 1, (h, g, hq, d), scale);
+                let mut o = vec![0f32; lim.len() * dv];
+                // SAFETY: `blocked_fast` held: the AVX2 tier, only detected with AVX2 and FMA.
+                unsafe { attend_blocked(&rows, &lim, k.head(h), v.head(h), |j| j, d, dv, &mut o) };
+                o
+            })
+            .collect();
+        for (&(i0, h), o) in tasks.iter().zip(&outs) {
+            scatter_rows(o, i0, (h, g, hq, dv), out);
+        }
+        return Ok(());
+    }
     // one task per token and kv head, its G query heads together: the head's keys and values
     // are read once per token, not once per query head. With fewer tasks than threads (a
     // decode step of MLA's one latent head) a head's query heads are split into as few groups
@@ -739,6 +763,231 @@ pub fn causal_attention(
         head.attend([(0, len - t + tok + 1)], scale, o);
     });
     Ok(())
+}
+
+/// Query rows per task of the blocked kernel (a whole number of tokens, each with its G heads).
+const BLOCK_ROWS: usize = 48;
+
+/// Whether [`attend_blocked`] runs for G query heads per kv head and value rows of `dv`: the
+/// AVX2 tier, `dv` a multiple of the micro-kernel's 16 columns, G at most [`BLOCK_ROWS`].
+fn blocked_fast(g: usize, dv: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if dv.is_multiple_of(16)
+        && g <= BLOCK_ROWS
+        && crate::simd::Tier::current() >= crate::simd::Tier::Avx2
+    {
+        return true;
+    }
+    let _ = (g, dv);
+    false
+}
+
+/// Tokens per task of the blocked kernel for G query heads per kv head.
+fn block_tokens(g: usize) -> usize {
+    (BLOCK_ROWS / g).max(1)
+}
+
+/// Softmax attention of the query rows `q [nr, d]` (prescaled), row `r` seeing keys
+/// `0..lim[r]`, over one kv head whose key `j` is row `row(j)` of `k [.., d]` / `v [.., dv]`:
+/// `o [nr, dv]`. The same online softmax as the fold, blocked for a chunk of prefill tokens
+/// whose rows share their keys: 64 keys at a time (their keys transposed once), six rows per
+/// micro-kernel call for the scores and again for the weighted sum, so each key and value
+/// load feeds six rows instead of one. The special values follow the fold: a `-inf` score (an
+/// infinite key) is NaN, NaN scores are left out of the max, a row without keys is zeros; a
+/// non-finite value reaches only the rows that attend its key.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA (as [`blocked_fast`] checks); the sizes are checked,
+/// panicking.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_blocked(
+    q: &[f32],
+    lim: &[usize],
+    k: &[f32],
+    v: &[f32],
+    row: impl Fn(usize) -> usize,
+    d: usize,
+    dv: usize,
+    o: &mut [f32],
+) {
+    use crate::x86::{mk_6x16, MK_MR as MR, MK_NR as NR};
+    // keys per softmax step: four of the micro-kernel's column groups, so each row's max,
+    // rescale and exponentials serve 64 keys
+    const KC: usize = 4 * NR;
+    let nr = lim.len();
+    let nb = nr.div_ceil(MR);
+    // the rows as [block][d][6], zeros past nr
+    let mut qp = vec![0f32; nb * d * MR];
+    for (r, qr) in q.chunks_exact(d).take(nr).enumerate() {
+        let blk = &mut qp[(r / MR) * d * MR..];
+        for (c, &x) in qr.iter().enumerate() {
+            blk[c * MR + r % MR] = x;
+        }
+    }
+    let mut kt = vec![0f32; d * KC];
+    let mut vc = vec![0f32; KC * dv];
+    let mut sb = vec![0f32; MR * KC];
+    let mut pp = vec![0f32; KC * MR];
+    let mut acc = vec![0f32; nb * MR * dv];
+    let (mut m, mut l) = (vec![f32::NEG_INFINITY; nr], vec![0f32; nr]);
+    let end = lim.iter().copied().max().unwrap_or(0);
+    for j0 in (0..end).step_by(KC) {
+        let kc = KC.min(end - j0);
+        // column groups of 16 keys that hold any key
+        let groups = kc.div_ceil(NR);
+        let mut finite_v = true;
+        for jj in 0..groups * NR {
+            if jj < kc {
+                let rj = row(j0 + jj);
+                for (c, &x) in k[rj * d..(rj + 1) * d].iter().enumerate() {
+                    kt[c * KC + jj] = x;
+                }
+                let vr = &v[rj * dv..(rj + 1) * dv];
+                // an all-ones exponent is Inf or NaN; OR-ed without a branch, so it vectorizes
+                let special = vr.iter().fold(0u32, |a, &x| {
+                    a | u32::from(x.to_bits() & 0x7f80_0000 == 0x7f80_0000)
+                });
+                finite_v &= special == 0;
+                vc[jj * dv..(jj + 1) * dv].copy_from_slice(vr);
+            } else {
+                for c in 0..d {
+                    kt[c * KC + jj] = 0.0;
+                }
+                vc[jj * dv..(jj + 1) * dv].fill(0.0);
+            }
+        }
+        for b in 0..nb {
+            // how many of the chunk's keys each row of the block sees
+            let see: [usize; MR] = std::array::from_fn(|rr| {
+                let r = b * MR + rr;
+                if r < nr {
+                    lim[r].saturating_sub(j0).min(kc)
+                } else {
+                    0
+                }
+            });
+            let most = see.iter().copied().max().unwrap_or(0);
+            if most == 0 {
+                continue;
+            }
+            let used = most.div_ceil(NR); // column groups any row of the block sees
+            for jc in 0..used {
+                // SAFETY: this function runs only with AVX2 and FMA (its contract); the
+                // kernel checks the sizes.
+                unsafe {
+                    mk_6x16(
+                        d,
+                        &qp[b * d * MR..],
+                        &kt[jc * NR..],
+                        KC,
+                        &mut sb[jc * NR..],
+                        KC,
+                        None,
+                    )
+                };
+            }
+            let width = used * NR;
+            let mut alpha = [1f32; MR];
+            for (rr, &n) in see.iter().enumerate() {
+                let r = b * MR + rr;
+                let sr = &mut sb[rr * KC..rr * KC + width];
+                if n == 0 {
+                    for jj in 0..width {
+                        pp[jj * MR + rr] = 0.0;
+                    }
+                    continue;
+                }
+                for x in &mut sr[..n] {
+                    if *x == f32::NEG_INFINITY {
+                        *x = f32::NAN;
+                    }
+                }
+                let mx = sr[..n].iter().fold(m[r], |a, &b| a.max(b));
+                let al = (m[r] - mx).exp();
+                // the exponentials in place, the keys past the row's limit zeroed, summed by
+                // sixteen lanes
+                let mut lanes = [0f32; NR];
+                for (g16, chunk) in sr.chunks_exact_mut(NR).enumerate() {
+                    for (jj, x) in chunk.iter_mut().enumerate() {
+                        let p = exp_nonpos(*x - mx);
+                        *x = if g16 * NR + jj < n { p } else { 0.0 };
+                    }
+                    for (a, &x) in lanes.iter_mut().zip(chunk.iter()) {
+                        *a += x;
+                    }
+                }
+                for (jj, &p) in sr.iter().enumerate() {
+                    pp[jj * MR + rr] = p;
+                }
+                m[r] = mx;
+                l[r] = l[r] * al + crate::simd::hsum16(lanes);
+                alpha[rr] = al;
+            }
+            let ab = &mut acc[b * MR * dv..(b + 1) * MR * dv];
+            if finite_v {
+                for c0 in (0..dv).step_by(NR) {
+                    // SAFETY: as above.
+                    unsafe { mk_6x16(width, &pp, &vc[c0..], dv, &mut ab[c0..], dv, Some(&alpha)) };
+                }
+            } else {
+                // 0 · inf is NaN: each row adds only the values of the keys it sees
+                for (rr, &n) in see.iter().enumerate() {
+                    let orow = &mut ab[rr * dv..(rr + 1) * dv];
+                    for x in orow.iter_mut() {
+                        *x *= alpha[rr];
+                    }
+                    for jj in 0..n {
+                        let p = pp[jj * MR + rr];
+                        for (x, &y) in orow.iter_mut().zip(&vc[jj * dv..(jj + 1) * dv]) {
+                            *x += p * y;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for ((orow, arow), &l) in o.chunks_exact_mut(dv).zip(acc.chunks_exact(dv)).zip(&l) {
+        // l is 0 only without keys (zeros, as in the fold); a NaN l stays NaN
+        let inv = if l != 0.0 { 1.0 / l } else { 0.0 };
+        for (x, &a) in orow.iter_mut().zip(arow) {
+            *x = a * inv;
+        }
+    }
+}
+
+/// The rows of a blocked task: tokens `i0..i1` of a chunk whose token `i` sits at query row
+/// `i` of `q [.., hq, d]` and sees `lim0 + i` keys, kv head `h`'s G query heads each.
+/// Returns the prescaled query rows and their key limits, row `(i - i0) · g + gi`.
+fn block_rows(
+    q: &[f32],
+    (i0, i1): (usize, usize),
+    lim0: usize,
+    (h, g, hq, d): (usize, usize, usize, usize),
+    scale: f32,
+) -> (Vec<f32>, Vec<usize>) {
+    let mut rows = Vec::with_capacity((i1 - i0) * g * d);
+    let mut lim = Vec::with_capacity((i1 - i0) * g);
+    for i in i0..i1 {
+        let qi = &q[(i * hq + h * g) * d..(i * hq + (h + 1) * g) * d];
+        rows.extend(qi.iter().map(|x| x * scale));
+        lim.extend(std::iter::repeat_n(lim0 + i, g));
+    }
+    (rows, lim)
+}
+
+/// Writes a blocked task's output rows (as [`block_rows`] orders them) into `out [.., hq, dv]`.
+fn scatter_rows(
+    o: &[f32],
+    i0: usize,
+    (h, g, hq, dv): (usize, usize, usize, usize),
+    out: &mut [f32],
+) {
+    for (r, orow) in o.chunks_exact(g * dv).enumerate() {
+        let i = i0 + r;
+        out[(i * hq + h * g) * dv..(i * hq + (h + 1) * g) * dv].copy_from_slice(orow);
+    }
 }
 
 impl<'a> HeadMajor<'a> {
@@ -860,6 +1109,78 @@ pub fn decode_attention_paged(
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
+    let chunks: Vec<PagedChunk<'_>> = seqs
+        .iter()
+        .map(|s| PagedChunk {
+            pages: s.pages,
+            len: s.len,
+            new: 1,
+        })
+        .collect();
+    attention_paged(q, k, v, dims, page_size, &chunks, scale, out, true)
+}
+
+/// One sequence of [`causal_attention_paged`]: its pages in order, how many rows they hold
+/// (`len`, its new tokens' rows included) and how many of those are new (`new`, the last ones).
+#[derive(Clone, Copy, Debug)]
+pub struct PagedChunk<'a> {
+    pub pages: &'a [usize],
+    pub len: usize,
+    pub new: usize,
+}
+
+/// [`causal_attention`] for a batch of sequences in pages of a shared pool, read in place (the
+/// pool as [`decode_attention_paged`] reads it): sequence `s` brings `new` query tokens, at
+/// positions `len - new .. len`, each seeing the rows up to its own. `q` is `[Σ new, hq, d]`
+/// (the sequences' tokens in turn), `out` `[Σ new, hq, dv]`. A serving step's prefill chunks
+/// and decode tokens in one parallel region; [`decode_attention_paged`] is the case of one new
+/// token each. A sequence with `new = 0` contributes no rows; `new > len` is
+/// [`Error::Invalid`].
+///
+/// ```
+/// use fp8nsa_cpu::nsa::{causal_attention, causal_attention_paged, HeadMajor, PagedChunk};
+/// use fp8nsa_types::AttnDims;
+///
+/// let dims = AttnDims::new(1, 1, 1, 1)?;
+/// // a pool of 3 pages of 2 rows; the sequence holds pages 2 then 0: rows 4, 5, 0
+/// let k = [0f32, 0.0, 9.0, 9.0, 0.0, 0.0];
+/// let v = [5f32, 0.0, 9.0, 9.0, 1.0, 3.0];
+/// let pool = |data| HeadMajor { data, head_stride: 6 };
+/// let seq = PagedChunk { pages: &[2, 0], len: 3, new: 2 };
+/// let mut out = [0f32; 2];
+/// causal_attention_paged(&[1.0, 1.0], pool(&k), pool(&v), dims, 2, &[seq], 1.0, &mut out)?;
+/// assert!((out[0] - 2.0).abs() < 1e-6); // equal scores over rows 4 and 5: mean of 1 and 3
+/// assert!((out[1] - 3.0).abs() < 1e-6); // and row 0: mean of 1, 3 and 5
+/// # Ok::<(), fp8nsa_cpu::Error>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention_paged(
+    q: &[f32],
+    k: HeadMajor<'_>,
+    v: HeadMajor<'_>,
+    dims: AttnDims,
+    page_size: usize,
+    seqs: &[PagedChunk<'_>],
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    attention_paged(q, k, v, dims, page_size, seqs, scale, out, false)
+}
+
+/// [`causal_attention_paged`]; `decode` names the sequences `seqs` in errors, as
+/// [`decode_attention_paged`] did.
+#[allow(clippy::too_many_arguments)]
+fn attention_paged(
+    q: &[f32],
+    k: HeadMajor<'_>,
+    v: HeadMajor<'_>,
+    dims: AttnDims,
+    page_size: usize,
+    seqs: &[PagedChunk<'_>],
+    scale: f32,
+    out: &mut [f32],
+    decode: bool,
+) -> Result<()> {
     let (hq, hkv, d, dv) = (dims.hq(), dims.hkv(), dims.d(), dims.dv());
     if !hq.is_multiple_of(hkv) {
         return Err(Error::Invalid {
@@ -868,9 +1189,15 @@ pub fn decode_attention_paged(
         });
     }
     check_positive("page_size", page_size)?;
-    let b = seqs.len();
-    check_len("q", q.len(), b * hq * d)?;
-    check_len("out", out.len(), b * hq * dv)?;
+    if let Some((i, s)) = seqs.iter().enumerate().find(|(_, s)| s.new > s.len) {
+        return Err(Error::Invalid {
+            arg: "seqs",
+            msg: format!("sequence {i}: {} new rows of {}", s.new, s.len),
+        });
+    }
+    let total: usize = seqs.iter().map(|s| s.new).sum();
+    check_len("q", q.len(), total * hq * d)?;
+    check_len("out", out.len(), total * hq * dv)?;
     for (arg, kv, w) in [("k", k, d), ("v", v, dv)] {
         let rows = kv.head_stride / w;
         if kv.data.len() < (hkv - 1) * kv.head_stride + rows * w {
@@ -912,23 +1239,78 @@ pub fn decode_attention_paged(
         }
     }
     let g = hq / hkv;
-    // one task per sequence and kv head, its G query heads together (as `decode_attention`)
-    out.par_chunks_mut(g * dv).enumerate().for_each(|(i, o)| {
-        let (s, h) = (&seqs[i / hkv], i % hkv);
-        let head = HeadRows {
-            q: &q[i * g * d..(i + 1) * g * d],
-            k: k.head(h),
-            v: v.head(h),
-            d,
-            dv,
-        };
-        let pages = &s.pages[..s.len.div_ceil(page_size)];
-        let runs = pages
+    // the pool rows of a sequence's first n rows, page by page
+    fn runs<'p>(
+        pages: &'p [usize],
+        page_size: usize,
+        n: usize,
+    ) -> impl Iterator<Item = (usize, usize)> + 'p {
+        pages[..n.div_ceil(page_size)]
             .iter()
             .enumerate()
-            .map(|(pi, &page)| (page * page_size, page_size.min(s.len - pi * page_size)));
-        head.attend(runs, scale, o);
-    });
+            .map(move |(pi, &page)| (page * page_size, page_size.min(n - pi * page_size)))
+    }
+    if decode || seqs.iter().all(|s| s.new == 1) {
+        // one token each: one task per sequence and kv head, its G query heads together (as
+        // `decode_attention`), written in place
+        out.par_chunks_mut(g * dv).enumerate().for_each(|(i, o)| {
+            let (s, h) = (&seqs[i / hkv], i % hkv);
+            let head = HeadRows {
+                q: &q[i * g * d..(i + 1) * g * d],
+                k: k.head(h),
+                v: v.head(h),
+                d,
+                dv,
+            };
+            head.attend(runs(s.pages, page_size, s.len), scale, o);
+        });
+        return Ok(());
+    }
+    // tasks of a few tokens of one sequence and one kv head: blocked where it runs, else the
+    // fold token by token; each returns its rows, moved into `out` after
+    let blocked = blocked_fast(g, dv);
+    let bt = if blocked { block_tokens(g) } else { 1 };
+    let mut tasks = Vec::new(); // (sequence, its first query row in q, i0, i1, kv head)
+    let mut r0 = 0;
+    for (si, s) in seqs.iter().enumerate() {
+        for i0 in (0..s.new).step_by(bt) {
+            for h in 0..hkv {
+                tasks.push((si, r0, i0, (i0 + bt).min(s.new), h));
+            }
+        }
+        r0 += s.new;
+    }
+    let outs: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(si, r0, i0, i1, h)| {
+            let s = &seqs[si];
+            let lim0 = s.len - s.new + 1;
+            let qs = &q[r0 * hq * d..];
+            let mut o = vec![0f32; (i1 - i0) * g * dv];
+            #[cfg(target_arch = "x86_64")]
+            if blocked && i1 - i0 > 1 {
+                let (rows, lim) = block_rows(qs, (i0, i1), lim0, (h, g, hq, d), scale);
+                let row = |j: usize| s.pages[j / page_size] * page_size + j % page_size;
+                // SAFETY: `blocked_fast` held: the AVX2 tier, only detected with AVX2 and FMA.
+                unsafe { attend_blocked(&rows, &lim, k.head(h), v.head(h), row, d, dv, &mut o) };
+                return o;
+            }
+            for (i, oi) in (i0..i1).zip(o.chunks_exact_mut(g * dv)) {
+                let head = HeadRows {
+                    q: &qs[(i * hq + h * g) * d..(i * hq + (h + 1) * g) * d],
+                    k: k.head(h),
+                    v: v.head(h),
+                    d,
+                    dv,
+                };
+                head.attend(runs(s.pages, page_size, lim0 + i), scale, oi);
+            }
+            o
+        })
+        .collect();
+    for (&(_, r0, i0, _, h), o) in tasks.iter().zip(&outs) {
+        scatter_rows(o, i0, (h, g, hq, dv), &mut out[r0 * hq * dv..]);
+    }
     Ok(())
 }
 
@@ -1265,7 +1647,9 @@ mod tests {
                 let mut one = vec![0f32; hq * dv];
                 decode_attention(&q[(t - 1) * hq * d..], kv, vv, dims, len, scale, &mut one)
                     .unwrap();
-                assert_eq!(one, out[(t - 1) * hq * dv..], "past {past} t {t}");
+                for (a, b) in one.iter().zip(&out[(t - 1) * hq * dv..]) {
+                    assert!((a - b).abs() < 1e-5, "past {past} t {t}: {a} vs {b}");
+                }
             }
         }
         // t == 0 is nothing to do; t past len is refused by name
@@ -1278,6 +1662,115 @@ mod tests {
         causal_attention(&[], hm, hm, dims, 0, 2, 1.0, &mut []).unwrap();
         let r = causal_attention(&[0.0; 24], hm, hm, dims, 3, 2, 1.0, &mut [0.0; 24]);
         assert!(matches!(r, Err(Error::Invalid { arg: "t", .. })), "{r:?}");
+    }
+
+    /// Same value up to 1e-5, or the same non-finite value.
+    fn same(a: f32, b: f32) -> bool {
+        (a.is_nan() && b.is_nan()) || a == b || (a - b).abs() < 1e-5
+    }
+
+    /// The paged causal kernel against one decode step per token (the fold, checked against
+    /// f64 above) over the same rows: sequences with one new token, a chunk across the 64-key
+    /// step and the row blocks, and one whose keys and values hold an infinite value and a NaN
+    /// key in the chunk (only the tokens that see them may change); head sizes for the blocked
+    /// kernel and for the fold (dv = 20).
+    #[test]
+    fn paged_causal_chunks_equal_decode_steps_token_by_token() {
+        use fp8nsa_test_support::{gaussian, rng};
+        let mut r = rng("paged_causal_chunks_equal_decode_steps_token_by_token");
+        for (hq, hkv, d, dv) in [
+            (9usize, 3usize, 64usize, 64usize),
+            (4, 2, 20, 20),
+            (8, 1, 32, 16),
+        ] {
+            let (ps, pool_pages) = (16usize, 24usize);
+            let rows = ps * pool_pages;
+            let dims = AttnDims::new(hq, hkv, d, dv).unwrap();
+            let mut k = gaussian(&mut r, hkv * rows * d);
+            let mut v = gaussian(&mut r, hkv * rows * dv);
+            // (pages, len, new): a decode token, a 70-token chunk after 30, a 40-token chunk
+            let seqs = [
+                (vec![3usize, 9], 20usize, 1usize),
+                (vec![0, 7, 2, 11, 5, 8, 1], 100, 70),
+                (vec![4, 6, 10], 40, 40),
+            ];
+            let row = |pages: &[usize], j: usize| pages[j / ps] * ps + j % ps;
+            // the third sequence: an infinite value at position 10, a NaN key at 25, both kv
+            // heads' rows (so both groups of query heads meet them)
+            for h in 0..hkv {
+                v[(h * rows + row(&seqs[2].0, 10)) * dv + 3] = f32::INFINITY;
+                k[(h * rows + row(&seqs[2].0, 25)) * d + 1] = f32::NAN;
+            }
+            let total: usize = seqs.iter().map(|s| s.2).sum();
+            let q: Vec<f32> = gaussian(&mut r, total * hq * d)
+                .iter()
+                .map(|x| x * 2.0)
+                .collect();
+            let chunks: Vec<PagedChunk<'_>> = seqs
+                .iter()
+                .map(|(p, len, new)| PagedChunk {
+                    pages: p,
+                    len: *len,
+                    new: *new,
+                })
+                .collect();
+            let kp = HeadMajor {
+                data: &k,
+                head_stride: rows * d,
+            };
+            let vp = HeadMajor {
+                data: &v,
+                head_stride: rows * dv,
+            };
+            let mut out = vec![f32::NAN; total * hq * dv];
+            causal_attention_paged(&q, kp, vp, dims, ps, &chunks, 0.2, &mut out).unwrap();
+            let mut r0 = 0;
+            for (si, (pages, len, new)) in seqs.iter().enumerate() {
+                for i in 0..*new {
+                    let qi = &q[(r0 + i) * hq * d..(r0 + i + 1) * hq * d];
+                    let step = PagedSeq {
+                        pages,
+                        len: len - new + i + 1,
+                    };
+                    let mut want = vec![0f32; hq * dv];
+                    decode_attention_paged(qi, kp, vp, dims, ps, &[step], 0.2, &mut want).unwrap();
+                    let got = &out[(r0 + i) * hq * dv..(r0 + i + 1) * hq * dv];
+                    for (c, (&a, &b)) in got.iter().zip(&want).enumerate() {
+                        assert!(same(a, b), "d {d} seq {si} token {i} value {c}: {a} vs {b}");
+                    }
+                    if si == 2 && i < 10 {
+                        assert!(
+                            got.iter().all(|x| x.is_finite()),
+                            "token {i} saw a later key"
+                        );
+                    }
+                    if si == 2 && i >= 25 {
+                        assert!(
+                            got.iter().all(|x| x.is_nan()),
+                            "token {i} missed the NaN key"
+                        );
+                    }
+                }
+                r0 += new;
+            }
+        }
+        // more new rows than the sequence holds: named
+        let dims = AttnDims::new(1, 1, 8, 8).unwrap();
+        let z = [0f32; 32];
+        let hm = HeadMajor {
+            data: &z,
+            head_stride: 32,
+        };
+        let bad = [PagedChunk {
+            pages: &[0],
+            len: 2,
+            new: 3,
+        }];
+        let r = causal_attention_paged(&[0.0; 24], hm, hm, dims, 4, &bad, 1.0, &mut [0.0; 24]);
+        assert!(
+            matches!(r, Err(Error::Invalid { arg: "seqs", .. })),
+            "{r:?}"
+        );
     }
 
     #[test]

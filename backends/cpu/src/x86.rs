@@ -458,6 +458,89 @@ pub(crate) unsafe fn fold_chunk8(
     }
 }
 
+/// Rows per [`mk_6x16`] call.
+pub(crate) const MK_MR: usize = 6;
+/// Columns per [`mk_6x16`] call.
+pub(crate) const MK_NR: usize = 16;
+
+/// The f32 micro-kernel of the blocked attention: `c[r · ldc + j] = alpha[r] · c[r · ldc + j]
+/// + Σ_kk a[kk · 6 + r] · b[kk · ldb + j]` for `r < 6`, `j < 16` (`alpha` `None`: `c` is
+/// overwritten, no read). Twelve accumulators (6 x 2 vectors) stay in registers: per `kk`,
+/// two loads of `b` and six broadcasts of `a` feed twelve FMAs.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA (the sizes are checked, panicking).
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn mk_6x16(
+    kc: usize,
+    a: &[f32],
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+    alpha: Option<&[f32; MK_MR]>,
+) {
+    assert!(kc > 0 && ldb >= MK_NR && ldc >= MK_NR);
+    assert!(a.len() >= kc * MK_MR && b.len() >= (kc - 1) * ldb + MK_NR);
+    assert!(c.len() >= (MK_MR - 1) * ldc + MK_NR);
+    let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
+    let z = _mm256_setzero_ps();
+    let mut acc = [[z; 2]; MK_MR];
+    if let Some(al) = alpha {
+        for (r, row) in acc.iter_mut().enumerate() {
+            // SAFETY: row r < 6 holds 16 values at r · ldc (asserted above).
+            let x = _mm256_set1_ps(al[r]);
+            row[0] = _mm256_mul_ps(x, _mm256_loadu_ps(cp.add(r * ldc)));
+            row[1] = _mm256_mul_ps(x, _mm256_loadu_ps(cp.add(r * ldc + 8)));
+        }
+    }
+    let [mut c00, mut c01] = acc[0];
+    let [mut c10, mut c11] = acc[1];
+    let [mut c20, mut c21] = acc[2];
+    let [mut c30, mut c31] = acc[3];
+    let [mut c40, mut c41] = acc[4];
+    let [mut c50, mut c51] = acc[5];
+    for kk in 0..kc {
+        // SAFETY: kk < kc: b's row kk holds 16 values, a's step kk holds 6 (asserted above).
+        let (b0, b1) = (
+            _mm256_loadu_ps(bp.add(kk * ldb)),
+            _mm256_loadu_ps(bp.add(kk * ldb + 8)),
+        );
+        let ak = ap.add(kk * MK_MR);
+        let x = _mm256_broadcast_ss(&*ak);
+        c00 = _mm256_fmadd_ps(x, b0, c00);
+        c01 = _mm256_fmadd_ps(x, b1, c01);
+        let x = _mm256_broadcast_ss(&*ak.add(1));
+        c10 = _mm256_fmadd_ps(x, b0, c10);
+        c11 = _mm256_fmadd_ps(x, b1, c11);
+        let x = _mm256_broadcast_ss(&*ak.add(2));
+        c20 = _mm256_fmadd_ps(x, b0, c20);
+        c21 = _mm256_fmadd_ps(x, b1, c21);
+        let x = _mm256_broadcast_ss(&*ak.add(3));
+        c30 = _mm256_fmadd_ps(x, b0, c30);
+        c31 = _mm256_fmadd_ps(x, b1, c31);
+        let x = _mm256_broadcast_ss(&*ak.add(4));
+        c40 = _mm256_fmadd_ps(x, b0, c40);
+        c41 = _mm256_fmadd_ps(x, b1, c41);
+        let x = _mm256_broadcast_ss(&*ak.add(5));
+        c50 = _mm256_fmadd_ps(x, b0, c50);
+        c51 = _mm256_fmadd_ps(x, b1, c51);
+    }
+    let out = [
+        [c00, c01],
+        [c10, c11],
+        [c20, c21],
+        [c30, c31],
+        [c40, c41],
+        [c50, c51],
+    ];
+    for (r, [lo, hi]) in out.into_iter().enumerate() {
+        // SAFETY: as above, row r < 6 of c holds 16 values.
+        _mm256_storeu_ps(cp.add(r * ldc), lo);
+        _mm256_storeu_ps(cp.add(r * ldc + 8), hi);
+    }
+}
+
 /// Checks of the e4m3 kernels against the scalar decoder and f64, shared by this module's tests
 /// and `avx512`'s: each tier's kernel is passed in as a function pointer.
 #[cfg(test)]

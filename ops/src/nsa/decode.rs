@@ -242,9 +242,68 @@ pub fn decode_attention_paged(
     page_size: usize,
     scale: f32,
 ) -> Result<Tensor> {
-    let (b, hq, d) = q
-        .dims3()
-        .map_err(|_| shape_err("q", "[B, Hq, D] (one token per sequence)", q.dims()))?;
+    paged(q, k, v, pages, lens, None, page_size, scale)
+}
+
+/// [`causal_attention`] over pages, for a batch of sequences each with its new tokens (a
+/// serving step's prefill chunks and decode tokens together): `q [M, Hq, D]` holds sequence
+/// `i`'s `news[i]` tokens in turn (`M = Σ news`), the last `news[i]` of its `lens[i]` rows
+/// (which the pools already hold, as [`decode_attention_paged`] reads them); each token sees
+/// the rows up to its own. `o [M, Hq, Dv]`. [`decode_attention_paged`] is the case of one new
+/// token each.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+/// use fp8nsa_ops::nsa::{causal_attention, causal_attention_paged};
+///
+/// let dev = Device::Cpu;
+/// let pool = Tensor::randn(0f32, 1.0, (2, 8 * 4, 16), &dev)?; // 8 pages of 4 rows, 2 kv heads
+/// let q = Tensor::randn(0f32, 1.0, (3, 4, 16), &dev)?;
+/// // a sequence on pages 5 then 2, 6 rows, the last 3 new
+/// let o = causal_attention_paged(&q, &pool, &pool, &[&[5, 2]], &[6], &[3], 4, 0.25)?;
+/// // the same rows gathered
+/// let rows = Tensor::new(&[20u32, 21, 22, 23, 8, 9], &dev)?;
+/// let k = pool.index_select(&rows, 1)?.unsqueeze(0)?;
+/// let want = causal_attention(&q.unsqueeze(0)?, &k, &k, 0.25)?.squeeze(0)?;
+/// let diff = (o - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+/// assert!(diff < 1e-5);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[allow(clippy::too_many_arguments)]
+pub fn causal_attention_paged(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pages: &[&[usize]],
+    lens: &[usize],
+    news: &[usize],
+    page_size: usize,
+    scale: f32,
+) -> Result<Tensor> {
+    paged(q, k, v, pages, lens, Some(news), page_size, scale)
+}
+
+/// `news` `None`: one new token per sequence (`decode_attention_paged`).
+#[allow(clippy::too_many_arguments)]
+fn paged(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pages: &[&[usize]],
+    lens: &[usize],
+    news: Option<&[usize]>,
+    page_size: usize,
+    scale: f32,
+) -> Result<Tensor> {
+    let (m, hq, d) = q.dims3().map_err(|_| {
+        shape_err(
+            "q",
+            "[M, Hq, D] (the new tokens of every sequence)",
+            q.dims(),
+        )
+    })?;
+    let news = news.map_or_else(|| vec![1; m], <[usize]>::to_vec);
+    let b = lens.len();
     let (hkv, rows, dk) = k
         .dims3()
         .map_err(|_| shape_err("k", "[Hkv, rows, D] (a pool)", k.dims()))?;
@@ -257,19 +316,29 @@ pub fn decode_attention_paged(
     if (hv, rv) != (hkv, rows) {
         return Err(shape_err("v", format!("[{hkv}, {rows}, Dv]"), v.dims()));
     }
-    if pages.len() != b || lens.len() != b {
+    if pages.len() != b || news.len() != b {
         return Err(invalid(
             "pages",
             format!(
-                "{} page lists and {} lengths for {b} sequences",
+                "{} page lists and {} counts of new tokens for {b} lengths",
                 pages.len(),
-                lens.len()
+                news.len()
             ),
+        ));
+    }
+    if news.iter().sum::<usize>() != m {
+        return Err(shape_err(
+            "q",
+            format!(
+                "[{}, Hq, D] (the new tokens of every sequence)",
+                news.iter().sum::<usize>()
+            ),
+            q.dims(),
         ));
     }
     for (arg, t) in [("q", q), ("k", k), ("v", v)] {
         if !matches!(t.device(), Device::Cpu) {
-            return Err(invalid(arg, "decode_attention_paged runs on CPU tensors"));
+            return Err(invalid(arg, "paged attention runs on CPU tensors"));
         }
         if arg != "q" && !t.is_contiguous() {
             return Err(invalid(arg, "the pool must be contiguous"));
@@ -279,6 +348,7 @@ pub fn decode_attention_paged(
         dims: AttnDims::new(hq, hkv, d, dv)?,
         pages: pages.iter().map(|p| p.to_vec()).collect(),
         lens: lens.to_vec(),
+        news,
         page_size,
         scale,
         err: ParkedError::new(),
@@ -318,6 +388,7 @@ struct PagedDecodeOp {
     dims: AttnDims,
     pages: Vec<Vec<usize>>,
     lens: Vec<usize>,
+    news: Vec<usize>,
     page_size: usize,
     scale: f32,
     err: ParkedError,
@@ -341,15 +412,16 @@ impl CustomOp3 for PagedDecodeOp {
             let (hq, d, dv) = (self.dims.hq(), self.dims.d(), self.dims.dv());
             let q = contiguous("q", f32s("q", qs)?, ql)?;
             let (k, v) = (pool("k", ks, kl, d)?, pool("v", vs, vl, dv)?);
-            let seqs: Vec<fp8nsa_cpu::nsa::PagedSeq<'_>> = self
+            let seqs: Vec<fp8nsa_cpu::nsa::PagedChunk<'_>> = self
                 .pages
                 .iter()
                 .zip(&self.lens)
-                .map(|(p, &len)| fp8nsa_cpu::nsa::PagedSeq { pages: p, len })
+                .zip(&self.news)
+                .map(|((p, &len), &new)| fp8nsa_cpu::nsa::PagedChunk { pages: p, len, new })
                 .collect();
-            let b = seqs.len();
+            let b: usize = self.news.iter().sum();
             let mut o = vec![0f32; b * hq * dv];
-            fp8nsa_cpu::nsa::decode_attention_paged(
+            fp8nsa_cpu::nsa::causal_attention_paged(
                 q,
                 k,
                 v,
@@ -423,12 +495,13 @@ mod tests {
         assert!(matches!(r, Err(Error::Shape { arg: "q", .. })), "{r:?}");
     }
 
-    /// A prefill chunk of T tokens per sequence, on strided cache views of two sequences,
+    /// A prefill chunk of T tokens per sequence (the blocked kernel on AVX2: dv = 32), on
+    /// strided cache views of two sequences,
     /// against Candle's score matrix with the causal mask, softmax and weighted sum.
     #[test]
     fn causal_chunks_match_masked_candle_softmax() {
         let dev = Device::Cpu;
-        let (b, hq, hkv, cap, d, dv) = (2, 6, 2, 96, 32, 24);
+        let (b, hq, hkv, cap, d, dv) = (2, 6, 2, 96, 32, 32);
         for (past, t) in [(0usize, 7usize), (60, 5), (1, 70)] {
             let tk = past + t;
             let kbuf = Tensor::randn(0f32, 1.0, (b, hkv, cap, d), &dev).unwrap();

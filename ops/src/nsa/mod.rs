@@ -39,7 +39,9 @@ pub use attention::{
 };
 pub use compress::{Compressor, MlpCompressor};
 pub use config::{CompressorKind, NsaConfig};
-pub use decode::{causal_attention, decode_attention, decode_attention_paged};
+pub use decode::{
+    causal_attention, causal_attention_paged, decode_attention, decode_attention_paged,
+};
 pub use dsa::index_scores;
 pub use layer::{AttnDims, Gates, NativeSparseAttention, NsaDims, NsaOutput};
 pub use paged::{
