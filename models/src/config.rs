@@ -177,30 +177,7 @@ impl LlamaConfig {
                 ),
             ));
         }
-        // a non-positive or NaN base gives NaN frequencies, a negative epsilon NaN norms: every
-        // logit NaN, with no error anywhere else
-        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
-            return Err(invalid(
-                "rope_theta",
-                format!("must be finite and > 0, got {}", self.rope_theta),
-            ));
-        }
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
-            return Err(invalid(
-                "rms_norm_eps",
-                format!("must be finite and >= 0, got {}", self.rms_norm_eps),
-            ));
-        }
-        // "silu" and its alias "swish"; anything else would run as SiLU and give wrong logits
-        if !matches!(self.hidden_act.as_str(), "silu" | "swish") {
-            return Err(invalid(
-                "hidden_act",
-                format!(
-                    "{:?} is not implemented (the decoder's MLP is SwiGLU: silu)",
-                    self.hidden_act
-                ),
-            ));
-        }
+        check_theta_eps_act(self.rope_theta, self.rms_norm_eps, &self.hidden_act)?;
         self.rope_scaling()?;
         let m = &self.moe;
         if m.num_experts > 0 {
@@ -236,4 +213,34 @@ pub struct ModelOptions {
     /// Module names (e.g. `model.layers.0.mlp.down_proj`) kept dense (from
     /// `quantization_config.modules_to_not_convert`).
     pub modules_to_not_convert: Vec<String>,
+}
+
+/// The checks every decoder config shares (Llama's and DeepSeek's): a non-positive or NaN RoPE
+/// base gives NaN frequencies, a negative epsilon NaN norms (every logit NaN, with no error
+/// anywhere else), and an activation other than SiLU would run as SiLU and give wrong logits.
+pub(crate) fn check_theta_eps_act(
+    rope_theta: f64,
+    rms_norm_eps: f64,
+    hidden_act: &str,
+) -> Result<()> {
+    if !(rope_theta.is_finite() && rope_theta > 0.0) {
+        return Err(invalid(
+            "rope_theta",
+            format!("must be finite and > 0, got {rope_theta}"),
+        ));
+    }
+    if !(rms_norm_eps.is_finite() && rms_norm_eps >= 0.0) {
+        return Err(invalid(
+            "rms_norm_eps",
+            format!("must be finite and >= 0, got {rms_norm_eps}"),
+        ));
+    }
+    // "silu" and its alias "swish"
+    if !matches!(hidden_act, "silu" | "swish") {
+        return Err(invalid(
+            "hidden_act",
+            format!("{hidden_act:?} is not implemented (the decoder's MLP is SwiGLU: silu)"),
+        ));
+    }
+    Ok(())
 }

@@ -21,7 +21,9 @@ use crate::attention::Rope;
 use crate::config::{one_or_many, LlamaConfig, ModelOptions, MoeConfig, RopeStyle};
 use crate::error::{invalid, Result};
 use crate::linear::{Linear, LinearKind};
-use crate::llama::{build_head, experts_mlp, Block, Llama, Mixer, Mlp};
+use crate::llama::{
+    build_head, check_layer_count, experts_mlp, keep_dense, Block, Llama, Mixer, Mlp,
+};
 use crate::paged::{KvPool, LayerKv, SeqKv};
 use crate::rope::RopeScaling;
 use crate::weights::Weights;
@@ -253,24 +255,7 @@ impl DeepSeekConfig {
         if self.first_k_dense_replace > 0 && self.intermediate_size == 0 {
             return Err(invalid("intermediate_size", "must be at least 1"));
         }
-        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
-            return Err(invalid(
-                "rope_theta",
-                format!("must be finite and > 0, got {}", self.rope_theta),
-            ));
-        }
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
-            return Err(invalid(
-                "rms_norm_eps",
-                format!("must be finite and >= 0, got {}", self.rms_norm_eps),
-            ));
-        }
-        if !matches!(self.hidden_act.as_str(), "silu" | "swish") {
-            return Err(invalid(
-                "hidden_act",
-                format!("{:?} is not implemented (SwiGLU: silu)", self.hidden_act),
-            ));
-        }
+        crate::config::check_theta_eps_act(self.rope_theta, self.rms_norm_eps, &self.hidden_act)?;
         self.rope()?;
         if let Some(e) = self.n_routed_experts.filter(|&e| e > 0) {
             let k = self.num_experts_per_tok.unwrap_or(0);
@@ -1040,37 +1025,10 @@ pub(crate) fn build(
             "DeepSeek models run MLA (and V3.2 its own sparse attention), not the NSA variant",
         ));
     }
+    // layer num_hidden_layers is the multi-token-prediction module: allowed, not read
     let n = cfg.num_hidden_layers;
-    let layer_of = |name: &str| -> Option<usize> {
-        name.strip_prefix("model.layers.")?
-            .split('.')
-            .next()?
-            .parse()
-            .ok()
-    };
-    let held = w.names().filter_map(|s| layer_of(s)).max();
-    if let Some(l) = w.names().filter_map(|s| layer_of(s)).find(|&l| l > n) {
-        return Err(invalid(
-            "num_hidden_layers",
-            format!("the config declares {n} layers (+ MTP) but the weights hold layer {l}"),
-        ));
-    }
-    if held.is_none_or(|l| l + 1 < n) {
-        return Err(invalid(
-            "num_hidden_layers",
-            format!("the config declares {n} layers; the weights hold fewer"),
-        ));
-    }
-    let not_convert: Vec<&String> = opts
-        .modules_to_not_convert
-        .iter()
-        .chain(&w.modules_to_not_convert)
-        .collect();
-    let keep_dense = |name: &str| {
-        not_convert
-            .iter()
-            .any(|m| name == m.as_str() || name.starts_with(&format!("{m}.")))
-    };
+    check_layer_count(w, n, 1)?;
+    let keep_dense = keep_dense(opts, w);
     let scaling = cfg.rope()?;
     let eps = cfg.rms_norm_eps;
     let hidden = cfg.hidden_size;

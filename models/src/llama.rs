@@ -324,16 +324,7 @@ impl Llama {
     ) -> Result<Self> {
         cfg.validate()?;
         check_weights_match(cfg, w)?;
-        let not_convert: Vec<&String> = opts
-            .modules_to_not_convert
-            .iter()
-            .chain(&w.modules_to_not_convert)
-            .collect();
-        let keep_dense = |name: &str| {
-            not_convert
-                .iter()
-                .any(|m| name == m.as_str() || name.starts_with(&format!("{m}.")))
-        };
+        let keep_dense = keep_dense(opts, w);
         let eps = cfg.rms_norm_eps;
         let norm = |n: &str| -> Result<RmsNorm> { Ok(RmsNorm::new(w.get(n)?, eps)) };
         let mut blocks = Vec::new();
@@ -687,52 +678,58 @@ impl Llama {
 /// config: no tensor of a layer past `num_hidden_layers` (a file whose `block_count` says 2
 /// but holds 30 layers would otherwise run 2 and say nothing), and a `head_dim` that the
 /// query projection's rows agree with (the RoPE tables are sized from it).
-fn check_weights_match(cfg: &LlamaConfig, w: &Weights) -> Result<()> {
-    let mut beyond: Vec<usize> = w
+/// Whether the linear `name` stays dense: named (or under a module named) in the options' or
+/// the checkpoint's `modules_to_not_convert`.
+pub(crate) fn keep_dense<'a>(opts: &'a ModelOptions, w: &'a Weights) -> impl Fn(&str) -> bool + 'a {
+    move |name: &str| {
+        opts.modules_to_not_convert
+            .iter()
+            .chain(&w.modules_to_not_convert)
+            .any(|m| name == m.as_str() || name.starts_with(&format!("{m}.")))
+    }
+}
+
+/// The config's `n` layers against the `model.layers.{i}` the weights hold: a layer at or past
+/// `n + extra` (`extra` layers past the decoder are allowed: DeepSeek's MTP module), or fewer
+/// layers than `n`, is an error naming `num_hidden_layers`.
+pub(crate) fn check_layer_count(w: &Weights, n: usize, extra: usize) -> Result<()> {
+    let layers: Vec<usize> = w
         .names()
-        .filter_map(|n| {
-            n.strip_prefix("model.layers.")?
+        .filter_map(|name| {
+            name.strip_prefix("model.layers.")?
                 .split('.')
                 .next()?
                 .parse()
                 .ok()
         })
-        .filter(|&l| l >= cfg.num_hidden_layers)
         .collect();
-    beyond.sort_unstable();
-    if let Some(&l) = beyond.first() {
+    let (first_beyond, last) = (
+        layers.iter().copied().filter(|&l| l >= n + extra).min(),
+        layers.iter().copied().max(),
+    );
+    if let (Some(l), Some(last)) = (first_beyond, last) {
         return Err(invalid(
             "num_hidden_layers",
             format!(
-                "the config declares {} layers but the weights hold layer {l} (up to {}): \
-                 num_hidden_layers / block_count disagrees with the file",
-                cfg.num_hidden_layers,
-                beyond[beyond.len() - 1]
+                "the config declares {n} layers but the weights hold layer {l} (up to {last}): \
+                 num_hidden_layers / block_count disagrees with the file"
             ),
         ));
     }
-    let held = w
-        .names()
-        .filter_map(|n| {
-            n.strip_prefix("model.layers.")?
-                .split('.')
-                .next()?
-                .parse::<usize>()
-                .ok()
-        })
-        .max();
-    if let Some(last) = held {
-        if cfg.num_hidden_layers > last + 1 {
-            return Err(invalid(
-                "num_hidden_layers",
-                format!(
-                    "the config declares {} layers but the weights hold {}",
-                    cfg.num_hidden_layers,
-                    last + 1
-                ),
-            ));
-        }
+    if let Some(last) = last.filter(|&l| n > l + 1) {
+        return Err(invalid(
+            "num_hidden_layers",
+            format!(
+                "the config declares {n} layers but the weights hold {}",
+                last + 1
+            ),
+        ));
     }
+    Ok(())
+}
+
+fn check_weights_match(cfg: &LlamaConfig, w: &Weights) -> Result<()> {
+    check_layer_count(w, cfg.num_hidden_layers, 0)?;
     let q = "model.layers.0.self_attn.q_proj.weight";
     if let Some(dims) = w.dims(q) {
         let want = cfg.num_attention_heads.checked_mul(cfg.head_dim());
