@@ -1,7 +1,7 @@
 //! Multi-head latent attention: the projections, the latent cache, and attention on the
 //! latent with `kv_b_proj` absorbed into the query and the output.
 
-use candle_core::{Module, Tensor};
+use candle_core::{DType, Module, Tensor};
 use candle_nn::{LayerNorm, RmsNorm};
 use fp8nsa_ops::nsa::{SelectionAttention, TokenSelection};
 
@@ -369,12 +369,13 @@ impl Mla {
         let (h, t, w) = qa.dims3()?;
         let r = self.rank;
         let tk = latent.dims()[0];
-        if t == 1 && latent.device().is_cpu() {
-            // one query: the cache read in place, key and value alike
+        if latent.device().is_cpu() && latent.dtype() == DType::F32 {
+            // the cache read in place, key and value alike, each query over the rows up to
+            // its own (no score matrix, no mask); the rotated tail of the output is dropped
             let kv = latent.reshape((1, 1, tk, w))?;
-            let q = qa.reshape((1, h, w))?;
-            let o = fp8nsa_ops::nsa::decode_attention(&q, &kv, &kv, self.scale)?;
-            return Ok(o.narrow(2, 0, r)?.reshape((h, 1, r))?);
+            let q = qa.transpose(0, 1)?.unsqueeze(0)?; // [1, T, H, W]
+            let o = fp8nsa_ops::nsa::causal_attention(&q, &kv, &kv, self.scale)?;
+            return Ok(o.squeeze(0)?.narrow(2, 0, r)?.transpose(0, 1)?.contiguous()?);
         }
         let s = (qa.reshape((h * t, w))?.matmul(&latent.t()?)? * self.scale as f64)?;
         let mask: Vec<f32> = (0..h * t)
