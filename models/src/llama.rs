@@ -674,10 +674,6 @@ impl Llama {
     }
 }
 
-/// What the config declares against what the weights hold, before anything is sized from the
-/// config: no tensor of a layer past `num_hidden_layers` (a file whose `block_count` says 2
-/// but holds 30 layers would otherwise run 2 and say nothing), and a `head_dim` that the
-/// query projection's rows agree with (the RoPE tables are sized from it).
 /// Whether the linear `name` stays dense: named (or under a module named) in the options' or
 /// the checkpoint's `modules_to_not_convert`.
 pub(crate) fn keep_dense<'a>(opts: &'a ModelOptions, w: &'a Weights) -> impl Fn(&str) -> bool + 'a {
@@ -691,7 +687,9 @@ pub(crate) fn keep_dense<'a>(opts: &'a ModelOptions, w: &'a Weights) -> impl Fn(
 
 /// The config's `n` layers against the `model.layers.{i}` the weights hold: a layer at or past
 /// `n + extra` (`extra` layers past the decoder are allowed: DeepSeek's MTP module), or fewer
-/// layers than `n`, is an error naming `num_hidden_layers`.
+/// layers than `n` (none at all counting as fewer when `extra` > 0, DeepSeek's rule; a Llama
+/// file without layers fails on its first missing tensor instead), is an error naming
+/// `num_hidden_layers`.
 pub(crate) fn check_layer_count(w: &Weights, n: usize, extra: usize) -> Result<()> {
     let layers: Vec<usize> = w
         .names()
@@ -703,31 +701,38 @@ pub(crate) fn check_layer_count(w: &Weights, n: usize, extra: usize) -> Result<(
                 .ok()
         })
         .collect();
+    let allowed = n.saturating_add(extra);
+    let mtp = if extra > 0 { " (+ MTP)" } else { "" };
     let (first_beyond, last) = (
-        layers.iter().copied().filter(|&l| l >= n + extra).min(),
+        layers.iter().copied().filter(|&l| l >= allowed).min(),
         layers.iter().copied().max(),
     );
     if let (Some(l), Some(last)) = (first_beyond, last) {
         return Err(invalid(
             "num_hidden_layers",
             format!(
-                "the config declares {n} layers but the weights hold layer {l} (up to {last}): \
-                 num_hidden_layers / block_count disagrees with the file"
+                "the config declares {n} layers{mtp} but the weights hold layer {l} (up to \
+                 {last}): num_hidden_layers / block_count disagrees with the file"
             ),
         ));
     }
-    if let Some(last) = last.filter(|&l| n > l + 1) {
+    let held = last.map(|l| l + 1);
+    if held.map_or(extra > 0 && n > 0, |h| n > h) {
         return Err(invalid(
             "num_hidden_layers",
             format!(
                 "the config declares {n} layers but the weights hold {}",
-                last + 1
+                held.unwrap_or(0)
             ),
         ));
     }
     Ok(())
 }
 
+/// What the config declares against what the weights hold, before anything is sized from the
+/// config: no tensor of a layer past `num_hidden_layers` (a file whose `block_count` says 2
+/// but holds 30 layers would otherwise run 2 and say nothing), and a `head_dim` that the
+/// query projection's rows agree with (the RoPE tables are sized from it).
 fn check_weights_match(cfg: &LlamaConfig, w: &Weights) -> Result<()> {
     check_layer_count(w, cfg.num_hidden_layers, 0)?;
     let q = "model.layers.0.self_attn.q_proj.weight";

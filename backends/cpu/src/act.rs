@@ -12,8 +12,9 @@ const TASK: usize = 16 * 1024;
 /// `out = silu(gate) · up` element-wise: SwiGLU's product, `silu(x) = x / (1 + e^-x)`, in one
 /// pass with a vectorized exponential (Candle's `silu` then `*` makes two passes, a temporary
 /// and a libm `expf` per element). Within a few ulp of the f64 value, except that below
-/// `gate = -87.3` (where `e^gate` leaves f32's normal range) the sigmoid is 0, a difference under
-/// 1e-34; NaN in, NaN out, and `silu(-inf) · u` is NaN as `-inf / (1 + e^inf)` is.
+/// `gate = -87.3` (where `e^gate` leaves f32's normal range) the sigmoid is 0: `silu(gate)`
+/// is then 0 instead of a value under 1e-34 in magnitude (and `0 · ±inf` NaN where Candle
+/// gives ±inf); NaN in, NaN out, and `silu(-inf) · u` is NaN as `-inf / (1 + e^inf)` is.
 ///
 /// ```
 /// use fp8nsa_cpu::act::silu_mul;

@@ -635,23 +635,16 @@ pub fn decode_attention(
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
-    if len == 0 {
-        // nothing to attend (the causal form has no row for its token): zeros, as the fold
-        // gives a query without keys
-        check_len("q", q.len(), dims.hq() * dims.d())?;
-        check_len("out", out.len(), dims.hq() * dims.dv())?;
-        out.fill(0.0);
-        return Ok(());
-    }
-    causal_attention(q, k, v, dims, 1, len, scale, out)
+    attend_causal(q, k, v, dims, 1, len, scale, out, true)
 }
 
 /// Causal dense attention of `t` new tokens of one sequence over its first `len` rows (the
 /// new tokens' own keys included, last): token `i` sits at position `len - t + i` and sees
 /// rows `0..=len - t + i`. `q [t, hq, d]`, `out [t, hq, dv]`; otherwise as
 /// [`decode_attention`], which is the case `t = 1`. A prefill chunk runs as `t` decode steps
-/// would, through the same fold: no score matrix, no mask, and the keys past each token's
-/// position are never read.
+/// would, on the same online softmax (on AVX2 blocked: several tokens' query rows per key
+/// load, equal to the decode steps to rounding): no score matrix, no mask, and the keys past
+/// each token's position are never read.
 ///
 /// ```
 /// use fp8nsa_cpu::nsa::{causal_attention, decode_attention, HeadMajor};
@@ -684,6 +677,34 @@ pub fn causal_attention(
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
+    attend_causal(q, k, v, dims, t, len, scale, out, false)
+}
+
+/// `size` elements as a product that may not overflow (an overflow is as wrong a size as any).
+fn product(arg: &'static str, factors: &[usize]) -> Result<usize> {
+    factors
+        .iter()
+        .try_fold(1usize, |a, &f| a.checked_mul(f))
+        .ok_or_else(|| Error::Invalid {
+            arg,
+            msg: format!("the size {factors:?} overflows"),
+        })
+}
+
+/// [`causal_attention`]; `decode` (one token, [`decode_attention`]) also takes `len = 0`, an
+/// empty cache, which gives zeros.
+#[allow(clippy::too_many_arguments)]
+fn attend_causal(
+    q: &[f32],
+    k: HeadMajor<'_>,
+    v: HeadMajor<'_>,
+    dims: AttnDims,
+    t: usize,
+    len: usize,
+    scale: f32,
+    out: &mut [f32],
+    decode: bool,
+) -> Result<()> {
     let (hq, hkv, d, dv) = (dims.hq(), dims.hkv(), dims.d(), dims.dv());
     if !hq.is_multiple_of(hkv) {
         return Err(Error::Invalid {
@@ -691,21 +712,22 @@ pub fn causal_attention(
             msg: format!("{hq} query heads are not a multiple of {hkv} kv heads"),
         });
     }
-    if t > len {
+    if t > len && !(decode && len == 0) {
         return Err(Error::Invalid {
             arg: "t",
             msg: format!("{t} new tokens cannot sit in the first {len} rows"),
         });
     }
-    check_len("q", q.len(), t * hq * d)?;
-    check_len("out", out.len(), t * hq * dv)?;
+    check_len("q", q.len(), product("q", &[t, hq, d])?)?;
+    check_len("out", out.len(), product("out", &[t, hq, dv])?)?;
     for (arg, kv, w) in [("k", k, d), ("v", v, dv)] {
-        let need = (hkv - 1) * kv.head_stride + len * w;
-        if kv.head_stride < len * w || kv.data.len() < need {
+        let rows = product(arg, &[len, w])?;
+        let need = product(arg, &[hkv - 1, kv.head_stride])?.checked_add(rows);
+        if kv.head_stride < rows || need.is_none_or(|n| kv.data.len() < n) {
             return Err(Error::Invalid {
                 arg,
                 msg: format!(
-                    "{len} rows of {w} per head, heads {} apart, need {need} values: has {}",
+                    "{len} rows of {w} per head, heads {} apart, need {need:?} values: has {}",
                     kv.head_stride,
                     kv.data.len()
                 ),
@@ -713,6 +735,11 @@ pub fn causal_attention(
         }
     }
     if t == 0 {
+        return Ok(());
+    }
+    if len == 0 {
+        // a decode step over an empty cache: zeros, as the fold gives a query without keys
+        out.fill(0.0);
         return Ok(());
     }
     let g = hq / hkv;
@@ -817,6 +844,7 @@ unsafe fn attend_blocked(
     // rescale and exponentials serve 64 keys
     const KC: usize = 4 * NR;
     let nr = lim.len();
+    assert!(q.len() == nr * d && o.len() == nr * dv && d > 0 && dv.is_multiple_of(NR));
     let nb = nr.div_ceil(MR);
     // the rows as [block][d][6], zeros past nr
     let mut qp = vec![0f32; nb * d * MR];
@@ -960,6 +988,7 @@ unsafe fn attend_blocked(
 /// The rows of a blocked task: tokens `i0..i1` of a chunk whose token `i` sits at query row
 /// `i` of `q [.., hq, d]` and sees `lim0 + i` keys, kv head `h`'s G query heads each.
 /// Returns the prescaled query rows and their key limits, row `(i - i0) · g + gi`.
+#[cfg(target_arch = "x86_64")]
 fn block_rows(
     q: &[f32],
     (i0, i1): (usize, usize),
@@ -977,7 +1006,7 @@ fn block_rows(
     (rows, lim)
 }
 
-/// Writes a blocked task's output rows (as [`block_rows`] orders them) into `out [.., hq, dv]`.
+/// Writes a task's output rows (token by token, each token's G heads) into `out [.., hq, dv]`.
 fn scatter_rows(
     o: &[f32],
     i0: usize,
@@ -1167,8 +1196,8 @@ pub fn causal_attention_paged(
     attention_paged(q, k, v, dims, page_size, seqs, scale, out, false)
 }
 
-/// [`causal_attention_paged`]; `decode` names the sequences `seqs` in errors, as
-/// [`decode_attention_paged`] did.
+/// [`causal_attention_paged`]; `decode` ([`decode_attention_paged`]: one token each) also
+/// takes sequences of no rows, which give zeros.
 #[allow(clippy::too_many_arguments)]
 fn attention_paged(
     q: &[f32],
@@ -1189,15 +1218,26 @@ fn attention_paged(
         });
     }
     check_positive("page_size", page_size)?;
-    if let Some((i, s)) = seqs.iter().enumerate().find(|(_, s)| s.new > s.len) {
+    // a decode step may have an empty cache (zeros); a chunk's rows must be among its rows
+    if let Some((i, s)) = seqs
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.new > s.len && !decode)
+    {
         return Err(Error::Invalid {
             arg: "seqs",
             msg: format!("sequence {i}: {} new rows of {}", s.new, s.len),
         });
     }
-    let total: usize = seqs.iter().map(|s| s.new).sum();
-    check_len("q", q.len(), total * hq * d)?;
-    check_len("out", out.len(), total * hq * dv)?;
+    let total = seqs
+        .iter()
+        .try_fold(0usize, |a, s| a.checked_add(s.new))
+        .ok_or_else(|| Error::Invalid {
+            arg: "seqs",
+            msg: "the new tokens' count overflows".into(),
+        })?;
+    check_len("q", q.len(), product("q", &[total, hq, d])?)?;
+    check_len("out", out.len(), product("out", &[total, hq, dv])?)?;
     for (arg, kv, w) in [("k", k, d), ("v", v, dv)] {
         let rows = kv.head_stride / w;
         if kv.data.len() < (hkv - 1) * kv.head_stride + rows * w {
@@ -1761,6 +1801,17 @@ mod tests {
             data: &z,
             head_stride: 32,
         };
+        // a decode step over no rows gives zeros (paged and not), as the fold does
+        let empty = [PagedSeq { pages: &[], len: 0 }];
+        let mut o = [9f32; 8];
+        decode_attention_paged(&[1.0; 8], hm, hm, dims, 4, &empty, 1.0, &mut o).unwrap();
+        assert_eq!(o, [0.0; 8]);
+        let mut o = [9f32; 8];
+        decode_attention(&[1.0; 8], hm, hm, dims, 0, 1.0, &mut o).unwrap();
+        assert_eq!(o, [0.0; 8]);
+        // sizes whose products overflow are errors, not wrapped bounds
+        let r = causal_attention(&[], hm, hm, dims, 1 << 62, 1 << 62, 1.0, &mut []);
+        assert!(matches!(r, Err(Error::Invalid { arg: "q", .. })), "{r:?}");
         let bad = [PagedChunk {
             pages: &[0],
             len: 2,

@@ -481,8 +481,11 @@ pub(crate) unsafe fn mk_6x16(
     alpha: Option<&[f32; MK_MR]>,
 ) {
     assert!(kc > 0 && ldb >= MK_NR && ldc >= MK_NR);
-    assert!(a.len() >= kc * MK_MR && b.len() >= (kc - 1) * ldb + MK_NR);
-    assert!(c.len() >= (MK_MR - 1) * ldc + MK_NR);
+    // checked products: a wrapped size would pass a bound it breaks
+    let need = |n: usize, ld: usize, w: usize| n.checked_mul(ld).and_then(|x| x.checked_add(w));
+    assert!(need(kc, MK_MR, 0).is_some_and(|n| a.len() >= n));
+    assert!(need(kc - 1, ldb, MK_NR).is_some_and(|n| b.len() >= n));
+    assert!(need(MK_MR - 1, ldc, MK_NR).is_some_and(|n| c.len() >= n));
     let (ap, bp, cp) = (a.as_ptr(), b.as_ptr(), c.as_mut_ptr());
     let z = _mm256_setzero_ps();
     let mut acc = [[z; 2]; MK_MR];

@@ -375,7 +375,11 @@ impl Mla {
             let kv = latent.reshape((1, 1, tk, w))?;
             let q = qa.transpose(0, 1)?.unsqueeze(0)?; // [1, T, H, W]
             let o = fp8nsa_ops::nsa::causal_attention(&q, &kv, &kv, self.scale)?;
-            return Ok(o.squeeze(0)?.narrow(2, 0, r)?.transpose(0, 1)?.contiguous()?);
+            return Ok(o
+                .squeeze(0)?
+                .narrow(2, 0, r)?
+                .transpose(0, 1)?
+                .contiguous()?);
         }
         let s = (qa.reshape((h * t, w))?.matmul(&latent.t()?)? * self.scale as f64)?;
         let mask: Vec<f32> = (0..h * t)
