@@ -237,23 +237,15 @@ impl KvPool {
         v: &Tensor,
     ) -> Result<()> {
         let ((kp, vp), pages) = self.dense(layer, seq)?;
-        let ps = self.page_size;
-        let end = pos + k.dims()[1];
-        if end.div_ceil(ps) > pages.len() {
-            return Err(invalid("kv", "pages not reserved for the step's tokens"));
-        }
+        let runs = self.runs(pages, pos, pos + k.dims()[1])?;
         // [1, T, Hkv, D] -> [Hkv, T, D], then one copy per run of rows within a page
         let (kt, vt) = (
             k.squeeze(0)?.transpose(0, 1)?.contiguous()?,
             v.squeeze(0)?.transpose(0, 1)?.contiguous()?,
         );
-        let mut p = pos;
-        while p < end {
-            let run = (ps - p % ps).min(end - p);
-            let row = pages[p / ps] * ps + p % ps;
-            kp.slice_set(&kt.narrow(1, p - pos, run)?.contiguous()?, 1, row)?;
-            vp.slice_set(&vt.narrow(1, p - pos, run)?.contiguous()?, 1, row)?;
-            p += run;
+        for (off, row, run) in runs {
+            kp.slice_set(&kt.narrow(1, off, run)?.contiguous()?, 1, row)?;
+            vp.slice_set(&vt.narrow(1, off, run)?.contiguous()?, 1, row)?;
         }
         Ok(())
     }
@@ -261,15 +253,28 @@ impl KvPool {
     /// The first `len` keys and values of `seq` in `layer`, gathered: `[1, Hkv, len, D]`.
     pub(crate) fn read(&self, layer: usize, seq: &SeqKv, len: usize) -> Result<(Tensor, Tensor)> {
         let ((kp, vp), pages) = self.dense(layer, seq)?;
-        let ps = self.page_size;
-        let rows: Vec<u32> = (0..len)
-            .map(|p| (pages[p / ps] * ps + p % ps) as u32)
-            .collect();
-        let rows = Tensor::from_vec(rows, len, kp.device())?;
+        let rows = self.rows(pages, 0, len, kp.device())?;
         Ok((
             kp.index_select(&rows, 1)?.unsqueeze(0)?,
             vp.index_select(&rows, 1)?.unsqueeze(0)?,
         ))
+    }
+
+    /// The runs of a sequence's positions `pos..end` on its `pages`, one per page touched:
+    /// `(offset from pos, first pool row, rows)`; the pages must be reserved up to `end`.
+    fn runs(&self, pages: &[usize], pos: usize, end: usize) -> Result<Vec<(usize, usize, usize)>> {
+        let ps = self.page_size;
+        if end.div_ceil(ps) > pages.len() {
+            return Err(invalid("kv", "pages not reserved for the step's tokens"));
+        }
+        let mut runs = Vec::with_capacity(end.saturating_sub(pos).div_ceil(ps) + 1);
+        let mut p = pos;
+        while p < end {
+            let run = (ps - p % ps).min(end - p);
+            runs.push((p - pos, pages[p / ps] * ps + p % ps, run));
+            p += run;
+        }
+        Ok(runs)
     }
 
     /// Pool rows of `seq`'s positions `from..to` (its pages must cover them).
@@ -307,20 +312,12 @@ impl KvPool {
     ) -> Result<(Tensor, Option<Tensor>)> {
         let ((lp, ip), pages) = self.latent(layer, seq)?;
         let t = latent.dims()[0];
-        let ps = self.page_size;
-        if (pos + t).div_ceil(ps) > pages.len() {
-            return Err(invalid("kv", "pages not reserved for the step's tokens"));
-        }
         // one copy per run of rows within a page
-        let mut p = pos;
-        while p < pos + t {
-            let run = (ps - p % ps).min(pos + t - p);
-            let row = pages[p / ps] * ps + p % ps;
-            lp.slice_set(&latent.narrow(0, p - pos, run)?.contiguous()?, 0, row)?;
+        for (off, row, run) in self.runs(pages, pos, pos + t)? {
+            lp.slice_set(&latent.narrow(0, off, run)?.contiguous()?, 0, row)?;
             if let (Some(ip), Some(ix)) = (ip, index) {
-                ip.slice_set(&ix.narrow(0, p - pos, run)?.contiguous()?, 0, row)?;
+                ip.slice_set(&ix.narrow(0, off, run)?.contiguous()?, 0, row)?;
             }
-            p += run;
         }
         let all = self.rows(pages, 0, pos + t, lp.device())?;
         let index = match ip {
