@@ -138,6 +138,41 @@ fn nsa_check(rng: &mut StdRng, tier: Tier) {
 
 /// Paged decode attention (pages out of order, lengths ending mid-page, a sequence longer than
 /// one softmax chunk so chunks span pages) and the dense f32 GEMV of one row, against f64.
+/// f64 softmax attention of the query row `q` over rows `rows` of `k` / `v` (row `r` at
+/// `(base + r) · w`, `w` values wide): the reference of the attention checks.
+fn f64_attend(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (base, w): (usize, usize),
+    rows: &[usize],
+    scale: f32,
+) -> Vec<f64> {
+    let s: Vec<f64> = rows
+        .iter()
+        .map(|&r| {
+            let kr = &k[(base + r) * w..(base + r + 1) * w];
+            scale as f64
+                * q.iter()
+                    .zip(kr)
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum::<f64>()
+        })
+        .collect();
+    let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let p: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+    let z: f64 = p.iter().sum();
+    (0..w)
+        .map(|c| {
+            rows.iter()
+                .zip(&p)
+                .map(|(&r, p)| p * v[(base + r) * w + c] as f64)
+                .sum::<f64>()
+                / z
+        })
+        .collect()
+}
+
 fn decode_check(rng: &mut StdRng, tier: Tier) {
     let (hq, hkv, d, ps, pool_pages) = (6, 2, 64, 16, 12);
     let rows = ps * pool_pages;
@@ -163,27 +198,8 @@ fn decode_check(rng: &mut StdRng, tier: Tier) {
             let kvh = h / g;
             let idx: Vec<usize> = (0..len).map(|j| pg[j / ps] * ps + j % ps).collect();
             let qh = &q[(b * hq + h) * d..(b * hq + h + 1) * d];
-            let s: Vec<f64> = idx
-                .iter()
-                .map(|&r| {
-                    let kr = &k[(kvh * rows + r) * d..(kvh * rows + r + 1) * d];
-                    scale as f64
-                        * qh.iter()
-                            .zip(kr)
-                            .map(|(a, b)| *a as f64 * *b as f64)
-                            .sum::<f64>()
-                })
-                .collect();
-            let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let p: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
-            let z: f64 = p.iter().sum();
-            for c in 0..d {
-                let want: f64 = idx
-                    .iter()
-                    .zip(&p)
-                    .map(|(&r, p)| p * v[(kvh * rows + r) * d + c] as f64)
-                    .sum::<f64>()
-                    / z;
+            let want = f64_attend(qh, &k, &v, (kvh * rows, d), &idx, scale);
+            for (c, &want) in want.iter().enumerate() {
                 let got = o[(b * hq + h) * d + c] as f64;
                 assert!(
                     (got - want).abs() < 1e-5 * (1.0 + want.abs()),
@@ -241,25 +257,9 @@ fn prefill_check(rng: &mut StdRng, tier: Tier) {
         for h in 0..hq {
             let kvh = h / (hq / hkv);
             let qh = &q[(i * hq + h) * d..][..d];
-            let n = past + i + 1;
-            let s: Vec<f64> = (0..n)
-                .map(|j| {
-                    let kr = &k[(kvh * tk + j) * d..][..d];
-                    0.125
-                        * qh.iter()
-                            .zip(kr)
-                            .map(|(a, b)| *a as f64 * *b as f64)
-                            .sum::<f64>()
-                })
-                .collect();
-            let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let p: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
-            let z: f64 = p.iter().sum();
-            for c in 0..d {
-                let want: f64 = (0..n)
-                    .map(|j| p[j] * v[(kvh * tk + j) * d + c] as f64)
-                    .sum::<f64>()
-                    / z;
+            let rows: Vec<usize> = (0..past + i + 1).collect();
+            let want = f64_attend(qh, &k, &v, (kvh * tk, d), &rows, 0.125);
+            for (c, &want) in want.iter().enumerate() {
                 let got = o[(i * hq + h) * d + c] as f64;
                 assert!(
                     (got - want).abs() < 1e-5 * (1.0 + want.abs()),
