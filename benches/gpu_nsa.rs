@@ -145,8 +145,10 @@ fn main() {
             &args.json,
             json!({"op": "nsa_prefill", "impl": "fp8nsa", "t": t, "ms": ms, "gpu": gpu_name}),
         );
-        // the dense baseline's scores take 2 * 64 * T^2 bytes (8 GiB at 8k) several times over
-        if t <= 8192 {
+        // the dense baseline's scores take 2 * 64 * T^2 bytes (8 GiB at 8k) several times over;
+        // at 8k candle's matmul fails to launch on an H100 (CUDA_ERROR_INVALID_VALUE, first GPU
+        // run 2026-11-26), so the dense peer past 4k is torch's flash SDPA (benches/peers/nsa.py)
+        if t <= 4096 {
             let mask = causal_mask(t, &dev);
             let dense = gpu::time_ms(&stream, || drop(candle_dense(&q, &k, &v, Some(&mask))));
             println!(

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds and stages everything run_gpu.sh runs, on the build machine (no GPU needed):
 #   bash benches/peers/prepare_gpu.sh
-# and then, with the device tool (carry [".device", ".whl"]), two commands of 10 minutes each:
-#   bash benches/peers/run_gpu.sh                     # tests, benches, peers, NCCL, PJRT, report
-#   FP8NSA_SANITIZE=1 bash benches/peers/run_gpu.sh   # the tests, then compute-sanitizer
+# and then, with the device tool (carry [".device", ".whl"]), one command that fits a session's
+# 15 minutes of device time and packs its logs into one file:
+#   bash benches/peers/gpu_session.sh   # run_gpu.sh (tests, benches, peers, NCCL, PJRT, report),
+#                                       # then FP8NSA_SANITIZE=only run_gpu.sh (compute-sanitizer)
 #
 # GPU sessions are short and start on a fresh machine, so the build is CI's: the same target
 # folder, profile (dev, which is opt-level 3 in this workspace) and feature set. candle's CUDA
@@ -105,6 +106,6 @@ if [ "$bytes" -ge "$limit" ]; then
   echo "prepare_gpu: too large for the device tool's carry" >&2
   exit 1
 fi
-echo "== ready: device commands (carry [\".device\", \".whl\"]):"
-echo "   bash benches/peers/run_gpu.sh"
-echo "   FP8NSA_SANITIZE=1 bash benches/peers/run_gpu.sh"
+echo "== ready: one device command (carry [\".device\", \".whl\"], timeout_s 500):"
+echo "   bash benches/peers/gpu_session.sh"
+echo "   (or the two phases by hand: bash benches/peers/run_gpu.sh; FP8NSA_SANITIZE=only bash benches/peers/run_gpu.sh)"

@@ -8,7 +8,12 @@
 # (the staged binary names; TEST_NCCL is the `cuda_nccl` test, built with `--features nccl`;
 # TEST_PJRT the `pjrt` test built with `--features pjrt`, run against the machine's XLA CUDA
 # plugin from jax-cuda13-pjrt). FP8NSA_SANITIZE=1 runs the tests and then compute-sanitizer
-# over them instead of the benches (a second device command: each gets 10 minutes).
+# over them instead of the benches (a second device command: each gets 10 minutes);
+# FP8NSA_SANITIZE=only runs the sanitizer alone, when the plain tests already ran in this
+# session. A session's whole device time may be 15 minutes, so every step can be bounded:
+# FP8NSA_STEP_TIMEOUT (seconds, each test, bench and peer script; unset: none) and
+# FP8NSA_SANITIZE_TIMEOUT (seconds, each sanitizer run; default 130). A step cut off by its
+# timeout exits 124 and is listed as failed, so an incomplete run never reads as a pass.
 # Logs and tables land in $OUT.
 set -uo pipefail
 if [ $# -eq 0 ] && [ -f .device/bins ]; then
@@ -26,12 +31,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 # a missing GPU fails the tests instead of skipping them
 export FP8NSA_REQUIRE_GPU=1
 failed=()
+step=()
+if [ -n "${FP8NSA_STEP_TIMEOUT:-}" ]; then
+  step=(timeout "$FP8NSA_STEP_TIMEOUT")
+fi
 # a staged test binary: its test lines, and when it fails (a loader error prints no test
 # line) its exit status and the log's tail
 run_test() {
   local name=$1
   shift
-  .device/run.sh "$@" --test-threads=1 > "$out/$name.log" 2>&1
+  "${step[@]}" .device/run.sh "$@" --test-threads=1 > "$out/$name.log" 2>&1
   local rc=$?
   grep -E "^test |test result|panicked" "$out/$name.log"
   if [ $rc -ne 0 ]; then
@@ -40,13 +49,15 @@ run_test() {
     failed+=("$name")
   fi
 }
-run_test test_fp8 "$1"
-run_test test_nsa "$2"
+if [ "${FP8NSA_SANITIZE:-0}" != only ]; then
+  run_test test_fp8 "$1"
+  run_test test_nsa "$2"
+fi
 # FP8NSA_SANITIZE=1: compute-sanitizer (issue 16, item 1) instead of the benches, as its own
 # device command (a command gets 10 minutes): memcheck, then racecheck for the shared-memory
 # kernels, on a reduced sweep (the tests that reach every fp8 path, the grouped experts, and
 # every NSA kernel path: splits, varlen, adversarial rows, pages, tokens).
-if [ "${FP8NSA_SANITIZE:-0}" = 1 ]; then
+if [ "${FP8NSA_SANITIZE:-0}" = 1 ] || [ "${FP8NSA_SANITIZE:-0}" = only ]; then
   if ! command -v compute-sanitizer >/dev/null; then
     echo "== no compute-sanitizer on PATH"
     exit 1
@@ -54,11 +65,23 @@ if [ "${FP8NSA_SANITIZE:-0}" = 1 ]; then
   sanitize() {
     local tool=$1 name=$2 bin=$3
     shift 3
-    timeout 130 compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
+    timeout "${FP8NSA_SANITIZE_TIMEOUT:-130}" compute-sanitizer --tool "$tool" --target-processes all --error-exitcode 9 \
       .device/run.sh "$bin" --test-threads=1 "$@" > "$out/sanitize_${tool}_$name.log" 2>&1
     local rc=$?
+    local log="$out/sanitize_${tool}_$name.log"
     echo "== compute-sanitizer $tool $name: exit $rc (124: out of time)"
-    grep -E "ERROR SUMMARY|test result" "$out/sanitize_${tool}_$name.log" | tail -n 4
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|test result" "$log" | tail -n 4
+    # racecheck also reports hazards inside NVIDIA's closed cuBLASLt kernels (nvjet_*: the
+    # block-scaled fp8 GEMM; 36 of them on the first H100 run, 2026-11-26), which nothing here
+    # can fix. They are counted and shown apart; a hazard in any other kernel, or a failed
+    # test, still fails the run.
+    if [ "$tool" = racecheck ] && [ $rc -eq 9 ] && grep -q "^test result: ok" "$log"; then
+      local vendor ours
+      vendor=$(grep "Race reported between" "$log" | grep -c -E " at (nvjet_|cublasLt)")
+      ours=$(grep "Race reported between" "$log" | grep -c -v -E " at (nvjet_|cublasLt)")
+      echo "   hazards: $ours in our kernels, $vendor in cuBLASLt's own (nvjet) kernels"
+      [ "$ours" -eq 0 ] && rc=0
+    fi
     [ $rc -eq 0 ] || failed+=("sanitize_${tool}_$name")
   }
   for tool in memcheck racecheck; do
@@ -76,12 +99,12 @@ fi
 run_bench() {
   local name=$1
   shift
-  .device/run.sh "$@" 2>&1 | tee "$out/$name.log"
+  "${step[@]}" .device/run.sh "$@" 2>&1 | tee "$out/$name.log"
   local rc=${PIPESTATUS[0]}
   [ "$rc" -eq 0 ] || { echo "== $name exited with status $rc"; failed+=("$name"); }
 }
 run_bench bench_fp8 "$3" --json "$out/fp8_ours.jsonl"
-python3 benches/peers/fp8_gemm.py --json "$out/fp8_peers.jsonl" > "$out/peers_fp8.log" 2>&1 \
+"${step[@]}" python3 benches/peers/fp8_gemm.py --json "$out/fp8_peers.jsonl" > "$out/peers_fp8.log" 2>&1 \
   || failed+=(peers_fp8)
 run_bench bench_nsa "$4" --json "$out/nsa_ours.jsonl"
 # the grouped expert GEMM vs per-expert fp8 and bf16 loops (its peers run in the same binary)
@@ -107,13 +130,13 @@ if [ $# -ge 7 ]; then
     failed+=("pjrt_plugin_missing")
   else
     echo "== XLA CUDA PJRT plugin: $plugin"
-    FP8NSA_PJRT_PLUGIN="$plugin" FP8NSA_REQUIRE_PJRT=1 run_test test_pjrt_gpu "$7"
+    FP8NSA_PJRT_PLUGIN="$plugin" FP8NSA_REQUIRE_PJRT=1 FP8NSA_PJRT_DUMP="$out" run_test test_pjrt_gpu "$7"
   fi
 fi
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-(cd benches/peers && python3 nsa.py --json "$out/nsa_peers.jsonl") > "$out/peers_nsa.log" 2>&1 \
+(cd benches/peers && "${step[@]}" python3 nsa.py --json "$out/nsa_peers.jsonl") > "$out/peers_nsa.log" 2>&1 \
   || failed+=(peers_nsa)
 (cd benches/peers && python3 report.py "$out") > "$out/report.md"
 cat "$out/report.md"
