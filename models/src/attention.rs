@@ -492,6 +492,8 @@ impl Attention {
                     Impl::Dense => {
                         pool.write(layer, seq, pos, &ks, &vs)?;
                         let (kh, vh) = pool.read(layer, seq, pos + t)?;
+                        // a 16-bit pool's rows in the queries' type
+                        let (kh, vh) = (kh.to_dtype(qs.dtype())?, vh.to_dtype(qs.dtype())?);
                         self.dense(&qs, &kh, &vh, pos)?
                     }
                     Impl::Nsa(nsa) => match (&mut seq.inner, &pool.store) {

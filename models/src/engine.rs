@@ -9,6 +9,7 @@
 
 use std::collections::VecDeque;
 
+use candle_core::DType;
 use rand::SeedableRng;
 
 use crate::error::{invalid, Error, Result};
@@ -23,6 +24,10 @@ pub struct EngineConfig {
     pub kv_pages: usize,
     /// Tokens per page.
     pub page_size: usize,
+    /// Element type of the KV pages: F32 (the default: the same numbers as
+    /// [`Llama::forward`]), or F16 / BF16 for half the bytes per decode step
+    /// ([`Llama::new_kv_pool`]).
+    pub kv_dtype: DType,
     /// Tokens one step runs at most (decode tokens plus prefill chunks).
     pub max_batch_tokens: usize,
     /// Sequences one step runs at most.
@@ -36,6 +41,7 @@ impl Default for EngineConfig {
         Self {
             kv_pages: 2048,
             page_size: 16,
+            kv_dtype: DType::F32,
             max_batch_tokens: 512,
             max_running: 64,
             max_waiting: 256,
@@ -157,7 +163,7 @@ impl Engine {
                 return Err(invalid(arg, "must be at least 1"));
             }
         }
-        let pool = model.new_kv_pool(cfg.kv_pages, cfg.page_size)?;
+        let pool = model.new_kv_pool(cfg.kv_pages, cfg.page_size, cfg.kv_dtype)?;
         Ok(Self {
             model,
             pool,

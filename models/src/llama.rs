@@ -495,17 +495,20 @@ pub enum Logits {
 }
 
 impl Llama {
-    /// KV pools for [`Self::forward_batch`]: `pages` pages of `page_size` tokens in every layer
-    /// (f32, on the model's device). A server sizes this once; sequences take pages from it
-    /// with [`KvPool::new_seq`] and give them back when dropped.
-    pub fn new_kv_pool(&self, pages: usize, page_size: usize) -> Result<KvPool> {
+    /// KV pools for [`Self::forward_batch`]: `pages` pages of `page_size` tokens in every layer,
+    /// on the model's device, holding `dtype`: F32, or F16 / BF16 for dense attention layers (a
+    /// 16-bit cache, as llama.cpp keeps by default: half the bytes each decode step reads, the
+    /// keys and values rounded once when written; the attention itself stays f32). A server
+    /// sizes this once; sequences take pages from it with [`KvPool::new_seq`] and give them
+    /// back when dropped.
+    pub fn new_kv_pool(&self, pages: usize, page_size: usize, dtype: DType) -> Result<KvPool> {
         let layers = self
             .blocks
             .iter()
             .map(|b| b.attn.kv_layout())
             .collect::<Result<Vec<_>>>()?;
         let device = self.embed.embeddings().device();
-        KvPool::new(&layers, pages, page_size, DType::F32, device)
+        KvPool::new(&layers, pages, page_size, dtype, device)
     }
 
     /// One step over several sequences of different lengths, each with its own new tokens and
@@ -520,7 +523,7 @@ impl Llama {
     ///
     /// let cfg = LlamaConfig::tiny();
     /// let model = Llama::new(&cfg, &Weights::random(&cfg, 1)?, &ModelOptions::default())?;
-    /// let pool = model.new_kv_pool(64, 16)?;
+    /// let pool = model.new_kv_pool(64, 16, candle_core::DType::F32)?;
     /// let (mut a, mut b) = (pool.new_seq(), pool.new_seq());
     /// model.forward_batch(&pool, &mut [BatchSeq { tokens: &[1, 2, 3], kv: &mut a }], Logits::Last)?;
     /// // a decodes its 4th token while b prefills 5

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::config::ModelOptions;
 use crate::error::{invalid, Error, Result};
@@ -114,8 +114,8 @@ impl Model {
     }
 
     /// [`Llama::new_kv_pool`].
-    pub fn new_kv_pool(&self, pages: usize, page_size: usize) -> Result<KvPool> {
-        self.inner.new_kv_pool(pages, page_size)
+    pub fn new_kv_pool(&self, pages: usize, page_size: usize, dtype: DType) -> Result<KvPool> {
+        self.inner.new_kv_pool(pages, page_size, dtype)
     }
 
     /// [`Llama::forward_batch`]: one ragged step over several sequences' pages.

@@ -81,6 +81,26 @@ impl KvPool {
                 format!("{pages} pages of {page_size} rows are more rows than a u32 indexes"),
             ));
         };
+        let dense = !matches!(
+            layers.first(),
+            Some(LayerKv::Latent { .. } | LayerKv::Nsa(_))
+        );
+        match dtype {
+            DType::F32 => {}
+            DType::F16 | DType::BF16 if dense => {}
+            DType::F16 | DType::BF16 => {
+                return Err(invalid(
+                    "kv_dtype",
+                    format!("{dtype:?} pages are for dense attention layers; NSA and MLA keep f32"),
+                ))
+            }
+            _ => {
+                return Err(invalid(
+                    "kv_dtype",
+                    format!("{dtype:?}: KV pages hold f32, f16 or bf16"),
+                ))
+            }
+        }
         let bytes_ok = |per_row: usize| {
             rows.checked_mul(per_row)
                 .and_then(|x| x.checked_mul(dtype.size_in_bytes()))
@@ -238,10 +258,17 @@ impl KvPool {
     ) -> Result<()> {
         let ((kp, vp), pages) = self.dense(layer, seq)?;
         let runs = self.runs(pages, pos, pos + k.dims()[1])?;
-        // [1, T, Hkv, D] -> [Hkv, T, D], then one copy per run of rows within a page
+        // [1, T, Hkv, D] -> [Hkv, T, D] in the pages' type (rounded once, here, for a 16-bit
+        // pool), then one copy per run of rows within a page
         let (kt, vt) = (
-            k.squeeze(0)?.transpose(0, 1)?.contiguous()?,
-            v.squeeze(0)?.transpose(0, 1)?.contiguous()?,
+            k.squeeze(0)?
+                .transpose(0, 1)?
+                .to_dtype(kp.dtype())?
+                .contiguous()?,
+            v.squeeze(0)?
+                .transpose(0, 1)?
+                .to_dtype(vp.dtype())?
+                .contiguous()?,
         );
         for (off, row, run) in runs {
             kp.slice_set(&kt.narrow(1, off, run)?.contiguous()?, 1, row)?;

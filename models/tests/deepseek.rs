@@ -647,7 +647,7 @@ fn batched_paged_step_gives_each_sequence_its_own_logits() {
         let prompts: Vec<Vec<u32>> = (0..4)
             .map(|i| tokens(&cfg, lens[i], i as u32 + 9))
             .collect();
-        let pool = model.new_kv_pool(16, 4).unwrap();
+        let pool = model.new_kv_pool(16, 4, DType::F32).unwrap();
         let mut kv: Vec<SeqKv> = (0..4).map(|_| pool.new_seq()).collect();
         let mut fed: Vec<Vec<Vec<u32>>> = vec![Vec::new(); 4];
         let mut got: Vec<Vec<Tensor>> = vec![Vec::new(); 4];

@@ -135,6 +135,7 @@ fn check_alone(model: Llama, configs: &[(usize, usize)]) {
                 max_batch_tokens: budget,
                 max_running: 8,
                 max_waiting: 64,
+                ..EngineConfig::default()
             },
         )
         .unwrap();

@@ -7,6 +7,8 @@
 //! whatever the selection says), then walks them in order with an online softmax in f32, all G
 //! query heads of the kv head together. Cost is proportional to the selected keys, not to `tk`.
 
+use std::borrow::Cow;
+
 use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, Error, Result};
@@ -477,6 +479,11 @@ struct RowArgs<'a, T> {
 pub trait KeyElem: Copy + Into<f32> + Send + Sync {
     /// The slice itself when the elements are f32.
     fn as_f32(s: &[Self]) -> Option<&[f32]>;
+
+    /// Appends `src` converted to f32 to `dst`.
+    fn extend_f32(dst: &mut Vec<f32>, src: &[Self]) {
+        dst.extend(src.iter().map(|&x| x.into()));
+    }
 }
 
 impl KeyElem for f32 {
@@ -494,6 +501,15 @@ impl KeyElem for half::bf16 {
 impl KeyElem for half::f16 {
     fn as_f32(_: &[Self]) -> Option<&[f32]> {
         None
+    }
+
+    fn extend_f32(dst: &mut Vec<f32>, src: &[Self]) {
+        use half::slice::HalfFloatSliceExt;
+        // the slice form converts 8 at a time with F16C where the CPU has it (a 16-bit KV
+        // cache is read through here at every decode step)
+        let n = dst.len();
+        dst.resize(n + src.len(), 0.0);
+        src.convert_to_f32_slice(&mut dst[n..]);
     }
 }
 
@@ -560,10 +576,8 @@ fn attend_heads<T: KeyElem>(
             sc.vc.clear();
             for j in sc.spans.iter().flat_map(|&(s0, s1)| s0..s1) {
                 let key = a.keys.row(j) * hkv + kvh;
-                sc.kc
-                    .extend(a.k[key * d..(key + 1) * d].iter().map(|&x| x.into()));
-                sc.vc
-                    .extend(a.v[key * dv..(key + 1) * dv].iter().map(|&x| x.into()));
+                T::extend_f32(&mut sc.kc, &a.k[key * d..(key + 1) * d]);
+                T::extend_f32(&mut sc.vc, &a.v[key * dv..(key + 1) * dv]);
                 if sc.kc.len() == CHUNK * d {
                     fold_chunk(&sc.q, &sc.kc, &sc.vc, d, dv, &mut st, &mut sc.scores);
                     sc.kc.clear();
@@ -597,11 +611,23 @@ fn attend_heads<T: KeyElem>(
 /// Keys or values of one sequence laid out head-major, as a decode cache keeps them: head `h`'s
 /// row `j` is `data[h · head_stride + j · width ..][..width]` (rows contiguous, heads
 /// `head_stride` apart, so a view of the first rows of a larger buffer needs no copy).
-#[derive(Clone, Copy, Debug)]
-pub struct HeadMajor<'a> {
-    pub data: &'a [f32],
+///
+/// The elements are f32, bf16 or f16 ([`KeyElem`]): a 16-bit cache halves the bytes every
+/// step reads; its rows are converted to f32 a chunk at a time, and the arithmetic is the
+/// f32 kernel's.
+#[derive(Debug)]
+pub struct HeadMajor<'a, T = f32> {
+    pub data: &'a [T],
     pub head_stride: usize,
 }
+
+impl<T> Clone for HeadMajor<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for HeadMajor<'_, T> {}
 
 /// Dense attention of one query token over `len` keys, every key visible (a decode step,
 /// whose own key is already in the cache): `out [hq, dv] = softmax(scale · q kᵀ) v` per query
@@ -626,10 +652,10 @@ pub struct HeadMajor<'a> {
 /// # Ok::<(), fp8nsa_cpu::Error>(())
 /// ```
 #[allow(clippy::too_many_arguments)]
-pub fn decode_attention(
+pub fn decode_attention<T: KeyElem>(
     q: &[f32],
-    k: HeadMajor<'_>,
-    v: HeadMajor<'_>,
+    k: HeadMajor<'_, T>,
+    v: HeadMajor<'_, T>,
     dims: AttnDims,
     len: usize,
     scale: f32,
@@ -667,10 +693,10 @@ pub fn decode_attention(
 /// # Ok::<(), fp8nsa_cpu::Error>(())
 /// ```
 #[allow(clippy::too_many_arguments)]
-pub fn causal_attention(
+pub fn causal_attention<T: KeyElem>(
     q: &[f32],
-    k: HeadMajor<'_>,
-    v: HeadMajor<'_>,
+    k: HeadMajor<'_, T>,
+    v: HeadMajor<'_, T>,
     dims: AttnDims,
     t: usize,
     len: usize,
@@ -694,10 +720,10 @@ fn product(arg: &'static str, factors: &[usize]) -> Result<usize> {
 /// [`causal_attention`]; `decode` (one token, [`decode_attention`]) also takes `len = 0`, an
 /// empty cache, which gives zeros.
 #[allow(clippy::too_many_arguments)]
-fn attend_causal(
+fn attend_causal<T: KeyElem>(
     q: &[f32],
-    k: HeadMajor<'_>,
-    v: HeadMajor<'_>,
+    k: HeadMajor<'_, T>,
+    v: HeadMajor<'_, T>,
     dims: AttnDims,
     t: usize,
     len: usize,
@@ -757,8 +783,18 @@ fn attend_causal(
                 let i1 = (i0 + bt).min(t);
                 let (rows, lim) = block_rows(q, (i0, i1), len - t + 1, (h, g, hq, d), scale);
                 let mut o = vec![0f32; lim.len() * dv];
+                let (kh, vh) = (k.head(h), v.head(h));
+                let n = len - t + i1; // the rows the task's last token sees
+                let (kf, vf): (Cow<[f32]>, Cow<[f32]>) = match T::as_f32(kh).zip(T::as_f32(vh)) {
+                    Some((kf, vf)) => (kf.into(), vf.into()),
+                    // 16-bit: those rows as f32
+                    None => (
+                        gather_f32(kh, [(0, n)], d).into(),
+                        gather_f32(vh, [(0, n)], dv).into(),
+                    ),
+                };
                 // SAFETY: `blocked_fast` held: the AVX2 tier, only detected with AVX2 and FMA.
-                unsafe { attend_blocked(&rows, &lim, k.head(h), v.head(h), |j| j, d, dv, &mut o) };
+                unsafe { attend_blocked(&rows, &lim, &kf, &vf, |j| j, d, dv, &mut o) };
                 o
             })
             .collect();
@@ -1019,24 +1055,37 @@ fn scatter_rows(
     }
 }
 
-impl<'a> HeadMajor<'a> {
+impl<'a, T> HeadMajor<'a, T> {
     /// Kv head `h`'s rows onward.
-    fn head(&self, h: usize) -> &'a [f32] {
+    fn head(&self, h: usize) -> &'a [T] {
         &self.data[h * self.head_stride..]
     }
 }
 
 /// The query heads of one kv head at a decode step (`q [g, d]`) and that kv head's rows (`k` /
 /// `v` from row 0 of the head).
-struct HeadRows<'a> {
+struct HeadRows<'a, T> {
     q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
+    k: &'a [T],
+    v: &'a [T],
     d: usize,
     dv: usize,
 }
 
-impl HeadRows<'_> {
+/// The rows of `runs` (`(first row, rows)`) of `x [.., w]` in order, as f32.
+fn gather_f32<T: KeyElem>(
+    x: &[T],
+    runs: impl IntoIterator<Item = (usize, usize)>,
+    w: usize,
+) -> Vec<f32> {
+    let mut out = Vec::new();
+    for (r0, n) in runs {
+        T::extend_f32(&mut out, &x[r0 * w..(r0 + n) * w]);
+    }
+    out
+}
+
+impl<T: KeyElem> HeadRows<'_, T> {
     /// `o [g, dv] = softmax(scale · q kᵀ) v` over the rows of `runs` (`(first row, rows)`, in
     /// order), folded CHUNK rows at a time by the online softmax of the selection kernel, all
     /// g query heads per chunk; a chunk takes its rows from as many runs (pages) as it needs.
@@ -1051,6 +1100,24 @@ impl HeadRows<'_> {
         };
         let mut scores = vec![0f32; g * CHUNK];
         let fast = fold_fast(d, dv);
+        // f32 rows are read in place; 16-bit ones are converted a chunk at a time into
+        // buffers that stay in L1, and folded as a contiguous chunk
+        let direct = T::as_f32(self.k).zip(T::as_f32(self.v));
+        let (mut kc, mut vc) = (Vec::new(), Vec::new());
+        let mut fold = |rows: &[u32], st: &mut Softmax, scores: &mut [f32]| match direct {
+            Some((k, v)) => fold_rows(fast, &qh, k, v, rows, d, dv, st, scores),
+            None if rows.is_empty() => {}
+            None => {
+                kc.clear();
+                vc.clear();
+                for &r in rows {
+                    let r = r as usize;
+                    T::extend_f32(&mut kc, &self.k[r * d..(r + 1) * d]);
+                    T::extend_f32(&mut vc, &self.v[r * dv..(r + 1) * dv]);
+                }
+                fold_chunk(&qh, &kc, &vc, d, dv, st, scores);
+            }
+        };
         let mut rows = [0u32; CHUNK];
         let mut n = 0;
         for (r0, len) in runs {
@@ -1058,32 +1125,12 @@ impl HeadRows<'_> {
                 rows[n] = r as u32;
                 n += 1;
                 if n == CHUNK {
-                    fold_rows(
-                        fast,
-                        &qh,
-                        self.k,
-                        self.v,
-                        &rows,
-                        d,
-                        dv,
-                        &mut st,
-                        &mut scores,
-                    );
+                    fold(&rows, &mut st, &mut scores);
                     n = 0;
                 }
             }
         }
-        fold_rows(
-            fast,
-            &qh,
-            self.k,
-            self.v,
-            &rows[..n],
-            d,
-            dv,
-            &mut st,
-            &mut scores,
-        );
+        fold(&rows[..n], &mut st, &mut scores);
         for ((o, a), &l) in o
             .chunks_exact_mut(dv)
             .zip(st.acc.chunks_exact(dv))
@@ -1128,10 +1175,10 @@ pub struct PagedSeq<'a> {
 /// # Ok::<(), fp8nsa_cpu::Error>(())
 /// ```
 #[allow(clippy::too_many_arguments)]
-pub fn decode_attention_paged(
+pub fn decode_attention_paged<T: KeyElem>(
     q: &[f32],
-    k: HeadMajor<'_>,
-    v: HeadMajor<'_>,
+    k: HeadMajor<'_, T>,
+    v: HeadMajor<'_, T>,
     dims: AttnDims,
     page_size: usize,
     seqs: &[PagedSeq<'_>],
@@ -1183,10 +1230,10 @@ pub struct PagedChunk<'a> {
 /// # Ok::<(), fp8nsa_cpu::Error>(())
 /// ```
 #[allow(clippy::too_many_arguments)]
-pub fn causal_attention_paged(
+pub fn causal_attention_paged<T: KeyElem>(
     q: &[f32],
-    k: HeadMajor<'_>,
-    v: HeadMajor<'_>,
+    k: HeadMajor<'_, T>,
+    v: HeadMajor<'_, T>,
     dims: AttnDims,
     page_size: usize,
     seqs: &[PagedChunk<'_>],
@@ -1199,10 +1246,10 @@ pub fn causal_attention_paged(
 /// [`causal_attention_paged`]; `decode` ([`decode_attention_paged`]: one token each) also
 /// takes sequences of no rows, which give zeros.
 #[allow(clippy::too_many_arguments)]
-fn attention_paged(
+fn attention_paged<T: KeyElem>(
     q: &[f32],
-    k: HeadMajor<'_>,
-    v: HeadMajor<'_>,
+    k: HeadMajor<'_, T>,
+    v: HeadMajor<'_, T>,
     dims: AttnDims,
     page_size: usize,
     seqs: &[PagedChunk<'_>],
@@ -1330,9 +1377,20 @@ fn attention_paged(
             #[cfg(target_arch = "x86_64")]
             if blocked && i1 - i0 > 1 {
                 let (rows, lim) = block_rows(qs, (i0, i1), lim0, (h, g, hq, d), scale);
-                let row = |j: usize| s.pages[j / page_size] * page_size + j % page_size;
-                // SAFETY: `blocked_fast` held: the AVX2 tier, only detected with AVX2 and FMA.
-                unsafe { attend_blocked(&rows, &lim, k.head(h), v.head(h), row, d, dv, &mut o) };
+                let (kh, vh) = (k.head(h), v.head(h));
+                if let Some((kf, vf)) = T::as_f32(kh).zip(T::as_f32(vh)) {
+                    let row = |j: usize| s.pages[j / page_size] * page_size + j % page_size;
+                    // SAFETY: `blocked_fast` held: the AVX2 tier, only detected with AVX2 and
+                    // FMA.
+                    unsafe { attend_blocked(&rows, &lim, kf, vf, row, d, dv, &mut o) };
+                } else {
+                    // 16-bit pools: the rows the task's last token sees, gathered as f32
+                    let n = lim0 + i1 - 1;
+                    let kf = gather_f32(kh, runs(s.pages, page_size, n), d);
+                    let vf = gather_f32(vh, runs(s.pages, page_size, n), dv);
+                    // SAFETY: as above.
+                    unsafe { attend_blocked(&rows, &lim, &kf, &vf, |j| j, d, dv, &mut o) };
+                }
                 return o;
             }
             for (i, oi) in (i0..i1).zip(o.chunks_exact_mut(g * dv)) {
@@ -1431,6 +1489,148 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A 16-bit cache (f16, bf16) gives bit for bit what an f32 cache holding the same values
+    /// gives: contiguous decode and prefill chunks (the blocked kernel where it runs: dv 32,
+    /// G 2), and paged decode and mixed chunks, pages out of order.
+    #[test]
+    fn half_caches_equal_f32_caches_of_their_values() {
+        use fp8nsa_test_support::{gaussian, rng};
+        let mut r = rng("half_caches_equal_f32_caches_of_their_values");
+        let (hq, hkv, d, dv) = (4, 2, 32, 32);
+        let dims = AttnDims::new(hq, hkv, d, dv).unwrap();
+        let (page_size, pages) = (8usize, 24usize);
+        let rows = page_size * pages;
+        let k = gaussian(&mut r, hkv * rows * d);
+        let v = gaussian(&mut r, hkv * rows * dv);
+        fn check<T: KeyElem>(
+            k: &[T],
+            v: &[T],
+            (dims, rows, page_size, r): (AttnDims, usize, usize, &mut rand::rngs::StdRng),
+        ) {
+            let (hq, hkv, d, dv) = (dims.hq(), dims.hkv(), dims.d(), dims.dv());
+            let (kf, vf): (Vec<f32>, Vec<f32>) = (
+                k.iter().map(|&x| x.into()).collect(),
+                v.iter().map(|&x| x.into()).collect(),
+            );
+            fn hm<U>(data: &[U], w: usize, rows: usize) -> HeadMajor<'_, U> {
+                HeadMajor {
+                    data,
+                    head_stride: rows * w,
+                }
+            }
+            // contiguous: one decode step and a chunk of 37 tokens, over 150 rows
+            for t in [1usize, 37] {
+                let q = fp8nsa_test_support::gaussian(r, t * hq * d);
+                let (mut a, mut b) = (vec![0f32; t * hq * dv], vec![0f32; t * hq * dv]);
+                causal_attention(
+                    &q,
+                    hm(k, d, rows),
+                    hm(v, dv, rows),
+                    dims,
+                    t,
+                    150,
+                    0.2,
+                    &mut a,
+                )
+                .unwrap();
+                causal_attention(
+                    &q,
+                    hm(&kf, d, rows),
+                    hm(&vf, dv, rows),
+                    dims,
+                    t,
+                    150,
+                    0.2,
+                    &mut b,
+                )
+                .unwrap();
+                assert_eq!(a, b, "contiguous, {t} tokens");
+            }
+            // paged: a decode token, a chunk ending mid-page and a whole prompt
+            let tables: Vec<Vec<usize>> = (0..3)
+                .map(|i| (0..8).map(|j| (5 * (i * 8 + j) + 3) % 24).collect())
+                .collect();
+            let chunks: Vec<PagedChunk> = tables
+                .iter()
+                .zip([(40usize, 1usize), (61, 20), (9, 9)])
+                .map(|(t, (len, new))| PagedChunk { pages: t, len, new })
+                .collect();
+            let m: usize = chunks.iter().map(|c| c.new).sum();
+            let q = fp8nsa_test_support::gaussian(r, m * hq * d);
+            let (mut a, mut b) = (vec![0f32; m * hq * dv], vec![0f32; m * hq * dv]);
+            let ps = page_size;
+            causal_attention_paged(
+                &q,
+                hm(k, d, rows),
+                hm(v, dv, rows),
+                dims,
+                ps,
+                &chunks,
+                0.2,
+                &mut a,
+            )
+            .unwrap();
+            causal_attention_paged(
+                &q,
+                hm(&kf, d, rows),
+                hm(&vf, dv, rows),
+                dims,
+                ps,
+                &chunks,
+                0.2,
+                &mut b,
+            )
+            .unwrap();
+            assert_eq!(a, b, "paged chunks");
+            let seqs: Vec<PagedSeq> = chunks
+                .iter()
+                .map(|c| PagedSeq {
+                    pages: c.pages,
+                    len: c.len,
+                })
+                .collect();
+            let q = fp8nsa_test_support::gaussian(r, 3 * hq * d);
+            let (mut a, mut b) = (vec![0f32; 3 * hq * dv], vec![0f32; 3 * hq * dv]);
+            decode_attention_paged(
+                &q,
+                hm(k, d, rows),
+                hm(v, dv, rows),
+                dims,
+                ps,
+                &seqs,
+                0.2,
+                &mut a,
+            )
+            .unwrap();
+            decode_attention_paged(
+                &q,
+                hm(&kf, d, rows),
+                hm(&vf, dv, rows),
+                dims,
+                ps,
+                &seqs,
+                0.2,
+                &mut b,
+            )
+            .unwrap();
+            assert_eq!(a, b, "paged decode");
+            assert!(a.iter().all(|x| x.is_finite()) && a.iter().any(|&x| x != 0.0));
+            let _ = hkv;
+        }
+        let half = |x: &[f32]| {
+            x.iter()
+                .map(|&y| half::f16::from_f32(y))
+                .collect::<Vec<_>>()
+        };
+        let brain = |x: &[f32]| {
+            x.iter()
+                .map(|&y| half::bf16::from_f32(y))
+                .collect::<Vec<_>>()
+        };
+        check(&half(&k), &half(&v), (dims, rows, page_size, &mut r));
+        check(&brain(&k), &brain(&v), (dims, rows, page_size, &mut r));
     }
 
     /// The paged decode kernel equals the contiguous one on the same rows, for page orders that
@@ -1676,9 +1876,11 @@ mod tests {
                             f64_attend(qr, &k, &v, (h / (hq / hkv), cap, dv), past + i + 1, scale);
                         assert_eq!(want.len(), dv);
                         let got = &out[(i * hq + h) * dv..][..dv];
+                        // f32 sums in the blocked kernel's order: 1.1e-5 seen once at 0.22
+                        // (FP8NSA_TEST_SEED=3556885928836865941); a wrong row is order 1
                         for (c, (&g, &w)) in got.iter().zip(&want).enumerate() {
                             assert!(
-                                (g as f64 - w).abs() < 1e-5,
+                                (g as f64 - w).abs() < 4e-5,
                                 "hq {hq} d {d} past {past} token {i} head {h} col {c}: {g} vs {w}"
                             );
                         }

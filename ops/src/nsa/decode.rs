@@ -13,8 +13,9 @@ use crate::error::{invalid, shape_err, Error, Result};
 use crate::storage::{contiguous, ParkedError};
 
 /// `o [B, Hq, Dv] = softmax(scale · q kᵀ) v` for one query token per sequence, every key
-/// visible: `q [B, Hq, D]`, `k [B, Hkv, Tk, D]` and `v [B, Hkv, Tk, Dv]` f32 CPU tensors, query
-/// head `h` reading kv head `h / (Hq / Hkv)`. `k` and `v` need contiguous rows (the last
+/// visible: `q [B, Hq, D]`, `k [B, Hkv, Tk, D]` and `v [B, Hkv, Tk, Dv]` CPU tensors (`q`
+/// and `o` f32; the cache f32, or f16 / bf16, `k` and `v` alike: a 16-bit cache is read as
+/// it is and computed on in f32), query head `h` reading kv head `h / (Hq / Hkv)`. `k` and `v` need contiguous rows (the last
 /// dimension dense, rows `D` / `Dv` apart) and may be any batch and head strides, such as the
 /// first `Tk` rows of a cache buffer (`narrow` on dim 2), read without a copy. The same online
 /// softmax as selection attention: a NaN or infinite key makes its heads NaN.
@@ -137,20 +138,41 @@ struct DecodeOp {
     err: ParkedError,
 }
 
+/// Runs `$body` with `$k` / `$v` bound to the key and value storages' element slices: f32,
+/// f16 or bf16 (a 16-bit cache), the same for both; anything else is [`Error::DType`].
+macro_rules! with_kv {
+    ($ks:expr, $vs:expr, |$k:ident, $v:ident| $body:expr) => {
+        match ($ks, $vs) {
+            (CpuStorage::F32($k), CpuStorage::F32($v)) => $body,
+            (CpuStorage::F16($k), CpuStorage::F16($v)) => $body,
+            (CpuStorage::BF16($k), CpuStorage::BF16($v)) => $body,
+            (k @ (CpuStorage::F32(_) | CpuStorage::F16(_) | CpuStorage::BF16(_)), v) => {
+                Err(Error::DType {
+                    arg: "v",
+                    expected: match k.dtype() {
+                        candle_core::DType::F32 => "f32, as k",
+                        candle_core::DType::F16 => "f16, as k",
+                        _ => "bf16, as k",
+                    },
+                    got: v.dtype(),
+                })
+            }
+            (k, _) => Err(Error::DType {
+                arg: "k",
+                expected: "f32, f16 or bf16",
+                got: k.dtype(),
+            }),
+        }
+    };
+}
+
 /// The rows of `t`'s batch entries as [`HeadMajor`] views, checked to be dense per row.
-fn head_major<'a>(
+fn head_major<'a, T>(
     arg: &'static str,
-    s: &'a CpuStorage,
+    data: &'a [T],
     l: &Layout,
     width: usize,
-) -> Result<Vec<HeadMajor<'a>>> {
-    let CpuStorage::F32(data) = s else {
-        return Err(Error::DType {
-            arg,
-            expected: "f32",
-            got: s.dtype(),
-        });
-    };
+) -> Result<Vec<HeadMajor<'a, T>>> {
     let st = l.stride();
     if st[3] != 1 || (l.dims()[2] > 1 && st[2] != width) {
         return Err(invalid(
@@ -190,21 +212,24 @@ impl CustomOp3 for DecodeOp {
                 });
             };
             let q = contiguous("q", qd, ql)?;
-            let (kh, vh) = (head_major("k", ks, kl, d)?, head_major("v", vs, vl, dv)?);
-            let (b, t) = (kh.len(), self.t);
+            let (b, t) = (ql.dims()[0], self.t);
             let mut o = vec![0f32; b * t * hq * dv];
-            for (bi, ob) in o.chunks_exact_mut((t * hq * dv).max(1)).enumerate() {
-                let qb = &q[bi * t * hq * d..(bi + 1) * t * hq * d];
-                if self.one {
-                    fp8nsa_cpu::nsa::decode_attention(
-                        qb, kh[bi], vh[bi], self.dims, self.tk, self.scale, ob,
-                    )?;
-                } else {
-                    fp8nsa_cpu::nsa::causal_attention(
-                        qb, kh[bi], vh[bi], self.dims, t, self.tk, self.scale, ob,
-                    )?;
+            with_kv!(ks, vs, |k, v| {
+                let (kh, vh) = (head_major("k", k, kl, d)?, head_major("v", v, vl, dv)?);
+                for (bi, ob) in o.chunks_exact_mut((t * hq * dv).max(1)).enumerate() {
+                    let qb = &q[bi * t * hq * d..(bi + 1) * t * hq * d];
+                    if self.one {
+                        fp8nsa_cpu::nsa::decode_attention(
+                            qb, kh[bi], vh[bi], self.dims, self.tk, self.scale, ob,
+                        )?;
+                    } else {
+                        fp8nsa_cpu::nsa::causal_attention(
+                            qb, kh[bi], vh[bi], self.dims, t, self.tk, self.scale, ob,
+                        )?;
+                    }
                 }
-            }
+                Ok(())
+            })?;
             Ok((CpuStorage::F32(o), Shape::from((b, t, hq, dv))))
         })())
     }
@@ -212,7 +237,7 @@ impl CustomOp3 for DecodeOp {
 
 /// [`decode_attention`] for `B` sequences whose keys and values sit in pages of shared pools,
 /// read in place (no gather): `q [B, Hq, D]`; pools `k [Hkv, rows, D]` and `v [Hkv, rows, Dv]`
-/// (f32, CPU, contiguous), sequence `i`'s row `j` at pool row
+/// (CPU, contiguous; f32, f16 or bf16 as in [`decode_attention`]), sequence `i`'s row `j` at pool row
 /// `pages[i][j / page_size] · page_size + j % page_size`, `lens[i]` rows each. One parallel
 /// region for the whole batch.
 ///
@@ -379,14 +404,9 @@ fn f32s<'a>(arg: &'static str, s: &'a CpuStorage) -> Result<&'a [f32]> {
 }
 
 /// A contiguous head-major pool `[Hkv, rows, w]`.
-fn pool<'a>(
-    arg: &'static str,
-    s: &'a CpuStorage,
-    l: &Layout,
-    w: usize,
-) -> Result<fp8nsa_cpu::nsa::HeadMajor<'a>> {
-    Ok(fp8nsa_cpu::nsa::HeadMajor {
-        data: contiguous(arg, f32s(arg, s)?, l)?,
+fn pool<'a, T>(arg: &'static str, data: &'a [T], l: &Layout, w: usize) -> Result<HeadMajor<'a, T>> {
+    Ok(HeadMajor {
+        data: contiguous(arg, data, l)?,
         head_stride: l.dims()[1] * w,
     })
 }
@@ -420,54 +440,116 @@ impl CustomOp3 for PagedDecodeOp {
         self.err.park((|| {
             let (hq, d, dv) = (self.dims.hq(), self.dims.d(), self.dims.dv());
             let q = contiguous("q", f32s("q", qs)?, ql)?;
-            let (k, v) = (pool("k", ks, kl, d)?, pool("v", vs, vl, dv)?);
             let b: usize = self.news.iter().sum();
             let mut o = vec![0f32; b * hq * dv];
-            if self.decode {
-                // one token each, an empty sequence giving zeros
-                let seqs: Vec<fp8nsa_cpu::nsa::PagedSeq<'_>> = self
-                    .pages
-                    .iter()
-                    .zip(&self.lens)
-                    .map(|(p, &len)| fp8nsa_cpu::nsa::PagedSeq { pages: p, len })
-                    .collect();
-                fp8nsa_cpu::nsa::decode_attention_paged(
-                    q,
-                    k,
-                    v,
-                    self.dims,
-                    self.page_size,
-                    &seqs,
-                    self.scale,
-                    &mut o,
-                )?;
-            } else {
-                let seqs: Vec<fp8nsa_cpu::nsa::PagedChunk<'_>> = self
-                    .pages
-                    .iter()
-                    .zip(&self.lens)
-                    .zip(&self.news)
-                    .map(|((p, &len), &new)| fp8nsa_cpu::nsa::PagedChunk { pages: p, len, new })
-                    .collect();
-                fp8nsa_cpu::nsa::causal_attention_paged(
-                    q,
-                    k,
-                    v,
-                    self.dims,
-                    self.page_size,
-                    &seqs,
-                    self.scale,
-                    &mut o,
-                )?;
-            }
+            with_kv!(ks, vs, |k, v| self.run(
+                q,
+                pool("k", k, kl, d)?,
+                pool("v", v, vl, dv)?,
+                &mut o
+            ))?;
             Ok((CpuStorage::F32(o), Shape::from((b, hq, dv))))
         })())
+    }
+}
+
+impl PagedDecodeOp {
+    fn run<T: fp8nsa_cpu::nsa::KeyElem>(
+        &self,
+        q: &[f32],
+        k: HeadMajor<'_, T>,
+        v: HeadMajor<'_, T>,
+        o: &mut [f32],
+    ) -> Result<()> {
+        if self.decode {
+            // one token each, an empty sequence giving zeros
+            let seqs: Vec<fp8nsa_cpu::nsa::PagedSeq<'_>> = self
+                .pages
+                .iter()
+                .zip(&self.lens)
+                .map(|(p, &len)| fp8nsa_cpu::nsa::PagedSeq { pages: p, len })
+                .collect();
+            fp8nsa_cpu::nsa::decode_attention_paged(
+                q,
+                k,
+                v,
+                self.dims,
+                self.page_size,
+                &seqs,
+                self.scale,
+                o,
+            )?;
+        } else {
+            let seqs: Vec<fp8nsa_cpu::nsa::PagedChunk<'_>> = self
+                .pages
+                .iter()
+                .zip(&self.lens)
+                .zip(&self.news)
+                .map(|((p, &len), &new)| fp8nsa_cpu::nsa::PagedChunk { pages: p, len, new })
+                .collect();
+            fp8nsa_cpu::nsa::causal_attention_paged(
+                q,
+                k,
+                v,
+                self.dims,
+                self.page_size,
+                &seqs,
+                self.scale,
+                o,
+            )?;
+        }
+        Ok(())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// f16 and bf16 caches and pools give what f32 ones holding the same values give, bit for
+    /// bit; k and v of different types, or an integer cache, are typed errors.
+    #[test]
+    fn half_caches_are_read_as_their_values() {
+        use candle_core::DType;
+        let dev = Device::Cpu;
+        let q = Tensor::randn(0f32, 1.0, (3, 4, 32), &dev).unwrap();
+        let pool = Tensor::randn(0f32, 1.0, (2, 8 * 4, 32), &dev).unwrap();
+        let cache = Tensor::randn(0f32, 1.0, (3, 2, 20, 32), &dev).unwrap();
+        let same = |a: &Tensor, b: &Tensor| {
+            let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
+            d.to_scalar::<f32>().unwrap() == 0.0
+        };
+        for dt in [DType::F16, DType::BF16] {
+            let ph = pool.to_dtype(dt).unwrap();
+            let pf = ph.to_dtype(DType::F32).unwrap();
+            let pages: [&[usize]; 3] = [&[5, 2], &[0], &[7, 1, 3]];
+            let (lens, news) = ([6, 1, 9], [1, 1, 1]);
+            let a = causal_attention_paged(&q, &ph, &ph, &pages, &lens, &news, 4, 0.2).unwrap();
+            let b = causal_attention_paged(&q, &pf, &pf, &pages, &lens, &news, 4, 0.2).unwrap();
+            assert!(same(&a, &b), "{dt:?} pool");
+            let ch = cache.to_dtype(dt).unwrap();
+            let cf = ch.to_dtype(DType::F32).unwrap();
+            let qc = q.unsqueeze(1).unwrap();
+            let a = causal_attention(
+                &qc,
+                &ch.narrow(2, 0, 7).unwrap(),
+                &ch.narrow(2, 0, 7).unwrap(),
+                0.2,
+            );
+            let b = causal_attention(
+                &qc,
+                &cf.narrow(2, 0, 7).unwrap(),
+                &cf.narrow(2, 0, 7).unwrap(),
+                0.2,
+            );
+            assert!(same(&a.unwrap(), &b.unwrap()), "{dt:?} cache");
+            let err = decode_attention(&q, &ch, &cf, 0.2).unwrap_err();
+            assert!(matches!(err, Error::DType { arg: "v", .. }), "{err}");
+        }
+        let ints = cache.to_dtype(DType::U32).unwrap();
+        let err = decode_attention(&q, &ints, &ints, 0.2).unwrap_err();
+        assert!(matches!(err, Error::DType { arg: "k", .. }), "{err}");
+    }
     use candle_core::{DType, D};
 
     /// Softmax attention per batch entry and query head from Candle ops on contiguous copies.
@@ -511,8 +593,9 @@ mod tests {
         assert!(matches!(r, Err(Error::Shape { arg: "k", .. })), "{r:?}");
         let r = decode_attention(&q, &k, &v.narrow(2, 0, 5).unwrap(), 0.2);
         assert!(matches!(r, Err(Error::Shape { arg: "v", .. })), "{r:?}");
+        // a bf16 cache is read, but k and v must agree
         let r = decode_attention(&q, &k.to_dtype(DType::BF16).unwrap(), &v, 0.2);
-        assert!(matches!(r, Err(Error::DType { arg: "k", .. })), "{r:?}");
+        assert!(matches!(r, Err(Error::DType { arg: "v", .. })), "{r:?}");
         // rows not dense: the keys of a [B, Tk, Hkv, D] layout seen as [B, Hkv, Tk, D]
         let token_major = Tensor::randn(0f32, 1.0, (b, tk, hkv, d), &dev).unwrap();
         let r = decode_attention(&q, &token_major.transpose(1, 2).unwrap(), &v, 0.2);

@@ -186,7 +186,8 @@ pub async fn start(served: Served, cfg: ServerConfig) -> Result<Running> {
     });
     let summary = format!(
         "fp8nsa serve: listening on http://{addr} | model {} ({layers} layers, {fp8} fp8 \
-         projections) | linear {} | attention {} | KV capacity {capacity} tokens ({} pages of {}) \
+         projections) | linear {} | attention {} | KV capacity {capacity} tokens ({} pages of {}, \
+         {:?}) \
          | max batch tokens {} | max running {}",
         served.name,
         match served.linear {
@@ -199,6 +200,7 @@ pub async fn start(served: Served, cfg: ServerConfig) -> Result<Running> {
         },
         cfg.engine.kv_pages,
         cfg.engine.page_size,
+        cfg.engine.kv_dtype,
         cfg.engine.max_batch_tokens,
         cfg.engine.max_running,
     );
@@ -210,6 +212,24 @@ pub async fn start(served: Served, cfg: ServerConfig) -> Result<Running> {
         engine: Some(engine_thread),
         summary,
     })
+}
+
+/// Element type of the KV pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvDtypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl KvDtypeArg {
+    fn dtype(self) -> candle_core::DType {
+        match self {
+            Self::F32 => candle_core::DType::F32,
+            Self::F16 => candle_core::DType::F16,
+            Self::Bf16 => candle_core::DType::BF16,
+        }
+    }
 }
 
 /// Device the model runs on.
@@ -247,6 +267,10 @@ pub struct ServeArgs {
     pub kv_pages: usize,
     #[arg(long, default_value_t = 16)]
     pub page_size: usize,
+    /// Element type of the KV pages: f16 or bf16 halve the bytes a decode step reads (dense
+    /// attention only); f32 gives exactly the numbers of a single-sequence run.
+    #[arg(long, value_enum, default_value_t = KvDtypeArg::F32)]
+    pub kv_dtype: KvDtypeArg,
     /// Sequences one step runs at most.
     #[arg(long, default_value_t = 64)]
     pub max_running: usize,
@@ -284,6 +308,7 @@ pub fn run(args: ServeArgs) -> Result<()> {
         engine: EngineConfig {
             kv_pages: args.kv_pages,
             page_size: args.page_size,
+            kv_dtype: args.kv_dtype.dtype(),
             max_batch_tokens: args.max_batch_tokens,
             max_running: args.max_running,
             max_waiting: args.max_waiting,

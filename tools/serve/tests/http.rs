@@ -49,6 +49,7 @@ fn small_engine() -> EngineConfig {
         max_batch_tokens: 256,
         max_running: 16,
         max_waiting: 64,
+        ..EngineConfig::default()
     }
 }
 
