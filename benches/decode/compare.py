@@ -85,10 +85,11 @@ def batched_bench(paths, gguf):
 STEP_RE = re.compile(r"prefill .* \(([\d.]+) tok/s\), decode .* \(([\d.]+) tok/s")
 
 
-def ours(step, variant, batch=None, gguf=None):
+def ours(step, variant, batch=None, gguf=None, kv=None):
     cmd = [step, variant, "512", "64"] + ([str(batch)] if batch else [])
-    log(("FP8NSA_GGUF=" + gguf + " " if gguf else "") + " ".join(cmd))
-    env = dict(os.environ, **({"FP8NSA_GGUF": gguf} if gguf else {}))
+    extra = ({"FP8NSA_GGUF": gguf} if gguf else {}) | ({"KV": kv} if kv else {})
+    log("".join(f"{k}={v} " for k, v in extra.items()) + " ".join(cmd))
+    env = dict(os.environ, **extra)
     line = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO, env=env).stdout
     line = line.strip().splitlines()[-1]
     m = STEP_RE.search(line)
@@ -150,6 +151,8 @@ def main():
                 add(f"ours fp8-head batched {b}", d)
                 if b == 1:
                     add("ours fp8 prefill last-logits", p)
+                # f16 KV pages, as llama.cpp keeps its cache
+                add(f"ours fp8-head f16kv batched {b}", ours(step, "fp8-head", b, kv="f16")[1])
 
     med = {k: statistics.median(v) for k, v in samples.items()}
     rows = [
@@ -166,6 +169,8 @@ def main():
     if not a.no_batched:
         rows += [(f"batched decode, {b} seqs: fp8 + fp8 head vs Q8_0", f"ours fp8-head batched {b}",
                   f"llama Q8_0 batched {b}") for b in [1, 4, 16]]
+        rows += [(f"batched decode, {b} seqs, f16 KV pages: fp8 + fp8 head vs Q8_0",
+                  f"ours fp8-head f16kv batched {b}", f"llama Q8_0 batched {b}") for b in [1, 4, 16]]
     cpu = cpu_model()
     print(f"CPU: {cpu} ({os.cpu_count()} cores), commit {commit}, {a.rounds} rounds, medians (tok/s)\n")
     print(f"| case | ours | llama.cpp | ratio |\n|---|---|---|---|")

@@ -129,6 +129,8 @@ elif ! "$fp8nsa_bin" serve --help > /dev/null 2>&1; then
   log "skipping the fp8nsa rows: '$fp8nsa_bin serve --help' fails, so this build has no serve subcommand yet"
 else
   run_row fp8nsa-fp8 "$fp8nsa_bin" serve --gguf "${path[GGUF_Q4_1]}" --linear fp8
+  # f16 KV pages, as llama-server keeps its cache by default
+  run_row fp8nsa-fp8-f16kv "$fp8nsa_bin" serve --gguf "${path[GGUF_Q4_1]}" --linear fp8 --kv-dtype f16
   run_row fp8nsa-dense "$fp8nsa_bin" serve --gguf "${path[GGUF_Q4_1]}" --linear dense
   run_row fp8nsa-fp8-nsa "$fp8nsa_bin" serve --gguf "${path[GGUF_Q4_1]}" --linear fp8 --attention nsa
 fi

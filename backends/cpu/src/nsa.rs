@@ -107,11 +107,11 @@ fn fold_fast(d: usize, dv: usize) -> bool {
 /// consecutive rows through the portable fold (the same sums in another order: they agree to
 /// rounding). `scores` must hold `g · CHUNK` values.
 #[allow(clippy::too_many_arguments)]
-fn fold_rows(
+fn fold_rows<T: KeyElem>(
     fast: bool,
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[T],
+    v: &[T],
     rows: &[u32],
     d: usize,
     dv: usize,
@@ -134,7 +134,16 @@ fn fold_rows(
             j += 1;
         }
         let (a, b) = (rows[i] as usize, rows[j - 1] as usize + 1);
-        fold_chunk_portable(q, &k[a * d..b * d], &v[a * dv..b * dv], d, dv, st, scores);
+        let (kr, vr) = (&k[a * d..b * d], &v[a * dv..b * dv]);
+        match T::as_f32(kr).zip(T::as_f32(vr)) {
+            Some((kr, vr)) => fold_chunk_portable(q, kr, vr, d, dv, st, scores),
+            None => {
+                let (mut kc, mut vc) = (Vec::new(), Vec::new());
+                T::extend_f32(&mut kc, kr);
+                T::extend_f32(&mut vc, vr);
+                fold_chunk_portable(q, &kc, &vc, d, dv, st, scores);
+            }
+        }
         i = j;
     }
 }
@@ -474,9 +483,22 @@ struct RowArgs<'a, T> {
     scale: f32,
 }
 
+/// The fold's loads of eight elements (x86: `x86::Lanes`, converting 16-bit rows in the load);
+/// elsewhere no requirement.
+#[cfg(target_arch = "x86_64")]
+use crate::x86::Lanes;
+#[cfg(not(target_arch = "x86_64"))]
+pub trait Lanes {}
+#[cfg(not(target_arch = "x86_64"))]
+impl Lanes for f32 {}
+#[cfg(not(target_arch = "x86_64"))]
+impl Lanes for half::f16 {}
+#[cfg(not(target_arch = "x86_64"))]
+impl Lanes for half::bf16 {}
+
 /// An element type the selection kernel reads: f32, bf16 or f16. f32 keys and values are
 /// read in place; the others are converted into a chunk buffer first.
-pub trait KeyElem: Copy + Into<f32> + Send + Sync {
+pub trait KeyElem: Copy + Into<f32> + Send + Sync + Lanes {
     /// The slice itself when the elements are f32.
     fn as_f32(s: &[Self]) -> Option<&[f32]>;
 
@@ -1100,23 +1122,9 @@ impl<T: KeyElem> HeadRows<'_, T> {
         };
         let mut scores = vec![0f32; g * CHUNK];
         let fast = fold_fast(d, dv);
-        // f32 rows are read in place; 16-bit ones are converted a chunk at a time into
-        // buffers that stay in L1, and folded as a contiguous chunk
-        let direct = T::as_f32(self.k).zip(T::as_f32(self.v));
-        let (mut kc, mut vc) = (Vec::new(), Vec::new());
-        let mut fold = |rows: &[u32], st: &mut Softmax, scores: &mut [f32]| match direct {
-            Some((k, v)) => fold_rows(fast, &qh, k, v, rows, d, dv, st, scores),
-            None if rows.is_empty() => {}
-            None => {
-                kc.clear();
-                vc.clear();
-                for &r in rows {
-                    let r = r as usize;
-                    T::extend_f32(&mut kc, &self.k[r * d..(r + 1) * d]);
-                    T::extend_f32(&mut vc, &self.v[r * dv..(r + 1) * dv]);
-                }
-                fold_chunk(&qh, &kc, &vc, d, dv, st, scores);
-            }
+        // rows read in place, a 16-bit cache's converted in the fold's loads
+        let fold = |rows: &[u32], st: &mut Softmax, scores: &mut [f32]| {
+            fold_rows(fast, &qh, self.k, self.v, rows, d, dv, st, scores)
         };
         let mut rows = [0u32; CHUNK];
         let mut n = 0;

@@ -328,6 +328,41 @@ unsafe fn exp_nonpos8(x: __m256) -> __m256 {
     _mm256_andnot_ps(under, v)
 }
 
+/// An element type the fold reads eight at a time as f32: f32 rows in place, and the rows of
+/// a 16-bit KV cache converted in the load (F16C for f16, a shift for bf16), so that a 16-bit
+/// cache costs no pass of its own. Public in this private module: nameable only here, it is
+/// the bound `nsa::KeyElem` carries.
+pub trait Lanes: Copy {
+    /// Eight elements from `p` as f32.
+    ///
+    /// # Safety
+    /// `p` must point at eight readable elements; the CPU must have AVX2 and F16C.
+    unsafe fn load8(p: *const Self) -> __m256;
+}
+
+impl Lanes for f32 {
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> __m256 {
+        _mm256_loadu_ps(p)
+    }
+}
+
+impl Lanes for half::f16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const half::f16) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+}
+
+impl Lanes for half::bf16 {
+    #[inline(always)]
+    unsafe fn load8(p: *const half::bf16) -> __m256 {
+        // bf16 is the high half of an f32
+        let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w))
+    }
+}
+
 /// The online-softmax fold of `nsa::fold_chunk` for `d` and `dv` multiples of 8, over the
 /// key rows `rows` of `k [.., d]` / `v [.., dv]` (any rows, in the order given: a chunk may
 /// span pages): scores of
@@ -338,14 +373,14 @@ unsafe fn exp_nonpos8(x: __m256) -> __m256 {
 /// `c.next_multiple_of(8)`.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA (the sizes are checked).
-#[target_feature(enable = "avx2,fma")]
+/// The CPU must have AVX2, FMA and F16C (the sizes are checked).
+#[target_feature(enable = "avx2,fma,f16c")]
 // `j` indexes the rows and the scores alike
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-pub(crate) unsafe fn fold_chunk8(
+pub(crate) unsafe fn fold_chunk8<E: Lanes>(
     q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    k: &[E],
+    v: &[E],
     rows: &[u32],
     d: usize,
     dv: usize,
@@ -376,7 +411,7 @@ pub(crate) unsafe fn fold_chunk8(
                 // SAFETY: t + 8 <= d and every row index is below c, inside q and kc.
                 let qv = _mm256_loadu_ps(qp.add(t));
                 for r in 0..8 {
-                    a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp.add(krow[r] + t)), a[r]);
+                    a[r] = _mm256_fmadd_ps(qv, E::load8(kp.add(krow[r] + t)), a[r]);
                 }
             }
             // eight horizontal sums at once: lane r of the result is key j0 + r's score
@@ -435,10 +470,10 @@ pub(crate) unsafe fn fold_chunk8(
                 // SAFETY: j < c keys of dv values each in vc; c0 + 32 <= dv.
                 let p = _mm256_broadcast_ss(&*sp.add(j));
                 let vj = vp.add(rows[j] as usize * dv + c0);
-                o0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj), o0);
-                o1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj.add(8)), o1);
-                o2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj.add(16)), o2);
-                o3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj.add(24)), o3);
+                o0 = _mm256_fmadd_ps(p, E::load8(vj), o0);
+                o1 = _mm256_fmadd_ps(p, E::load8(vj.add(8)), o1);
+                o2 = _mm256_fmadd_ps(p, E::load8(vj.add(16)), o2);
+                o3 = _mm256_fmadd_ps(p, E::load8(vj.add(24)), o3);
             }
             for (i, o) in [o0, o1, o2, o3].into_iter().enumerate() {
                 _mm256_storeu_ps(ap.add(c0 + 8 * i), o);
@@ -450,7 +485,7 @@ pub(crate) unsafe fn fold_chunk8(
             for j in 0..c {
                 // SAFETY: as above, c0 + 8 <= dv (dv is a multiple of 8).
                 let p = _mm256_broadcast_ss(&*sp.add(j));
-                o = _mm256_fmadd_ps(p, _mm256_loadu_ps(vp.add(rows[j] as usize * dv + c0)), o);
+                o = _mm256_fmadd_ps(p, E::load8(vp.add(rows[j] as usize * dv + c0)), o);
             }
             _mm256_storeu_ps(ap.add(c0), o);
             c0 += 8;
