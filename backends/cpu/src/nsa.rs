@@ -566,10 +566,12 @@ fn attend_heads<T: KeyElem>(
         // chunks fill across span boundaries: many short spans (token-level selections, small
         // blocks) fold CHUNK keys at a time like one long span, instead of one softmax
         // rescale per span
-        if let (Some(k), Some(v)) = (T::as_f32(a.k), T::as_f32(a.v)) {
-            // f32: the chunk is a list of rows read in place (a token-level selection would
-            // otherwise copy every selected key and value row before folding it)
-            let fast = fold_fast(d, dv);
+        let fast = fold_fast(d, dv);
+        if fast || T::as_f32(a.k).is_some() {
+            // the chunk is a list of rows read in place (a token-level selection would
+            // otherwise copy every selected key and value row before folding it); the AVX2
+            // fold converts 16-bit rows in its loads
+            let (k, v) = (a.k, a.v);
             let mut rows = [0u32; CHUNK];
             let mut n = 0;
             for j in sc.spans.iter().flat_map(|&(s0, s1)| s0..s1) {
@@ -594,6 +596,7 @@ fn attend_heads<T: KeyElem>(
                 );
             }
         } else {
+            // the portable fold on 16-bit rows: converted a chunk at a time
             sc.kc.clear();
             sc.vc.clear();
             for j in sc.spans.iter().flat_map(|&(s0, s1)| s0..s1) {
