@@ -87,7 +87,7 @@ STEP_RE = re.compile(r"prefill .* \(([\d.]+) tok/s\), decode .* \(([\d.]+) tok/s
 
 def ours(step, variant, batch=None, gguf=None, kv=None):
     cmd = [step, variant, "512", "64"] + ([str(batch)] if batch else [])
-    extra = ({"FP8NSA_GGUF": gguf} if gguf else {}) | ({"KV": kv} if kv else {})
+    extra = ({"FP8NSA_GGUF": gguf} if gguf else {}) | ({"FP8NSA_KV_DTYPE": kv} if kv else {})
     log("".join(f"{k}={v} " for k, v in extra.items()) + " ".join(cmd))
     env = dict(os.environ, **extra)
     line = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO, env=env).stdout

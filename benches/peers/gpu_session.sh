@@ -14,14 +14,29 @@ cd "$(dirname "$0")/../.."
 dest=${OUT:-/tmp/fp8nsa-out}
 work=$(mktemp -d)/gpu
 mkdir -p "$work/run" "$work/san"
+# a phase cut off by its budget leaves its step running (each `timeout` is its own process
+# group): end what it started before the next phase uses the GPU
+stray() {
+  pkill -f 'compute-sanitizer' 2> /dev/null
+  pkill -f '\.device/' 2> /dev/null
+  pkill -f '(fp8_gemm|nsa)\.py --json' 2> /dev/null
+  sleep 1
+}
 OUT="$work/run" FP8NSA_STEP_TIMEOUT="${FP8NSA_STEP_TIMEOUT:-150}" \
   timeout "${FP8NSA_RUN_BUDGET:-265}" bash benches/peers/run_gpu.sh > "$work/run.txt" 2>&1
-echo "run_gpu.sh exit $? (124: out of time)" >> "$work/run.txt"
+run_rc=$?
+echo "run_gpu.sh exit $run_rc (124: out of time)" >> "$work/run.txt"
+stray
 OUT="$work/san" FP8NSA_SANITIZE=only FP8NSA_SANITIZE_TIMEOUT="${FP8NSA_SANITIZE_TIMEOUT:-140}" \
   timeout "${FP8NSA_SANITIZE_BUDGET:-205}" bash benches/peers/run_gpu.sh > "$work/san.txt" 2>&1
-echo "run_gpu.sh (sanitizer) exit $? (124: out of time)" >> "$work/san.txt"
+san_rc=$?
+echo "run_gpu.sh (sanitizer) exit $san_rc (124: out of time)" >> "$work/san.txt"
+stray
 mkdir -p "$dest"
 tar czf "$dest/gpu.tgz" -C "$(dirname "$work")" gpu
 # the console: failures and summaries first, then the report
 grep -E "test result|FAILED|panicked|exited|failed|hazards|ERROR SUMMARY" "$work/run.txt" "$work/san.txt"
-cat "$work/run/report.md" 2>/dev/null
+cat "$work/run/report.md" 2> /dev/null
+rm -rf "$(dirname "$work")"
+# fails when either phase failed (the logs are packed either way)
+[ "$run_rc" -eq 0 ] && [ "$san_rc" -eq 0 ]

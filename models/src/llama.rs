@@ -498,7 +498,9 @@ impl Llama {
     /// KV pools for [`Self::forward_batch`]: `pages` pages of `page_size` tokens in every layer,
     /// on the model's device, holding `dtype`: F32, or F16 / BF16 for dense attention layers (a
     /// 16-bit cache, as llama.cpp keeps by default: half the bytes each decode step reads, the
-    /// keys and values rounded once when written; the attention itself stays f32). A server
+    /// keys and values rounded once when written; the attention itself stays f32; f16 holds
+    /// magnitudes up to 65504, beyond which a key or value becomes inf and its heads NaN:
+    /// bf16 keeps f32's range at 8 bits of precision). A server
     /// sizes this once; sequences take pages from it with [`KvPool::new_seq`] and give them
     /// back when dropped.
     pub fn new_kv_pool(&self, pages: usize, page_size: usize, dtype: DType) -> Result<KvPool> {

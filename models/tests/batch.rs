@@ -164,11 +164,13 @@ fn check_pages(arch: Arch, opts: ModelOptions, kv_dtype: DType) {
     }
     assert_eq!(decoded, [6; 4], "the schedule ran to the end");
     let mut flips = 0;
+    let mut worst = 0f64;
     for i in 0..4 {
         let mut cache = model.new_cache();
         for (chunk, o) in fed[i].iter().zip(&got[i]) {
             let want = model.forward(chunk, &mut cache).unwrap();
             let e = rel_frobenius(o, &want);
+            worst = worst.max(e);
             let flip = matches!(arch, Arch::Qwen3Moe) && e >= tol && e < ROUTING_FLIP;
             flips += flip as usize;
             assert!(
@@ -180,6 +182,11 @@ fn check_pages(arch: Arch, opts: ModelOptions, kv_dtype: DType) {
             );
         }
     }
+    // 16-bit pages must show their rounding: a zero error would mean the dtype went unused
+    assert!(
+        kv_dtype == DType::F32 || worst > 0.0,
+        "{kv_dtype:?} pages gave the f32 logits exactly"
+    );
     // the last-token logits are the All rows' last
     let mut s = pool.new_seq();
     let toks: Vec<u32> = (0..20).collect();

@@ -647,6 +647,14 @@ fn batched_paged_step_gives_each_sequence_its_own_logits() {
         let prompts: Vec<Vec<u32>> = (0..4)
             .map(|i| tokens(&cfg, lens[i], i as u32 + 9))
             .collect();
+        // MLA's latent pages stay f32
+        assert!(matches!(
+            model.new_kv_pool(16, 4, DType::F16),
+            Err(fp8nsa_models::Error::Invalid {
+                arg: "kv_dtype",
+                ..
+            })
+        ));
         let pool = model.new_kv_pool(16, 4, DType::F32).unwrap();
         let mut kv: Vec<SeqKv> = (0..4).map(|_| pool.new_seq()).collect();
         let mut fed: Vec<Vec<Vec<u32>>> = vec![Vec::new(); 4];

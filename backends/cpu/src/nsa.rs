@@ -7,8 +7,6 @@
 //! whatever the selection says), then walks them in order with an online softmax in f32, all G
 //! query heads of the kv head together. Cost is proportional to the selected keys, not to `tk`.
 
-use std::borrow::Cow;
-
 use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, Error, Result};
@@ -496,21 +494,35 @@ impl Lanes for half::f16 {}
 #[cfg(not(target_arch = "x86_64"))]
 impl Lanes for half::bf16 {}
 
-/// An element type the selection kernel reads: f32, bf16 or f16. f32 keys and values are
-/// read in place; the others are converted into a chunk buffer first.
+/// An element type the attention kernels read: f32, bf16 or f16. Rows are read in place; the
+/// AVX2 fold converts 16-bit ones in its loads, the blocked kernel in its 64-key tile copies,
+/// the portable fold into a chunk buffer first.
 pub trait KeyElem: Copy + Into<f32> + Send + Sync + Lanes {
     /// The slice itself when the elements are f32.
     fn as_f32(s: &[Self]) -> Option<&[f32]>;
 
+    /// `src` converted to f32 into `dst` (of the same length).
+    fn copy_f32(src: &[Self], dst: &mut [f32]) {
+        for (d, &x) in dst.iter_mut().zip(src) {
+            *d = x.into();
+        }
+    }
+
     /// Appends `src` converted to f32 to `dst`.
     fn extend_f32(dst: &mut Vec<f32>, src: &[Self]) {
-        dst.extend(src.iter().map(|&x| x.into()));
+        let n = dst.len();
+        dst.resize(n + src.len(), 0.0);
+        Self::copy_f32(src, &mut dst[n..]);
     }
 }
 
 impl KeyElem for f32 {
     fn as_f32(s: &[f32]) -> Option<&[f32]> {
         Some(s)
+    }
+
+    fn copy_f32(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
     }
 }
 
@@ -525,13 +537,10 @@ impl KeyElem for half::f16 {
         None
     }
 
-    fn extend_f32(dst: &mut Vec<f32>, src: &[Self]) {
+    fn copy_f32(src: &[Self], dst: &mut [f32]) {
         use half::slice::HalfFloatSliceExt;
-        // the slice form converts 8 at a time with F16C where the CPU has it (a 16-bit KV
-        // cache is read through here at every decode step)
-        let n = dst.len();
-        dst.resize(n + src.len(), 0.0);
-        src.convert_to_f32_slice(&mut dst[n..]);
+        // the slice form converts 8 at a time with F16C where the CPU has it
+        src.convert_to_f32_slice(dst);
     }
 }
 
@@ -638,8 +647,8 @@ fn attend_heads<T: KeyElem>(
 /// `head_stride` apart, so a view of the first rows of a larger buffer needs no copy).
 ///
 /// The elements are f32, bf16 or f16 ([`KeyElem`]): a 16-bit cache halves the bytes every
-/// step reads; its rows are converted to f32 a chunk at a time, and the arithmetic is the
-/// f32 kernel's.
+/// step reads; its values are converted to f32 as the kernels load them, and the arithmetic
+/// is the f32 kernels'.
 #[derive(Debug)]
 pub struct HeadMajor<'a, T = f32> {
     pub data: &'a [T],
@@ -808,18 +817,8 @@ fn attend_causal<T: KeyElem>(
                 let i1 = (i0 + bt).min(t);
                 let (rows, lim) = block_rows(q, (i0, i1), len - t + 1, (h, g, hq, d), scale);
                 let mut o = vec![0f32; lim.len() * dv];
-                let (kh, vh) = (k.head(h), v.head(h));
-                let n = len - t + i1; // the rows the task's last token sees
-                let (kf, vf): (Cow<[f32]>, Cow<[f32]>) = match T::as_f32(kh).zip(T::as_f32(vh)) {
-                    Some((kf, vf)) => (kf.into(), vf.into()),
-                    // 16-bit: those rows as f32
-                    None => (
-                        gather_f32(kh, [(0, n)], d).into(),
-                        gather_f32(vh, [(0, n)], dv).into(),
-                    ),
-                };
                 // SAFETY: `blocked_fast` held: the AVX2 tier, only detected with AVX2 and FMA.
-                unsafe { attend_blocked(&rows, &lim, &kf, &vf, |j| j, d, dv, &mut o) };
+                unsafe { attend_blocked(&rows, &lim, k.head(h), v.head(h), |j| j, d, dv, &mut o) };
                 o
             })
             .collect();
@@ -890,11 +889,11 @@ fn block_tokens(g: usize) -> usize {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn attend_blocked(
+unsafe fn attend_blocked<T: KeyElem>(
     q: &[f32],
     lim: &[usize],
-    k: &[f32],
-    v: &[f32],
+    k: &[T],
+    v: &[T],
     row: impl Fn(usize) -> usize,
     d: usize,
     dv: usize,
@@ -930,16 +929,17 @@ unsafe fn attend_blocked(
         for jj in 0..groups * NR {
             if jj < kc {
                 let rj = row(j0 + jj);
+                // the tile's copies are where a 16-bit cache becomes f32
                 for (c, &x) in k[rj * d..(rj + 1) * d].iter().enumerate() {
-                    kt[c * KC + jj] = x;
+                    kt[c * KC + jj] = x.into();
                 }
-                let vr = &v[rj * dv..(rj + 1) * dv];
+                let vr = &mut vc[jj * dv..(jj + 1) * dv];
+                T::copy_f32(&v[rj * dv..(rj + 1) * dv], vr);
                 // an all-ones exponent is Inf or NaN; OR-ed without a branch, so it vectorizes
                 let special = vr.iter().fold(0u32, |a, &x| {
                     a | u32::from(x.to_bits() & 0x7f80_0000 == 0x7f80_0000)
                 });
                 finite_v &= special == 0;
-                vc[jj * dv..(jj + 1) * dv].copy_from_slice(vr);
             } else {
                 for c in 0..d {
                     kt[c * KC + jj] = 0.0;
@@ -1095,19 +1095,6 @@ struct HeadRows<'a, T> {
     v: &'a [T],
     d: usize,
     dv: usize,
-}
-
-/// The rows of `runs` (`(first row, rows)`) of `x [.., w]` in order, as f32.
-fn gather_f32<T: KeyElem>(
-    x: &[T],
-    runs: impl IntoIterator<Item = (usize, usize)>,
-    w: usize,
-) -> Vec<f32> {
-    let mut out = Vec::new();
-    for (r0, n) in runs {
-        T::extend_f32(&mut out, &x[r0 * w..(r0 + n) * w]);
-    }
-    out
 }
 
 impl<T: KeyElem> HeadRows<'_, T> {
@@ -1388,20 +1375,9 @@ fn attention_paged<T: KeyElem>(
             #[cfg(target_arch = "x86_64")]
             if blocked && i1 - i0 > 1 {
                 let (rows, lim) = block_rows(qs, (i0, i1), lim0, (h, g, hq, d), scale);
-                let (kh, vh) = (k.head(h), v.head(h));
-                if let Some((kf, vf)) = T::as_f32(kh).zip(T::as_f32(vh)) {
-                    let row = |j: usize| s.pages[j / page_size] * page_size + j % page_size;
-                    // SAFETY: `blocked_fast` held: the AVX2 tier, only detected with AVX2 and
-                    // FMA.
-                    unsafe { attend_blocked(&rows, &lim, kf, vf, row, d, dv, &mut o) };
-                } else {
-                    // 16-bit pools: the rows the task's last token sees, gathered as f32
-                    let n = lim0 + i1 - 1;
-                    let kf = gather_f32(kh, runs(s.pages, page_size, n), d);
-                    let vf = gather_f32(vh, runs(s.pages, page_size, n), dv);
-                    // SAFETY: as above.
-                    unsafe { attend_blocked(&rows, &lim, &kf, &vf, |j| j, d, dv, &mut o) };
-                }
+                let row = |j: usize| s.pages[j / page_size] * page_size + j % page_size;
+                // SAFETY: `blocked_fast` held: the AVX2 tier, only detected with AVX2 and FMA.
+                unsafe { attend_blocked(&rows, &lim, k.head(h), v.head(h), row, d, dv, &mut o) };
                 return o;
             }
             for (i, oi) in (i0..i1).zip(o.chunks_exact_mut(g * dv)) {
