@@ -9,6 +9,7 @@ use fp8nsa::cpu::Tier;
 use fp8nsa::fp8::{CpuFp8Kernel, CpuFp8Path, BF16_TILE_MIN_M, GEMV_MAX_M};
 use fp8nsa::nsa::{BlockSelection, SelectionAttention};
 use fp8nsa::{reference, ActQuant, Fp8BlockWeight, Fp8Linear, Fp8Path};
+use fp8nsa_test_support::nsa::f64_attention;
 use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -138,41 +139,6 @@ fn nsa_check(rng: &mut StdRng, tier: Tier) {
 
 /// Paged decode attention (pages out of order, lengths ending mid-page, a sequence longer than
 /// one softmax chunk so chunks span pages) and the dense f32 GEMV of one row, against f64.
-/// f64 softmax attention of the query row `q` over rows `rows` of `k` / `v` (row `r` at
-/// `(base + r) · w`, `w` values wide): the reference of the attention checks.
-fn f64_attend(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    (base, w): (usize, usize),
-    rows: &[usize],
-    scale: f32,
-) -> Vec<f64> {
-    let s: Vec<f64> = rows
-        .iter()
-        .map(|&r| {
-            let kr = &k[(base + r) * w..(base + r + 1) * w];
-            scale as f64
-                * q.iter()
-                    .zip(kr)
-                    .map(|(a, b)| *a as f64 * *b as f64)
-                    .sum::<f64>()
-        })
-        .collect();
-    let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-    let p: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
-    let z: f64 = p.iter().sum();
-    (0..w)
-        .map(|c| {
-            rows.iter()
-                .zip(&p)
-                .map(|(&r, p)| p * v[(base + r) * w + c] as f64)
-                .sum::<f64>()
-                / z
-        })
-        .collect()
-}
-
 fn decode_check(rng: &mut StdRng, tier: Tier) {
     let (hq, hkv, d, ps, pool_pages) = (6, 2, 64, 16, 12);
     let rows = ps * pool_pages;
@@ -198,7 +164,7 @@ fn decode_check(rng: &mut StdRng, tier: Tier) {
             let kvh = h / g;
             let idx: Vec<usize> = (0..len).map(|j| pg[j / ps] * ps + j % ps).collect();
             let qh = &q[(b * hq + h) * d..(b * hq + h + 1) * d];
-            let want = f64_attend(qh, &k, &v, (kvh * rows, d), &idx, scale);
+            let want = f64_attention(qh, &k, &v, (kvh * rows, d), &idx, scale);
             for (c, &want) in want.iter().enumerate() {
                 let got = o[(b * hq + h) * d + c] as f64;
                 assert!(
@@ -258,7 +224,7 @@ fn prefill_check(rng: &mut StdRng, tier: Tier) {
             let kvh = h / (hq / hkv);
             let qh = &q[(i * hq + h) * d..][..d];
             let rows: Vec<usize> = (0..past + i + 1).collect();
-            let want = f64_attend(qh, &k, &v, (kvh * tk, d), &rows, 0.125);
+            let want = f64_attention(qh, &k, &v, (kvh * tk, d), &rows, 0.125);
             for (c, &want) in want.iter().enumerate() {
                 let got = o[(i * hq + h) * d + c] as f64;
                 assert!(

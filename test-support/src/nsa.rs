@@ -95,3 +95,47 @@ pub fn check_lse(lse: &Tensor, want: &Tensor, tol: f32, what: &str) {
         }
     }
 }
+
+/// f64 softmax attention of the query row `q` (`d = q.len()`) over rows `rows` of `k` / `v`:
+/// row `r`'s key is `k[(base + r) · d..][..d]`, its value `v[(base + r) · dv..][..dv]`. The
+/// reference of the dense attention kernels' checks.
+///
+/// ```
+/// use fp8nsa_test_support::nsa::f64_attention;
+/// // two rows, equal scores: the mean of the values
+/// let o = f64_attention(&[0.0, 0.0], &[1.0, 2.0, 3.0, 4.0], &[1.0, 3.0], (0, 1), &[0, 1], 1.0);
+/// assert_eq!(o, vec![2.0]);
+/// ```
+pub fn f64_attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (base, dv): (usize, usize),
+    rows: &[usize],
+    scale: f32,
+) -> Vec<f64> {
+    let d = q.len();
+    let s: Vec<f64> = rows
+        .iter()
+        .map(|&r| {
+            let kr = &k[(base + r) * d..(base + r + 1) * d];
+            scale as f64
+                * q.iter()
+                    .zip(kr)
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum::<f64>()
+        })
+        .collect();
+    let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let p: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+    let z: f64 = p.iter().sum();
+    (0..dv)
+        .map(|c| {
+            rows.iter()
+                .zip(&p)
+                .map(|(&r, p)| p * v[(base + r) * dv + c] as f64)
+                .sum::<f64>()
+                / z
+        })
+        .collect()
+}

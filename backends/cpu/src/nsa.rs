@@ -1402,6 +1402,7 @@ fn attention_paged<T: KeyElem>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use fp8nsa_test_support::nsa::f64_attention;
 
     /// The AVX2 fold against the portable one over several chunks (online-softmax rescaling
     /// between them), partial chunks, G = 1 and 3, head sizes 8..128 (d != dv), scores large
@@ -1507,33 +1508,31 @@ mod tests {
                     head_stride: rows * w,
                 }
             }
+            // `$call` on the 16-bit buffers and on the f32 ones (as `$k`, `$v`, `$o`): the same
+            // `$n` outputs, bit for bit, which it returns
+            macro_rules! same {
+                ($what:expr, $n:expr, |$k:ident, $v:ident, $o:ident| $call:expr) => {{
+                    let (mut a, mut b) = (vec![0f32; $n], vec![0f32; $n]);
+                    {
+                        let ($k, $v, $o) = (hm(k, d, rows), hm(v, dv, rows), &mut a[..]);
+                        $call.unwrap();
+                    }
+                    {
+                        let ($k, $v, $o) = (hm(&kf, d, rows), hm(&vf, dv, rows), &mut b[..]);
+                        $call.unwrap();
+                    }
+                    assert_eq!(a, b, "{}", $what);
+                    a
+                }};
+            }
             // contiguous: one decode step and a chunk of 37 tokens, over 150 rows
             for t in [1usize, 37] {
                 let q = fp8nsa_test_support::gaussian(r, t * hq * d);
-                let (mut a, mut b) = (vec![0f32; t * hq * dv], vec![0f32; t * hq * dv]);
-                causal_attention(
-                    &q,
-                    hm(k, d, rows),
-                    hm(v, dv, rows),
-                    dims,
-                    t,
-                    150,
-                    0.2,
-                    &mut a,
-                )
-                .unwrap();
-                causal_attention(
-                    &q,
-                    hm(&kf, d, rows),
-                    hm(&vf, dv, rows),
-                    dims,
-                    t,
-                    150,
-                    0.2,
-                    &mut b,
-                )
-                .unwrap();
-                assert_eq!(a, b, "contiguous, {t} tokens");
+                same!(
+                    format!("contiguous, {t} tokens"),
+                    t * hq * dv,
+                    |kh, vh, o| { causal_attention(&q, kh, vh, dims, t, 150, 0.2, o) }
+                );
             }
             // paged: a decode token, a chunk ending mid-page and a whole prompt
             let tables: Vec<Vec<usize>> = (0..3)
@@ -1546,31 +1545,10 @@ mod tests {
                 .collect();
             let m: usize = chunks.iter().map(|c| c.new).sum();
             let q = fp8nsa_test_support::gaussian(r, m * hq * d);
-            let (mut a, mut b) = (vec![0f32; m * hq * dv], vec![0f32; m * hq * dv]);
             let ps = page_size;
-            causal_attention_paged(
-                &q,
-                hm(k, d, rows),
-                hm(v, dv, rows),
-                dims,
-                ps,
-                &chunks,
-                0.2,
-                &mut a,
-            )
-            .unwrap();
-            causal_attention_paged(
-                &q,
-                hm(&kf, d, rows),
-                hm(&vf, dv, rows),
-                dims,
-                ps,
-                &chunks,
-                0.2,
-                &mut b,
-            )
-            .unwrap();
-            assert_eq!(a, b, "paged chunks");
+            same!("paged chunks", m * hq * dv, |kh, vh, o| {
+                causal_attention_paged(&q, kh, vh, dims, ps, &chunks, 0.2, o)
+            });
             let seqs: Vec<PagedSeq> = chunks
                 .iter()
                 .map(|c| PagedSeq {
@@ -1579,30 +1557,9 @@ mod tests {
                 })
                 .collect();
             let q = fp8nsa_test_support::gaussian(r, 3 * hq * d);
-            let (mut a, mut b) = (vec![0f32; 3 * hq * dv], vec![0f32; 3 * hq * dv]);
-            decode_attention_paged(
-                &q,
-                hm(k, d, rows),
-                hm(v, dv, rows),
-                dims,
-                ps,
-                &seqs,
-                0.2,
-                &mut a,
-            )
-            .unwrap();
-            decode_attention_paged(
-                &q,
-                hm(&kf, d, rows),
-                hm(&vf, dv, rows),
-                dims,
-                ps,
-                &seqs,
-                0.2,
-                &mut b,
-            )
-            .unwrap();
-            assert_eq!(a, b, "paged decode");
+            let a = same!("paged decode", 3 * hq * dv, |kh, vh, o| {
+                decode_attention_paged(&q, kh, vh, dims, ps, &seqs, 0.2, o)
+            });
             assert!(a.iter().all(|x| x.is_finite()) && a.iter().any(|&x| x != 0.0));
             let _ = hkv;
         }
@@ -1770,12 +1727,14 @@ mod tests {
             let mut out = vec![f32::NAN; hq * dv];
             decode_attention(&q, kv, vv, dims, len, scale, &mut out).unwrap();
             for h in 0..hq {
-                let want = f64_attend(
+                let rows: Vec<usize> = (0..len).collect();
+                let kvh = h / (hq / hkv);
+                let want = f64_attention(
                     &q[h * d..(h + 1) * d],
                     &k,
                     &v,
-                    (h / (hq / hkv), cap, dv),
-                    len,
+                    (kvh * cap, dv),
+                    &rows,
                     scale,
                 );
                 for (c, w) in want.iter().enumerate() {
@@ -1787,39 +1746,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    /// f64 softmax attention of one query row over rows `0..n` of kv head `kvh` in head-major
-    /// buffers with `cap` rows per head.
-    fn f64_attend(
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        (kvh, cap, dv): (usize, usize, usize),
-        n: usize,
-        scale: f32,
-    ) -> Vec<f64> {
-        let d = q.len();
-        let s: Vec<f64> = (0..n)
-            .map(|j| {
-                let kr = &k[kvh * cap * d + j * d..][..d];
-                q.iter()
-                    .zip(kr)
-                    .map(|(a, b)| *a as f64 * *b as f64)
-                    .sum::<f64>()
-                    * scale as f64
-            })
-            .collect();
-        let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let p: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
-        let den: f64 = p.iter().sum();
-        (0..dv)
-            .map(|c| {
-                (0..n)
-                    .map(|j| p[j] / den * v[kvh * cap * dv + j * dv + c] as f64)
-                    .sum()
-            })
-            .collect()
     }
 
     /// A chunk of `t` new tokens against f64, token by token over its own prefix: past rows
@@ -1857,10 +1783,11 @@ mod tests {
                 let mut out = vec![f32::NAN; t * hq * dv];
                 causal_attention(&q, kv, vv, dims, t, len, scale, &mut out).unwrap();
                 for i in 0..t {
+                    let rows: Vec<usize> = (0..past + i + 1).collect();
                     for h in 0..hq {
                         let qr = &q[(i * hq + h) * d..][..d];
                         let want =
-                            f64_attend(qr, &k, &v, (h / (hq / hkv), cap, dv), past + i + 1, scale);
+                            f64_attention(qr, &k, &v, (h / (hq / hkv) * cap, dv), &rows, scale);
                         assert_eq!(want.len(), dv);
                         let got = &out[(i * hq + h) * dv..][..dv];
                         // f32 sums in the blocked kernel's order: 1.1e-5 seen once at 0.22
