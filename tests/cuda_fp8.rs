@@ -569,3 +569,107 @@ fn experts_grouped_against_reference() {
     );
     assert!(err < 8e-3, "moe: rel err {err:e}");
 }
+
+/// A whole decoder on the GPU (`ModelOptions::device`, what `fp8nsa serve --device cuda`
+/// builds): a ragged batch step (two prefills of different lengths, then a decode token each)
+/// gives the CPU model's logits, with dense and with fp8 W8A16 projections (no activation
+/// rounding, so the two devices differ by f32 sums only), the KV pages live on the GPU, and the
+/// serving engine completes greedy requests there with every page back at the end.
+#[test]
+fn decoder_and_engine_on_the_gpu() {
+    use fp8nsa::models::{
+        BatchSeq, Engine, EngineConfig, Event, LinearKind, Llama, LlamaConfig, Logits,
+        ModelOptions, Request, Sampling, Weights,
+    };
+    let Some(dev) = gpu("decoder_and_engine_on_the_gpu") else {
+        return;
+    };
+    let cfg = LlamaConfig::tiny();
+    let w = Weights::random(&cfg, 17).unwrap();
+    let fp8 = LinearKind::Fp8 {
+        block: [128, 128],
+        act: ActQuant::None,
+    };
+    for linear in [LinearKind::Dense, fp8] {
+        let build = |device: Option<Device>| {
+            let opts = ModelOptions {
+                linear,
+                device,
+                ..ModelOptions::default()
+            };
+            Llama::new(&cfg, &w, &opts).unwrap()
+        };
+        let (host, on_gpu) = (build(None), build(Some(dev.clone())));
+        assert!(on_gpu.device().is_cuda() && host.device().is_cpu());
+        let steps: [&[&[u32]]; 2] = [&[&[1, 5, 9, 13, 17], &[2, 4, 6]], &[&[21], &[8]]];
+        let mut got = Vec::new();
+        for m in [&host, &on_gpu] {
+            let pool = m.new_kv_pool(16, 16, DType::F32).unwrap();
+            let (mut a, mut b) = (pool.new_seq(), pool.new_seq());
+            let mut logits = Vec::new();
+            for step in steps {
+                let mut batch = [
+                    BatchSeq {
+                        tokens: step[0],
+                        kv: &mut a,
+                    },
+                    BatchSeq {
+                        tokens: step[1],
+                        kv: &mut b,
+                    },
+                ];
+                let out = m.forward_batch(&pool, &mut batch, Logits::All).unwrap();
+                for l in out {
+                    assert_eq!(l.device().is_cuda(), m.device().is_cuda());
+                    logits.push(l.to_device(&Device::Cpu).unwrap());
+                }
+            }
+            drop((a, b));
+            assert_eq!(pool.free_pages(), 16, "{linear:?}: pages back");
+            got.push(logits);
+        }
+        for (i, (h, g)) in got[0].iter().zip(&got[1]).enumerate() {
+            let err = rel_frobenius(g, h);
+            assert!(err < 1e-4, "{linear:?} output {i}: {err:.2e}");
+        }
+    }
+    // the engine on the GPU: greedy requests of mixed lengths complete, pages back to 0
+    let model = Llama::new(
+        &cfg,
+        &w,
+        &ModelOptions {
+            device: Some(dev.clone()),
+            ..ModelOptions::default()
+        },
+    )
+    .unwrap();
+    let mut engine = Engine::new(
+        model,
+        EngineConfig {
+            kv_pages: 32,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    for id in 0..4u64 {
+        let prompt: Vec<u32> = (0..3 + 5 * id as u32).map(|t| (7 * t + 3) % 500).collect();
+        let req = Request {
+            prompt,
+            max_tokens: 6,
+            sampling: Sampling::Greedy,
+            stop_tokens: vec![],
+        };
+        engine.add(id, req).unwrap();
+    }
+    let (mut tokens, mut finished) = (0, 0);
+    while engine.has_work() {
+        for e in engine.step() {
+            match e {
+                Event::Token { .. } => tokens += 1,
+                Event::Finished { .. } => finished += 1,
+                Event::Failed { id, error } => panic!("request {id} failed on the GPU: {error}"),
+            }
+        }
+    }
+    assert_eq!((tokens, finished, engine.stats().pages_used), (24, 4, 0));
+}

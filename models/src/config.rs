@@ -4,6 +4,7 @@ use crate::attention::AttentionKind;
 use crate::error::{invalid, Result};
 use crate::linear::LinearKind;
 use crate::rope::RopeScaling;
+use crate::weights::Weights;
 
 /// How rotary embeddings pair the dimensions of a head: GGUF files store q/k permuted for
 /// interleaved pairs `(0, 1), (2, 3), ..`; Hugging Face checkpoints use halves `(i, i + D/2)`.
@@ -213,6 +214,21 @@ pub struct ModelOptions {
     /// Module names (e.g. `model.layers.0.mlp.down_proj`) kept dense (from
     /// `quantization_config.modules_to_not_convert`).
     pub modules_to_not_convert: Vec<String>,
+    /// Where the model runs (`None`: the host, where weights load). Every tensor it is built
+    /// from is moved there as the builder takes it, so its KV pages, activations and logits
+    /// live there too; fp8 projections prepare their weights for it on first use (a CUDA
+    /// device needs the `cuda` feature).
+    pub device: Option<candle_core::Device>,
+}
+
+impl ModelOptions {
+    /// `w` as the builder reads it: handing its tensors out on [`Self::device`].
+    pub(crate) fn placed<'a>(&self, w: &'a Weights) -> std::borrow::Cow<'a, Weights> {
+        match &self.device {
+            Some(d) => std::borrow::Cow::Owned(w.clone().on_device(d)),
+            None => std::borrow::Cow::Borrowed(w),
+        }
+    }
 }
 
 /// The checks every decoder config shares (Llama's and DeepSeek's): a non-positive or NaN RoPE

@@ -323,6 +323,7 @@ impl Llama {
         on_layer: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         cfg.validate()?;
+        let w = &*opts.placed(w);
         check_weights_match(cfg, w)?;
         let keep_dense = keep_dense(opts, w);
         let eps = cfg.rms_norm_eps;
@@ -367,6 +368,22 @@ impl Llama {
             lm_head,
             rope: Rope::new(cfg)?,
         })
+    }
+
+    /// Where the model runs ([`ModelOptions::device`]).
+    ///
+    /// ```
+    /// use candle_core::Device;
+    /// use fp8nsa_models::{Llama, LlamaConfig, ModelOptions, Weights};
+    ///
+    /// let cfg = LlamaConfig::tiny();
+    /// let opts = ModelOptions { device: Some(Device::Cpu), ..ModelOptions::default() };
+    /// let model = Llama::new(&cfg, &Weights::random(&cfg, 1)?, &opts)?;
+    /// assert!(model.device().is_cpu());
+    /// # Ok::<(), fp8nsa_models::Error>(())
+    /// ```
+    pub fn device(&self) -> &Device {
+        self.embed.embeddings().device()
     }
 
     pub fn config(&self) -> &LlamaConfig {
@@ -452,7 +469,7 @@ impl Llama {
                 ),
             ));
         }
-        let ids = Tensor::from_vec(tokens.to_vec(), (1, t), &Device::Cpu)?;
+        let ids = Tensor::from_vec(tokens.to_vec(), (1, t), self.embed.embeddings().device())?;
         let mut x = self.embed.forward(&ids)?;
         let _span = tracing::debug_span!("fp8nsa::llama_forward", t, pos = cache.pos).entered();
         for (b, c) in self.blocks.iter().zip(cache.layers.iter_mut()) {

@@ -11,13 +11,16 @@ use crate::config::{LlamaConfig, RopeStyle};
 use crate::error::{invalid, Error, Result};
 use crate::shards::Shards;
 
-/// Named host tensors in Hugging Face Llama naming (`model.layers.N.self_attn.q_proj.weight`,
+/// Named tensors in Hugging Face Llama naming (`model.layers.N.self_attn.q_proj.weight`,
 /// ...): f32 for dense weights, F8E4M3 bytes plus `weight_scale_inv` for fp8 ones. A
 /// checkpoint directory's tensors stay on disk until a layer takes one ([`Self::get`]), so
-/// building a model holds each weight once.
+/// building a model holds each weight once. Loaded on the host; a model built with
+/// [`crate::ModelOptions::device`] takes them on its device.
 #[derive(Clone, Debug, Default)]
 pub struct Weights {
     map: HashMap<String, Tensor>,
+    /// Where [`Self::get`] hands tensors out (`None`: where they are, the host).
+    device: Option<Device>,
     /// Tensors of safetensors shards, read when taken.
     shards: Option<Arc<Shards>>,
     /// Block size of stored fp8 weights (`quantization_config.weight_block_size`).
@@ -147,6 +150,13 @@ impl Weights {
         }
     }
 
+    /// Hands every tensor out on `device` from now on ([`Self::get`] moves each as a layer
+    /// takes it, so a checkpoint is never held twice): [`crate::ModelOptions::device`].
+    pub(crate) fn on_device(mut self, device: &Device) -> Self {
+        self.device = Some(device.clone());
+        self
+    }
+
     /// Adds (or replaces) a tensor, e.g. to complete generated weights.
     pub fn insert(&mut self, name: impl Into<String>, tensor: Tensor) {
         self.map.insert(name.into(), tensor);
@@ -185,21 +195,27 @@ impl Weights {
 
     /// [`Self::get`], `None` when there is no such tensor (a read that fails is an error).
     pub fn get_opt(&self, name: &str) -> Result<Option<Tensor>> {
-        if let Some(t) = self.map.get(name) {
-            return Ok(Some(t.clone()));
-        }
-        let Some(t) = self
-            .shards
-            .as_ref()
-            .map(|s| s.read(name))
-            .transpose()?
-            .flatten()
-        else {
-            return Ok(None);
+        let t = match self.map.get(name) {
+            Some(t) => t.clone(),
+            None => {
+                let Some(t) = self
+                    .shards
+                    .as_ref()
+                    .map(|s| s.read(name))
+                    .transpose()?
+                    .flatten()
+                else {
+                    return Ok(None);
+                };
+                match t.dtype() {
+                    DType::F8E4M3 | DType::U8 | DType::F32 => t,
+                    _ => t.to_dtype(DType::F32)?,
+                }
+            }
         };
-        Ok(Some(match t.dtype() {
-            DType::F8E4M3 | DType::U8 | DType::F32 => t,
-            _ => t.to_dtype(DType::F32)?,
+        Ok(Some(match &self.device {
+            Some(d) if !t.device().same_device(d) => t.to_device(d)?,
+            _ => t,
         }))
     }
 

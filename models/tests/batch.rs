@@ -391,3 +391,37 @@ fn failed_steps_change_nothing() {
         })
     ));
 }
+
+/// `ModelOptions::device` places the model where it says (the host here; the GPU suite runs the
+/// same on CUDA): the built model reports the device, its pools and logits live there, and
+/// placing it on the host it already loads to changes no bit.
+#[test]
+fn placed_model_runs_where_placed() {
+    let placed = ModelOptions {
+        device: Some(candle_core::Device::Cpu),
+        ..fp8(ActQuant::Group)
+    };
+    let (a, b) = (
+        build(Arch::Llama, &fp8(ActQuant::Group), 3),
+        build(Arch::Llama, &placed, 3),
+    );
+    assert!(a.device().is_cpu() && b.device().is_cpu());
+    let run = |m: &Llama| {
+        let pool = m.new_kv_pool(8, 16, DType::F32).unwrap();
+        let mut s = pool.new_seq();
+        let out = m
+            .forward_batch(
+                &pool,
+                &mut [BatchSeq {
+                    tokens: &[3, 1, 4, 1, 5],
+                    kv: &mut s,
+                }],
+                Logits::All,
+            )
+            .unwrap();
+        assert!(out[0].device().is_cpu());
+        out[0].flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
+    let (la, lb) = (run(&a), run(&b));
+    assert!(la.iter().zip(&lb).all(|(x, y)| x.to_bits() == y.to_bits()));
+}

