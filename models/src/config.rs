@@ -182,18 +182,11 @@ impl LlamaConfig {
         self.rope_scaling()?;
         let m = &self.moe;
         if m.num_experts > 0 {
-            if m.num_experts_per_tok == 0 || m.num_experts_per_tok > m.num_experts {
-                return Err(invalid(
-                    "num_experts_per_tok",
-                    format!(
-                        "must be in 1..={} (num_experts), got {}",
-                        m.num_experts, m.num_experts_per_tok
-                    ),
-                ));
-            }
-            if m.moe_intermediate_size == 0 {
-                return Err(invalid("moe_intermediate_size", "must be at least 1"));
-            }
+            check_experts(
+                (m.num_experts, "num_experts"),
+                m.num_experts_per_tok,
+                m.moe_intermediate_size,
+            )?;
         }
         if !self.head_dim().is_multiple_of(2) {
             return Err(invalid("head_dim", "must be even for rotary embeddings"));
@@ -229,6 +222,26 @@ impl ModelOptions {
             None => std::borrow::Cow::Borrowed(w),
         }
     }
+}
+
+/// The checks every MoE config shares (Qwen3-MoE's and DeepSeek's): `per_tok` experts of the
+/// `experts` a layer has (the config's field `experts_field`), each an MLP of
+/// `moe_intermediate_size`.
+pub(crate) fn check_experts(
+    (experts, experts_field): (usize, &str),
+    per_tok: usize,
+    moe_intermediate_size: usize,
+) -> Result<()> {
+    if per_tok == 0 || per_tok > experts {
+        return Err(invalid(
+            "num_experts_per_tok",
+            format!("must be in 1..={experts} ({experts_field}), got {per_tok}"),
+        ));
+    }
+    if moe_intermediate_size == 0 {
+        return Err(invalid("moe_intermediate_size", "must be at least 1"));
+    }
+    Ok(())
 }
 
 /// The checks every decoder config shares (Llama's and DeepSeek's): a non-positive or NaN RoPE

@@ -165,12 +165,7 @@ fn moe_block(
 ) -> Result<Mlp> {
     let m = &cfg.moe;
     // the router stays dense in published checkpoints; one quantized anyway is dequantized
-    let router = match w.fp8(&format!("{p}.mlp.gate"))? {
-        Some((data, scales, block)) => {
-            Fp8BlockWeight::from_parts(data, scales, block)?.dequantize(candle_core::DType::F32)?
-        }
-        None => w.get(&format!("{p}.mlp.gate.weight"))?,
-    };
+    let router = w.dense(&format!("{p}.mlp.gate"))?;
     if router.dims() != [m.num_experts, cfg.hidden_size] {
         return Err(crate::error::invalid(
             "num_experts",

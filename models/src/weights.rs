@@ -195,38 +195,61 @@ impl Weights {
 
     /// [`Self::get`], `None` when there is no such tensor (a read that fails is an error).
     pub fn get_opt(&self, name: &str) -> Result<Option<Tensor>> {
-        let t = match self.map.get(name) {
-            Some(t) => t.clone(),
-            None => {
-                let Some(t) = self
-                    .shards
-                    .as_ref()
-                    .map(|s| s.read(name))
-                    .transpose()?
-                    .flatten()
-                else {
-                    return Ok(None);
-                };
-                match t.dtype() {
-                    DType::F8E4M3 | DType::U8 | DType::F32 => t,
-                    _ => t.to_dtype(DType::F32)?,
-                }
-            }
-        };
-        Ok(Some(match &self.device {
+        self.read(name)?.map(|t| self.place(t)).transpose()
+    }
+
+    /// `t` on the device [`Self::get`] hands tensors out on.
+    fn place(&self, t: Tensor) -> Result<Tensor> {
+        Ok(match &self.device {
             Some(d) if !t.device().same_device(d) => t.to_device(d)?,
             _ => t,
+        })
+    }
+
+    /// `name` where it is (the host), converted as [`Self::get`] says.
+    fn read(&self, name: &str) -> Result<Option<Tensor>> {
+        if let Some(t) = self.map.get(name) {
+            return Ok(Some(t.clone()));
+        }
+        let Some(t) = self
+            .shards
+            .as_ref()
+            .map(|s| s.read(name))
+            .transpose()?
+            .flatten()
+        else {
+            return Ok(None);
+        };
+        Ok(Some(match t.dtype() {
+            DType::F8E4M3 | DType::U8 | DType::F32 => t,
+            _ => t.to_dtype(DType::F32)?,
         }))
     }
 
-    /// `(data, scales, block)` when `{module}.weight` is stored in fp8.
+    /// `(data, scales, block)` when `{module}.weight` is stored in fp8. Both stay on the host
+    /// whatever [`crate::ModelOptions::device`] says: an fp8 layer prepares its weight for the
+    /// device it runs on at its first call.
     pub fn fp8(&self, module: &str) -> Result<Option<(Tensor, Tensor, [usize; 2])>> {
-        let Some(scales) = self.get_opt(&format!("{module}.weight_scale_inv"))? else {
+        let Some(scales) = self.read(&format!("{module}.weight_scale_inv"))? else {
             return Ok(None);
         };
-        let data = self.get(&format!("{module}.weight"))?;
+        let name = format!("{module}.weight");
+        let data = self.read(&name)?.ok_or(Error::MissingTensor(name))?;
         let block = self.fp8_block.unwrap_or([128, 128]);
         Ok(Some((data, scales, block)))
+    }
+
+    /// `{module}.weight` as f32, dequantized when stored in fp8 (a router, or a projection a
+    /// layer folds into others), on the device [`Self::get`] hands tensors out on.
+    pub fn dense(&self, module: &str) -> Result<Tensor> {
+        match self.fp8(module)? {
+            Some((data, scales, block)) => {
+                let t = fp8nsa_ops::Fp8BlockWeight::from_parts(data, scales, block)?
+                    .dequantize(DType::F32)?;
+                self.place(t)
+            }
+            None => self.get(&format!("{module}.weight")),
+        }
     }
 
     /// Seeded N(0, 0.02) weights (norms at 1) for `cfg`, in the Qwen3-MoE expert layout for

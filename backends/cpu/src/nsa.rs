@@ -1456,8 +1456,13 @@ mod tests {
                         continue;
                     }
                     let rel = |x: f32, y: f32| (x - y).abs() / y.abs().max(1e-3);
+                    // the max is a score, a sum of d products of magnitude ~4: the two orders
+                    // differ by ~1e-7 of that scale, not of a max that lands near 0 (0.0245
+                    // vs 3e-7 apart failed a 1e-5 relative bound, FP8NSA_TEST_SEED=
+                    // 14079852768902649348)
+                    let score_err = |x: f32, y: f32| (x - y).abs() / y.abs().max(1.0);
                     assert!(
-                        rel(a.m[gi], b.m[gi]) < 1e-5,
+                        score_err(a.m[gi], b.m[gi]) < 1e-5,
                         "g {g} d {d}: max {} vs {}",
                         a.m[gi],
                         b.m[gi]
@@ -1803,8 +1808,11 @@ mod tests {
                 let mut one = vec![0f32; hq * dv];
                 decode_attention(&q[(t - 1) * hq * d..], kv, vv, dims, len, scale, &mut one)
                     .unwrap();
+                // two f32 orders (the fold's and the blocked kernel's), each within the bound
+                // above of f64: 1.3e-5 apart seen in 1500 seeds (1e-5 failed ~1% of runs, e.g.
+                // FP8NSA_TEST_SEED=12778118746745016660); a wrong row is order 1
                 for (a, b) in one.iter().zip(&out[(t - 1) * hq * dv..]) {
-                    assert!((a - b).abs() < 1e-5, "past {past} t {t}: {a} vs {b}");
+                    assert!((a - b).abs() < 4e-5, "past {past} t {t}: {a} vs {b}");
                 }
             }
         }

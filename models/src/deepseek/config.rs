@@ -239,15 +239,7 @@ impl DeepSeekConfig {
         self.rope()?;
         if let Some(e) = self.n_routed_experts.filter(|&e| e > 0) {
             let k = self.num_experts_per_tok.unwrap_or(0);
-            if k == 0 || k > e {
-                return Err(invalid(
-                    "num_experts_per_tok",
-                    format!("must be in 1..={e} (n_routed_experts), got {k}"),
-                ));
-            }
-            if self.moe_intermediate_size == 0 {
-                return Err(invalid("moe_intermediate_size", "must be at least 1"));
-            }
+            crate::config::check_experts((e, "n_routed_experts"), k, self.moe_intermediate_size)?;
             if self.n_group == 0 || !e.is_multiple_of(self.n_group) {
                 return Err(invalid(
                     "n_group",

@@ -6,7 +6,7 @@ use candle_nn::{LayerNorm, RmsNorm};
 use fp8nsa_ops::nsa::{SelectionAttention, TokenSelection};
 
 use super::indexer::Indexer;
-use super::{dense_weight, expect_shape, DeepSeekConfig};
+use super::{expect_shape, DeepSeekConfig};
 use crate::attention::Rope;
 use crate::config::{ModelOptions, RopeStyle};
 use crate::error::{invalid, Result};
@@ -147,7 +147,7 @@ impl Mla {
             None => QProj::Direct(lin("q_proj", [h * (nope + rd), hidden])?),
         };
         let kv_b_name = format!("{prefix}.kv_b_proj");
-        let kv_b = dense_weight(w, &kv_b_name)?;
+        let kv_b = w.dense(&kv_b_name)?;
         if kv_b.dims() != [h * (nope + v), r] {
             return Err(invalid(
                 "weights",

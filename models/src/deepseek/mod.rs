@@ -18,9 +18,8 @@ mod mla;
 pub use config::{DeepSeekConfig, IndexerDims};
 pub(crate) use mla::{Mla, MlaCache};
 
-use candle_core::{DType, Tensor};
 use candle_nn::{Embedding, RmsNorm};
-use fp8nsa_ops::{Fp8BlockWeight, MoeRouter};
+use fp8nsa_ops::MoeRouter;
 
 use crate::attention::Rope;
 use crate::config::ModelOptions;
@@ -50,16 +49,6 @@ fn expect_shape(name: &str, l: &Linear, want: [usize; 2]) -> Result<()> {
         ));
     }
     Ok(())
-}
-
-/// `{name}.weight` as f32, dequantized when stored in fp8.
-fn dense_weight(w: &Weights, name: &str) -> Result<Tensor> {
-    Ok(match w.fp8(name)? {
-        Some((data, scales, block)) => {
-            Fp8BlockWeight::from_parts(data, scales, block)?.dequantize(DType::F32)?
-        }
-        None => w.get(&format!("{name}.weight"))?,
-    })
 }
 
 impl Llama {
