@@ -43,9 +43,21 @@ fn run<T: KeyElem + Copy + Send + Sync>(conv: fn(f32) -> T, b: usize, len: usize
     let q: Vec<f32> = (0..b * hq * d)
         .map(|i| (i % 7) as f32 * 0.1 - 0.3)
         .collect();
-    // page p of sequence s is pool page p · b + s
+    // page p of sequence s is pool page p · b + s (pages handed out as the sequences grow
+    // together), or s · pages + p with `PAGES=contiguous` (each sequence's pages in a run)
+    let contiguous = std::env::var("PAGES").is_ok_and(|v| v == "contiguous");
     let tables: Vec<Vec<usize>> = (0..b)
-        .map(|s| (0..pages_per).map(|p| p * b + s).collect())
+        .map(|s| {
+            (0..pages_per)
+                .map(|p| {
+                    if contiguous {
+                        s * pages_per + p
+                    } else {
+                        p * b + s
+                    }
+                })
+                .collect()
+        })
         .collect();
     let seqs: Vec<PagedSeq> = tables.iter().map(|t| PagedSeq { pages: t, len }).collect();
     let dims = AttnDims::new(hq, hkv, d, d)?;

@@ -103,7 +103,8 @@ fn fold_fast(d: usize, dv: usize) -> bool {
 /// [`fold_chunk_impl`] over the key rows `rows` (at most CHUNK, any rows of `k [.., d]` /
 /// `v [.., dv]`): by the AVX2 kernel where `fast` (from [`fold_fast`]), else run by run of
 /// consecutive rows through the portable fold (the same sums in another order: they agree to
-/// rounding). `scores` must hold `g · CHUNK` values.
+/// rounding). `scores` must hold `g · CHUNK` values. The AVX2 kernel prefetches the rows
+/// `ahead` (the next chunk's, or none) as it goes.
 #[allow(clippy::too_many_arguments)]
 fn fold_rows<T: KeyElem>(
     fast: bool,
@@ -115,16 +116,17 @@ fn fold_rows<T: KeyElem>(
     dv: usize,
     st: &mut Softmax,
     scores: &mut [f32],
+    ahead: &[u32],
 ) {
     #[cfg(target_arch = "x86_64")]
     if fast {
         let Softmax { m, l, acc } = st;
         // SAFETY: `fast` comes from `fold_fast`: the AVX2 tier (only detected with AVX2, FMA
         // and F16C present) and head sizes that are multiples of 8; the kernel checks the rest.
-        unsafe { crate::x86::fold_chunk8(q, k, v, rows, d, dv, m, l, acc, scores) };
+        unsafe { crate::x86::fold_chunk8(q, k, v, rows, d, dv, m, l, acc, scores, ahead) };
         return;
     }
-    let _ = fast;
+    let _ = (fast, ahead);
     let mut i = 0;
     while i < rows.len() {
         let mut j = i + 1;
@@ -167,6 +169,7 @@ fn fold_chunk(
         dv,
         st,
         scores,
+        &[],
     )
 }
 
@@ -587,7 +590,18 @@ fn attend_heads<T: KeyElem>(
                 rows[n] = (a.keys.row(j) * hkv + kvh) as u32;
                 n += 1;
                 if n == CHUNK {
-                    fold_rows(fast, &sc.q, k, v, &rows, d, dv, &mut st, &mut sc.scores);
+                    fold_rows(
+                        fast,
+                        &sc.q,
+                        k,
+                        v,
+                        &rows,
+                        d,
+                        dv,
+                        &mut st,
+                        &mut sc.scores,
+                        &[],
+                    );
                     n = 0;
                 }
             }
@@ -602,6 +616,7 @@ fn attend_heads<T: KeyElem>(
                     dv,
                     &mut st,
                     &mut sc.scores,
+                    &[],
                 );
             }
         } else {
@@ -1113,22 +1128,32 @@ impl<T: KeyElem> HeadRows<'_, T> {
         let mut scores = vec![0f32; g * CHUNK];
         let fast = fold_fast(d, dv);
         // rows read in place, a 16-bit cache's converted in the fold's loads
-        let fold = |rows: &[u32], st: &mut Softmax, scores: &mut [f32]| {
-            fold_rows(fast, &qh, self.k, self.v, rows, d, dv, st, scores)
+        let fold = |rows: &[u32], ahead: &[u32], st: &mut Softmax, scores: &mut [f32]| {
+            fold_rows(fast, &qh, self.k, self.v, rows, d, dv, st, scores, ahead)
         };
-        let mut rows = [0u32; CHUNK];
-        let mut n = 0;
+        // two chunks of rows: a chunk folds once the next one is known, which the fold
+        // prefetches as it goes (a decode step reads every sequence's cache from memory, and
+        // the hardware prefetcher does not run ahead of short runs of rows)
+        let mut rows = [[0u32; CHUNK]; 2];
+        let (mut cur, mut n, mut full) = (0, 0, false);
         for (r0, len) in runs {
             for r in r0..r0 + len {
-                rows[n] = r as u32;
+                rows[cur][n] = r as u32;
                 n += 1;
                 if n == CHUNK {
-                    fold(&rows, &mut st, &mut scores);
+                    if full {
+                        fold(&rows[1 - cur], &rows[cur], &mut st, &mut scores);
+                    }
+                    full = true;
+                    cur = 1 - cur;
                     n = 0;
                 }
             }
         }
-        fold(&rows[..n], &mut st, &mut scores);
+        if full {
+            fold(&rows[1 - cur], &rows[cur][..n], &mut st, &mut scores);
+        }
+        fold(&rows[cur][..n], &[], &mut st, &mut scores);
         for ((o, a), &l) in o
             .chunks_exact_mut(dv)
             .zip(st.acc.chunks_exact(dv))

@@ -328,6 +328,18 @@ unsafe fn exp_nonpos8(x: __m256) -> __m256 {
     _mm256_andnot_ps(under, v)
 }
 
+/// Asks for the `bytes` from `p` in L1 ahead of use, one prefetch per 64-byte line. Any
+/// address will do: a prefetch never faults, and `wrapping_add` forms the addresses without
+/// claiming they are inside an allocation.
+#[inline(always)]
+pub(crate) fn prefetch_bytes(p: *const u8, bytes: usize) {
+    for off in (0..bytes).step_by(64) {
+        // SAFETY: SSE (the prefetch's feature) is part of x86_64's baseline; a prefetch reads
+        // nothing architecturally and never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off).cast()) };
+    }
+}
+
 /// An element type the fold reads eight at a time as f32: f32 rows in place, and the rows of
 /// a 16-bit KV cache converted in the load (F16C for f16, a shift for bf16), so that a 16-bit
 /// cache costs no pass of its own. Public in this private module: nameable only here, it is
@@ -370,7 +382,9 @@ impl Lanes for half::bf16 {
 /// exponentials eight lanes at a time, and each 32-wide slice of the output accumulator kept in
 /// registers over all the chunk's keys. `q [g, d]` prescaled, `c = rows.len()` keys, every
 /// row inside `k` and `v` (checked, panicking), `m`/`l [g]`, `acc [g, dv]`, `scores` at least
-/// `c.next_multiple_of(8)`.
+/// `c.next_multiple_of(8)`. The rows `ahead` (the caller's next chunk; any values, as a
+/// prefetch never faults) are prefetched eight per eight keys of the first head's scores, so
+/// their fetches from memory overlap this chunk's arithmetic.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C (the sizes are checked).
@@ -388,12 +402,14 @@ pub(crate) unsafe fn fold_chunk8<E: Lanes>(
     l: &mut [f32],
     acc: &mut [f32],
     scores: &mut [f32],
+    ahead: &[u32],
 ) {
     let c = rows.len();
     if c == 0 {
         return;
     }
     let g = q.len() / d;
+    let es = std::mem::size_of::<E>();
     assert!(d.is_multiple_of(8) && dv.is_multiple_of(8) && scores.len() >= c.next_multiple_of(8));
     assert!(rows
         .iter()
@@ -404,6 +420,13 @@ pub(crate) unsafe fn fold_chunk8<E: Lanes>(
         let qp = q.as_ptr().add(gi * d);
         let mut run_max = _mm256_set1_ps(f32::NEG_INFINITY);
         for j0 in (0..c).step_by(8) {
+            if gi == 0 {
+                for &r in ahead.iter().skip(j0).take(8) {
+                    let r = r as usize;
+                    prefetch_bytes(kp.cast::<u8>().wrapping_add(r * d * es), d * es);
+                    prefetch_bytes(vp.cast::<u8>().wrapping_add(r * dv * es), dv * es);
+                }
+            }
             // keys past the chunk repeat its last key; their scores are not kept
             let krow: [usize; 8] = std::array::from_fn(|r| rows[(j0 + r).min(c - 1)] as usize * d);
             let mut a = [_mm256_setzero_ps(); 8];
