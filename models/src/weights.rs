@@ -150,8 +150,9 @@ impl Weights {
         }
     }
 
-    /// Hands every tensor out on `device` from now on ([`Self::get`] moves each as a layer
-    /// takes it, so a checkpoint is never held twice): [`crate::ModelOptions::device`].
+    /// Hands every tensor out on `device` from now on: [`Self::get`] moves each as a layer
+    /// takes it, so a checkpoint directory's tensors go from disk to the device one at a time
+    /// ([`crate::ModelOptions::device`]).
     pub(crate) fn on_device(mut self, device: &Device) -> Self {
         self.device = Some(device.clone());
         self
@@ -241,6 +242,20 @@ impl Weights {
 
     /// `{module}.weight` as f32, dequantized when stored in fp8 (a router, or a projection a
     /// layer folds into others), on the device [`Self::get`] hands tensors out on.
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use fp8nsa_models::Weights;
+    ///
+    /// let mut w = Weights::default();
+    /// // a stored fp8 weight: e4m3 1.0 (0x38) everywhere, one 128x128 block scaled by 0.5
+    /// w.insert("gate.weight", Tensor::full(0x38u8, (4, 8), &Device::Cpu)?);
+    /// w.insert("gate.weight_scale_inv", Tensor::full(0.5f32, (1, 1), &Device::Cpu)?);
+    /// let d = w.dense("gate")?;
+    /// assert_eq!(d.dims(), &[4, 8]);
+    /// assert!(d.flatten_all()?.to_vec1::<f32>()?.iter().all(|&x| x == 0.5));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     pub fn dense(&self, module: &str) -> Result<Tensor> {
         match self.fp8(module)? {
             Some((data, scales, block)) => {

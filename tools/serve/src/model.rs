@@ -40,6 +40,13 @@ pub enum DeviceArg {
 impl DeviceArg {
     /// The device, or `Error::Invalid` naming `device` where there is none (no GPU, or a build
     /// without CUDA).
+    ///
+    /// ```
+    /// use fp8nsa_serve::DeviceArg;
+    ///
+    /// assert!(DeviceArg::Cpu.device()?.is_cpu());
+    /// # Ok::<(), fp8nsa_serve::Error>(())
+    /// ```
     pub fn device(self) -> Result<candle_core::Device> {
         match self {
             Self::Cpu => Ok(candle_core::Device::Cpu),
