@@ -573,8 +573,10 @@ fn experts_grouped_against_reference() {
 /// A whole decoder on the GPU (`ModelOptions::device`, what `fp8nsa serve --device cuda`
 /// builds): a ragged batch step (two prefills of different lengths, then a decode token each)
 /// gives the CPU model's logits, with dense and with fp8 W8A16 projections (no activation
-/// rounding, so the two devices differ by f32 sums only), the KV pages live on the GPU, and the
-/// serving engine completes greedy requests there with every page back at the end.
+/// rounding, so the two devices differ by f32 sums only: 1e-4 dense; 2e-3 fp8, this file's f32
+/// bound for one projection, 1e-3, over four layers; a wrong kernel is order 1), the KV pages
+/// live on the GPU, and the serving engine completes greedy requests there with every page
+/// back at the end.
 #[test]
 fn decoder_and_engine_on_the_gpu() {
     use fp8nsa::models::{
@@ -628,9 +630,14 @@ fn decoder_and_engine_on_the_gpu() {
             assert_eq!(pool.free_pages(), 16, "{linear:?}: pages back");
             got.push(logits);
         }
+        let bound = if linear == LinearKind::Dense {
+            1e-4
+        } else {
+            2e-3
+        };
         for (i, (h, g)) in got[0].iter().zip(&got[1]).enumerate() {
             let err = rel_frobenius(g, h);
-            assert!(err < 1e-4, "{linear:?} output {i}: {err:.2e}");
+            assert!(err < bound, "{linear:?} output {i}: {err:.2e}");
         }
     }
     // the engine on the GPU: greedy requests of mixed lengths complete, pages back to 0
