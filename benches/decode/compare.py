@@ -5,7 +5,8 @@ Rounds alternate the engines (llama.cpp, then ours, per round) so that a slow sp
 machine falls on both; each number is the median over the rounds. Rows:
 
 - decode at depth 512 (64 tokens after a 512-token prompt): llama-bench `-p 0 -n 64 -d 512` on
-  Q8_0 and F32 against our fp8 W8A8 with the fp8 head, with the f32 head, and dense f32;
+  Q8_0 and F32 against our fp8 W8A8 with the fp8 head, with the f32 head, and dense f32, each
+  with an f32 KV cache and with an f16 one (llama-bench's default, `FP8NSA_KV_DTYPE=f16`);
 - prefill 512: llama-bench `-p 512 -n 0` (Q8_0), which computes the logits of the last position
   only, against our fp8 W8A8 prefill through the batched step (`Logits::Last`, what a server
   runs); the row with `Llama::forward`, which computes every position's logits (~20% more work
@@ -139,6 +140,8 @@ def main():
             p, d = ours(step, variant)
             add(f"ours {variant} decode", d)
             add(f"ours {variant} prefill", p)
+            # the cache in f16, as llama-bench keeps it by default
+            add(f"ours {variant} f16kv decode", ours(step, variant, kv="f16")[1])
         if big_q8:
             tg = llama_bench(paths, [big_q8], ["-p", "0", "-n", "64", "-d", "512", "-r", "2"])
             add("llama 1B Q8_0 decode", tg[(Path(big_q8).name, 0, 64)])
@@ -159,6 +162,10 @@ def main():
         ("decode @512: fp8 W8A8 + fp8 head vs Q8_0", "ours fp8-head decode", "llama Q8_0 decode"),
         ("decode @512: fp8 W8A8 (f32 head) vs Q8_0", "ours fp8 decode", "llama Q8_0 decode"),
         ("decode @512: dense f32 vs F32", "ours dense decode", "llama F32 decode"),
+        ("decode @512, f16 KV cache: fp8 W8A8 + fp8 head vs Q8_0", "ours fp8-head f16kv decode",
+         "llama Q8_0 decode"),
+        ("decode @512, f16 KV cache: fp8 W8A8 (f32 head) vs Q8_0", "ours fp8 f16kv decode", "llama Q8_0 decode"),
+        ("decode @512, f16 KV cache: dense f32 vs F32", "ours dense f16kv decode", "llama F32 decode"),
         ("prefill 512 (logits of every position): fp8 W8A8 vs Q8_0", "ours fp8 prefill", "llama Q8_0 prefill"),
         ("prefill 512 (last logits, as llama-bench): fp8 W8A8 vs Q8_0", "ours fp8 prefill last-logits",
          "llama Q8_0 prefill"),

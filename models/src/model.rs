@@ -104,8 +104,14 @@ impl Model {
         &self.inner
     }
 
+    /// [`Llama::new_cache`].
     pub fn new_cache(&self) -> Cache {
         self.inner.new_cache()
+    }
+
+    /// [`Llama::new_cache_with`]: keys and values kept as `kv_dtype`.
+    pub fn new_cache_with(&self, kv_dtype: DType) -> Result<Cache> {
+        self.inner.new_cache_with(kv_dtype)
     }
 
     /// Logits `[T, vocab]` (f32) of `tokens`, appended to what `cache` has seen.

@@ -58,6 +58,27 @@ pub(crate) enum LayerKv {
     },
 }
 
+/// The element types a model's keys and values may be kept in (pages or a one-sequence
+/// cache): f32 always; f16 or bf16 where every layer is dense attention (NSA's compressed
+/// pages and MLA's latent rows stay f32).
+pub(crate) fn check_kv_dtype(layers: &[LayerKv], dtype: DType) -> Result<()> {
+    let dense = layers.iter().all(|l| matches!(l, LayerKv::Dense { .. }));
+    match dtype {
+        DType::F32 => Ok(()),
+        DType::F16 | DType::BF16 if dense => Ok(()),
+        DType::F16 | DType::BF16 => Err(invalid(
+            "kv_dtype",
+            format!(
+                "{dtype:?} keys and values are for dense attention layers; NSA and MLA keep f32"
+            ),
+        )),
+        _ => Err(invalid(
+            "kv_dtype",
+            format!("{dtype:?}: keys and values are kept in f32, f16 or bf16"),
+        )),
+    }
+}
+
 impl KvPool {
     pub(crate) fn new(
         layers: &[LayerKv],
@@ -81,26 +102,7 @@ impl KvPool {
                 format!("{pages} pages of {page_size} rows are more rows than a u32 indexes"),
             ));
         };
-        let dense = !matches!(
-            layers.first(),
-            Some(LayerKv::Latent { .. } | LayerKv::Nsa(_))
-        );
-        match dtype {
-            DType::F32 => {}
-            DType::F16 | DType::BF16 if dense => {}
-            DType::F16 | DType::BF16 => {
-                return Err(invalid(
-                    "kv_dtype",
-                    format!("{dtype:?} pages are for dense attention layers; NSA and MLA keep f32"),
-                ))
-            }
-            _ => {
-                return Err(invalid(
-                    "kv_dtype",
-                    format!("{dtype:?}: KV pages hold f32, f16 or bf16"),
-                ))
-            }
-        }
+        check_kv_dtype(layers, dtype)?;
         let bytes_ok = |per_row: usize| {
             rows.checked_mul(per_row)
                 .and_then(|x| x.checked_mul(dtype.size_in_bytes()))

@@ -109,6 +109,17 @@ fn pages_bound(dtype: DType) -> f64 {
     }
 }
 
+/// The batch against the sequence alone with the same 16-bit cache: a key or value that the
+/// two compute a float rounding apart (different row counts per projection) can round to
+/// neighbouring 16-bit values, one step of 2^-11 (f16) or 2^-8 (bf16) in that element (seen at
+/// most over 8 runs: f16 1.7e-4, bf16 1.1e-4); rows mixed between sequences give order 1.
+fn same_bound(opts: &ModelOptions, dtype: DType) -> f64 {
+    bound(opts).max(match dtype {
+        DType::F16 | DType::BF16 => 1e-3,
+        _ => 0.0,
+    })
+}
+
 /// [`check`] with the pool's pages holding `kv_dtype`.
 fn check_pages(arch: Arch, opts: ModelOptions, kv_dtype: DType) {
     let model = build(arch, &opts, 11);
@@ -165,10 +176,23 @@ fn check_pages(arch: Arch, opts: ModelOptions, kv_dtype: DType) {
     assert_eq!(decoded, [6; 4], "the schedule ran to the end");
     let mut flips = 0;
     let mut worst = 0f64;
+    let mut alone_16_vs_32 = 0f64;
     for i in 0..4 {
-        let mut cache = model.new_cache();
+        // alone with the pages' element type (the same rounding: the batch's bound) and alone
+        // in f32 (the rounding's own bound)
+        let mut cache = model.new_cache_with(kv_dtype).unwrap();
+        let mut cache32 = model.new_cache();
         for (chunk, o) in fed[i].iter().zip(&got[i]) {
-            let want = model.forward(chunk, &mut cache).unwrap();
+            let same = model.forward(chunk, &mut cache).unwrap();
+            let e_same = rel_frobenius(o, &same);
+            assert!(
+                e_same < same_bound(&opts, kv_dtype) || matches!(arch, Arch::Qwen3Moe),
+                "{arch:?} {kv_dtype:?} sequence {i} at {}: rel err {e_same} against the same \
+                 cache type alone",
+                cache.len()
+            );
+            let want = model.forward(chunk, &mut cache32).unwrap();
+            alone_16_vs_32 = alone_16_vs_32.max(rel_frobenius(&same, &want));
             let e = rel_frobenius(o, &want);
             worst = worst.max(e);
             let flip = matches!(arch, Arch::Qwen3Moe) && e >= tol && e < ROUTING_FLIP;
@@ -186,6 +210,11 @@ fn check_pages(arch: Arch, opts: ModelOptions, kv_dtype: DType) {
     assert!(
         kv_dtype == DType::F32 || worst > 0.0,
         "{kv_dtype:?} pages gave the f32 logits exactly"
+    );
+    assert!(
+        (kv_dtype == DType::F32) == (alone_16_vs_32 == 0.0) && alone_16_vs_32 < tol,
+        "a {kv_dtype:?} cache alone against an f32 one: {alone_16_vs_32} (0 means the type went \
+         unused)"
     );
     // the last-token logits are the All rows' last
     let mut s = pool.new_seq();
@@ -255,9 +284,23 @@ fn batch_on_16bit_pages_stays_within_their_rounding() {
             ..
         })
     ));
+    assert!(matches!(
+        model.new_cache_with(DType::BF16),
+        Err(Error::Invalid {
+            arg: "kv_dtype",
+            ..
+        })
+    ));
     let model = build(Arch::Llama, &ModelOptions::default(), 3);
     assert!(matches!(
         model.new_kv_pool(8, 16, DType::U8),
+        Err(Error::Invalid {
+            arg: "kv_dtype",
+            ..
+        })
+    ));
+    assert!(matches!(
+        model.new_cache_with(DType::F64),
         Err(Error::Invalid {
             arg: "kv_dtype",
             ..
