@@ -143,7 +143,7 @@ pub(crate) unsafe fn dot4_blocks<const CHECK_NAN: bool>(
 ) -> [f32; 4] {
     let n = w.iter().fold(x.len(), |n, r| n.min(r.len()));
     let xp = x.as_ptr();
-    let wp = w.map(|r| r.as_ptr());
+    let wp: [_; 4] = crate::simd::lanes(|i| w[i].as_ptr());
     let mut tot = [_mm256_setzero_ps(); 4];
     let mut tail = [0f32; 4];
     let mut seen = _mm_setzero_si128();
@@ -212,8 +212,8 @@ pub(crate) unsafe fn dot_4x3(x: [&[f32]; 4], w: [&[f32]; 3]) -> [[f32; 3]; 4] {
         .chain(w.iter().map(|r| r.len()))
         .min()
         .unwrap_or(0);
-    let xp = x.map(|r| r.as_ptr());
-    let wp = w.map(|r| r.as_ptr());
+    let xp: [_; 4] = crate::simd::lanes(|i| x[i].as_ptr());
+    let wp: [_; 3] = crate::simd::lanes(|i| w[i].as_ptr());
     let mut acc = [[_mm256_setzero_ps(); 3]; 4];
     let mut k = 0;
     while k + 8 <= n {
@@ -256,7 +256,7 @@ pub(crate) unsafe fn dot_4x3(x: [&[f32]; 4], w: [&[f32]; 3]) -> [[f32; 3]; 4] {
 pub(crate) unsafe fn dot4_f32(x: &[f32], w: [&[f32]; 4], ahead: *const u8) -> [f32; 4] {
     let n = w.iter().fold(x.len(), |n, r| n.min(r.len()));
     let xp = x.as_ptr();
-    let wp = w.map(|r| r.as_ptr());
+    let wp: [_; 4] = crate::simd::lanes(|i| w[i].as_ptr());
     let mut acc = [_mm256_setzero_ps(); 8];
     let mut i = 0;
     while i + 16 <= n {

@@ -73,8 +73,8 @@ fn rows_f32(tier: Tier, x: &[f32], w: &[f32], k: usize, n0: usize, yt: &mut [f32
             let rows = yt.len();
             for r0 in (0..rows).step_by(4) {
                 // a short last group repeats its last row rather than branching per row
-                let n = [0, 1, 2, 3].map(|i| n0 + (r0 + i).min(rows - 1));
-                let wr = n.map(|n| &w[n * k..(n + 1) * k]);
+                let n: [usize; 4] = crate::simd::lanes(|i| n0 + (r0 + i).min(rows - 1));
+                let wr = crate::simd::lanes(|i| &w[n[i] * k..(n[i] + 1) * k]);
                 let ahead = w
                     .as_ptr()
                     .wrapping_add((n0 + r0 + PREFETCH_ROWS) * k)

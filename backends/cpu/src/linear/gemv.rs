@@ -117,9 +117,10 @@ pub(super) fn gemv1_rows(
             let (prod, nb0) = scale_products(xq, sw, s, n0, rows);
             for r0 in (0..rows).step_by(4) {
                 // a short last group repeats its last row rather than branching per row
-                let n = [0, 1, 2, 3].map(|i| n0 + (r0 + i).min(rows - 1));
-                let wr = n.map(|n| &w[n * k..(n + 1) * k]);
-                let sc = n.map(|n| &prod[(n / s.bn() - nb0) * kbs..(n / s.bn() - nb0 + 1) * kbs]);
+                let n: [usize; 4] = lanes(|i| n0 + (r0 + i).min(rows - 1));
+                let wr = lanes(|i| &w[n[i] * k..(n[i] + 1) * k]);
+                let sc =
+                    lanes(|i| &prod[(n[i] / s.bn() - nb0) * kbs..(n[i] / s.bn() - nb0 + 1) * kbs]);
                 let ahead = w.as_ptr().wrapping_add((n0 + r0 + PREFETCH_ROWS) * k);
                 // SAFETY: the callers below are compiled for the features of the kernel they
                 // pick (AVX-512 F/BW/VL with WIDE, AVX2 + FMA + F16C in both), which they
@@ -227,21 +228,28 @@ pub(super) fn gemv_rows_bf16(
         };
         for g0 in (0..rows).step_by(2) {
             // a short last pair repeats its last row rather than branching per row
-            let n = [0, 1].map(|j| n0 + (g0 + j).min(rows - 1));
+            let n: [usize; 2] = lanes(|j| n0 + (g0 + j).min(rows - 1));
             for (j, dst) in wd.chunks_exact_mut(rw).enumerate() {
                 // SAFETY: as below; the row holds k codes and `dst` its blocks.
                 unsafe { decode_row(&w[n[j] * k..(n[j] + 1) * k], k, s.bk(), dst) };
             }
             let wr = [&wd[..rw], &wd[rw..]];
-            let swr = n.map(|n| &sw[(n / s.bn()) * kbs..(n / s.bn() + 1) * kbs]);
+            let swr = lanes(|j| &sw[(n[j] / s.bn()) * kbs..(n[j] / s.bn() + 1) * kbs]);
             for i0 in (0..m).step_by(4) {
-                let xi = [0, 1, 2, 3].map(|i| (i0 + i).min(m - 1));
-                let xr = xi.map(|i| &xb[i * rw..(i + 1) * rw]);
+                let xi: [usize; 4] = lanes(|i| (i0 + i).min(m - 1));
+                let xr = lanes(|j| &xb[xi[j] * rw..(xi[j] + 1) * rw]);
                 // SAFETY: `tier` came from `Tier::current()`, never above the detected tier,
                 // and that tier is only detected with AVX-512 F/BW/VL/VBMI/BF16; every row
                 // holds kbs blocks of block_words(bk) words, every scale row kbs entries.
                 let d = unsafe {
-                    dot_4x2_blocks(xr, wr, kbs, block_words(s.bk()), xi.map(sx_row), swr)
+                    dot_4x2_blocks(
+                        xr,
+                        wr,
+                        kbs,
+                        block_words(s.bk()),
+                        lanes(|j| sx_row(xi[j])),
+                        swr,
+                    )
                 };
                 for j in 0..(rows - g0).min(2) {
                     for (i, row) in d.iter().enumerate().take(m - i0) {
@@ -259,9 +267,9 @@ pub(super) fn gemv_rows_bf16(
         let (prod, nb0) = scale_products(xq, sw, s, n0, rows);
         for r0 in (0..rows).step_by(4) {
             // a short last group repeats its last row rather than branching per row
-            let n = [0, 1, 2, 3].map(|i| n0 + (r0 + i).min(rows - 1));
-            let wr = n.map(|n| &w[n * k..(n + 1) * k]);
-            let sc = n.map(|n| &prod[(n / s.bn() - nb0) * kbs..(n / s.bn() - nb0 + 1) * kbs]);
+            let n: [usize; 4] = lanes(|i| n0 + (r0 + i).min(rows - 1));
+            let wr = lanes(|i| &w[n[i] * k..(n[i] + 1) * k]);
+            let sc = lanes(|i| &prod[(n[i] / s.bn() - nb0) * kbs..(n[i] / s.bn() - nb0 + 1) * kbs]);
             let ahead = w.as_ptr().wrapping_add((n0 + r0 + PREFETCH_ROWS) * k);
             // SAFETY: `tier` came from `Tier::current()`, never above the detected tier, and
             // that tier is only detected with AVX-512 F/BW/VL/VBMI/BF16; `xb` was laid out for
@@ -314,14 +322,14 @@ pub(super) fn gemv_small_rows(
             let rows = yt.len() / m;
             for g0 in (0..rows).step_by(3) {
                 // a short last group repeats its last row rather than branching per row
-                let r = [0, 1, 2].map(|j| (g0 + j).min(rows - 1));
+                let r: [usize; 3] = lanes(|j| (g0 + j).min(rows - 1));
                 for (j, dst) in buf[..3 * k].chunks_exact_mut(k).enumerate() {
                     dequant_row(w, sw, s, n0 + r[j], dst, nan_free);
                 }
                 let wr = [&buf[..k], &buf[k..2 * k], &buf[2 * k..3 * k]];
                 for i0 in (0..m).step_by(4) {
-                    let xi = [0, 1, 2, 3].map(|i| (i0 + i).min(m - 1));
-                    let xr = xi.map(|i| &xd[i * k..(i + 1) * k]);
+                    let xi: [usize; 4] = lanes(|i| (i0 + i).min(m - 1));
+                    let xr = lanes(|j| &xd[xi[j] * k..(xi[j] + 1) * k]);
                     // SAFETY: this function is compiled for AVX2 + FMA + F16C, which the caller
                     // checked the CPU has.
                     let d = unsafe { crate::x86::dot_4x3(xr, wr) };
