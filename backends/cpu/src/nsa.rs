@@ -1003,19 +1003,21 @@ unsafe fn attend_blocked<T: KeyElem>(
                     }
                     continue;
                 }
-                for x in &mut sr[..n] {
-                    if *x == f32::NEG_INFINITY {
-                        *x = f32::NAN;
-                    }
-                }
-                let mx = sr[..n].iter().fold(m[r], |a, &b| a.max(b));
+                // a -inf score (an infinite key) becomes NaN below, in the exponentials' pass;
+                // the maximum is the same with it as without (NaN is left out of it)
+                let mx = max_skip_nan(m[r], &sr[..n]);
                 let al = (m[r] - mx).exp();
                 // the exponentials in place, the keys past the row's limit zeroed, summed by
-                // sixteen lanes
+                // sixteen lanes (every lane written: a pass that rewrote only the -inf lanes
+                // compiled to a masked store, which AMD cores run microcoded)
                 let mut lanes = [0f32; NR];
                 for (g16, chunk) in sr.chunks_exact_mut(NR).enumerate() {
                     for (jj, x) in chunk.iter_mut().enumerate() {
-                        let p = exp_nonpos(*x - mx);
+                        let p = if *x == f32::NEG_INFINITY {
+                            f32::NAN
+                        } else {
+                            exp_nonpos(*x - mx)
+                        };
                         *x = if g16 * NR + jj < n { p } else { 0.0 };
                     }
                     for (a, &x) in lanes.iter_mut().zip(chunk.iter()) {
@@ -1059,6 +1061,25 @@ unsafe fn attend_blocked<T: KeyElem>(
             *x = a * inv;
         }
     }
+}
+
+/// `f32::max` folded over `xs` from `init` (NaN entries left out, as `f32::max` leaves a NaN
+/// operand out), eight independent lanes so that it vectorizes instead of a chain of dependent
+/// compares. The same value as the sequential fold: the maximum of a set does not depend on the
+/// order (a zero's sign may differ, which no use of the maximum here can see).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn max_skip_nan(init: f32, xs: &[f32]) -> f32 {
+    let mut lanes = [init; 8];
+    let mut chunks = xs.chunks_exact(8);
+    for c in &mut chunks {
+        for (a, &x) in lanes.iter_mut().zip(c) {
+            // false for a NaN x: the lane keeps its value
+            *a = if x > *a { x } else { *a };
+        }
+    }
+    let tail = chunks.remainder().iter().fold(init, |a, &b| a.max(b));
+    lanes.iter().fold(tail, |a, &b| a.max(b))
 }
 
 /// The rows of a blocked task: tokens `i0..i1` of a chunk whose token `i` sits at query row

@@ -129,8 +129,12 @@ pub(crate) fn exp_nonpos(x: f32) -> f32 {
     let p = p * r + 0.5;
     let p = p * r + 1.0;
     let p = p * r + 1.0;
-    // n in [-126, 0]: 2^n is a normal f32
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // n in [-126, 0]: 2^n is a normal f32. Its exponent bits come from n + 1.5·2^23, whose low
+    // mantissa bits hold n as an integer, not from `n as i32`: that saturating conversion
+    // vectorizes into a compare-and-fix sequence, a third of the blocked attention's own time.
+    // (For a NaN n the bits are arbitrary, and p, NaN, makes the product NaN.)
+    const ROUND: f32 = 12_582_912.0;
+    let scale = f32::from_bits(((n + ROUND).to_bits().wrapping_add(127)) << 23);
     if under {
         0.0
     } else {
