@@ -832,7 +832,8 @@ fn attend_causal<T: KeyElem>(
                 let i1 = (i0 + bt).min(t);
                 let (rows, lim) = block_rows(q, (i0, i1), len - t + 1, (h, g, hq, d), scale);
                 let mut o = vec![0f32; lim.len() * dv];
-                // SAFETY: `blocked_fast` held: the AVX2 tier, only detected with AVX2 and FMA.
+                // SAFETY: `blocked_fast` held: the AVX2 tier, only detected with AVX2, FMA and
+                // F16C.
                 unsafe { attend_blocked(&rows, &lim, k.head(h), v.head(h), |j| j, d, dv, &mut o) };
                 o
             })
@@ -899,10 +900,10 @@ fn block_tokens(g: usize) -> usize {
 /// non-finite value reaches only the rows that attend its key.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA (as [`blocked_fast`] checks); the sizes are checked,
+/// The CPU must have AVX2, FMA and F16C (as [`blocked_fast`] checks); the sizes are checked,
 /// panicking.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn attend_blocked<T: KeyElem>(
     q: &[f32],
@@ -930,6 +931,7 @@ unsafe fn attend_blocked<T: KeyElem>(
         }
     }
     let mut kt = vec![0f32; d * KC];
+    let mut krow = vec![0f32; d];
     let mut vc = vec![0f32; KC * dv];
     let mut sb = vec![0f32; MR * KC];
     let mut pp = vec![0f32; KC * MR];
@@ -944,12 +946,23 @@ unsafe fn attend_blocked<T: KeyElem>(
         for jj in 0..groups * NR {
             if jj < kc {
                 let rj = row(j0 + jj);
-                // the tile's copies are where a 16-bit cache becomes f32
-                for (c, &x) in k[rj * d..(rj + 1) * d].iter().enumerate() {
-                    kt[c * KC + jj] = x.into();
+                // the tile's copies are where a 16-bit cache becomes f32: the key row converted
+                // as a whole (vector conversions; per element it is a call each), then
+                // transposed into its column
+                let key: &[f32] = match T::as_f32(&k[rj * d..(rj + 1) * d]) {
+                    Some(row) => row,
+                    None => {
+                        // SAFETY: this function's contract (AVX2, FMA, F16C).
+                        unsafe { widen_row(&k[rj * d..(rj + 1) * d], &mut krow) };
+                        &krow
+                    }
+                };
+                for (c, &x) in key.iter().enumerate() {
+                    kt[c * KC + jj] = x;
                 }
                 let vr = &mut vc[jj * dv..(jj + 1) * dv];
-                T::copy_f32(&v[rj * dv..(rj + 1) * dv], vr);
+                // SAFETY: as above.
+                unsafe { widen_row(&v[rj * dv..(rj + 1) * dv], vr) };
                 // an all-ones exponent is Inf or NaN; OR-ed without a branch, so it vectorizes
                 let special = vr.iter().fold(0u32, |a, &x| {
                     a | u32::from(x.to_bits() & 0x7f80_0000 == 0x7f80_0000)
@@ -1060,6 +1073,33 @@ unsafe fn attend_blocked<T: KeyElem>(
         for (x, &a) in orow.iter_mut().zip(arow) {
             *x = a * inv;
         }
+    }
+}
+
+/// `src` as f32 into `dst` (the common length), eight elements per load (`Lanes::load8`:
+/// F16C for f16, a shift for bf16, a plain load for f32), inlined into the caller's loop where
+/// a slice conversion would be a call per short row.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn widen_row<T: KeyElem>(src: &[T], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n, both slices hold n elements; the caller's CPU has AVX2 and F16C.
+        unsafe {
+            std::arch::x86_64::_mm256_storeu_ps(
+                dst.as_mut_ptr().add(i),
+                T::load8(src.as_ptr().add(i)),
+            )
+        };
+        i += 8;
+    }
+    for j in i..n {
+        dst[j] = src[j].into();
     }
 }
 
@@ -1422,7 +1462,8 @@ fn attention_paged<T: KeyElem>(
             if blocked && i1 - i0 > 1 {
                 let (rows, lim) = block_rows(qs, (i0, i1), lim0, (h, g, hq, d), scale);
                 let row = |j: usize| s.pages[j / page_size] * page_size + j % page_size;
-                // SAFETY: `blocked_fast` held: the AVX2 tier, only detected with AVX2 and FMA.
+                // SAFETY: `blocked_fast` held: the AVX2 tier, only detected with AVX2, FMA and
+                // F16C.
                 unsafe { attend_blocked(&rows, &lim, k.head(h), v.head(h), row, d, dv, &mut o) };
                 return o;
             }
