@@ -1573,12 +1573,19 @@ mod tests {
 
     /// A 16-bit cache (f16, bf16) gives bit for bit what an f32 cache holding the same values
     /// gives: contiguous decode and prefill chunks (the blocked kernel where it runs: dv 32,
-    /// G 2), and paged decode and mixed chunks, pages out of order.
+    /// G 2; key rows of 32 and of 36, which the row widening ends with a scalar tail), and
+    /// paged decode and mixed chunks, pages out of order.
     #[test]
     fn half_caches_equal_f32_caches_of_their_values() {
+        for d in [32, 36] {
+            half_caches_equal_f32_caches_at(d);
+        }
+    }
+
+    fn half_caches_equal_f32_caches_at(d: usize) {
         use fp8nsa_test_support::{gaussian, rng};
         let mut r = rng("half_caches_equal_f32_caches_of_their_values");
-        let (hq, hkv, d, dv) = (4, 2, 32, 32);
+        let (hq, hkv, dv) = (4, 2, 32);
         let dims = AttnDims::new(hq, hkv, d, dv).unwrap();
         let (page_size, pages) = (8usize, 24usize);
         let rows = page_size * pages;
