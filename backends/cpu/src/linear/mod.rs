@@ -153,7 +153,7 @@ impl LinearPlan {
                 panel_gemm_bf16(tier, &xq, w, sw, s, out);
             } else {
                 let xd = quantize_act_in(x, m, k, bk, act, true, abuf)?;
-                panel_gemm(&xd.values, w, sw, s, out);
+                panel_gemm(&xd.values, w, sw, s, out, self.nan_free);
             }
             Ok(())
         })?;
@@ -337,10 +337,15 @@ pub(crate) fn untranspose(yt: &[f32], m: usize, out: &mut [f32]) {
     }
 }
 
-/// Weight rows per GEMV task: enough work to amortize the hand-off at M = 1.
+/// Weight rows per GEMV task: enough work to amortize the hand-off at M = 1; above it a
+/// multiple of both the small-M kernels' row groups (three rows in `gemv_small_rows`, two in
+/// `gemv_rows_bf16`), which repeat a group's last row in a short group: tasks of 8 made every
+/// task compute a ninth row.
 pub(crate) fn gemv_task_rows(tier: Tier, m: usize) -> usize {
     if tier >= Tier::Avx2 && m == 1 {
         32
+    } else if tier >= Tier::Avx2 {
+        12
     } else {
         8
     }
