@@ -507,9 +507,8 @@ impl Attention {
                 let o = match &self.imp {
                     Impl::Dense => {
                         pool.write(layer, seq, pos, &ks, &vs)?;
+                        // a 16-bit pool's rows: `dense` reads or converts them
                         let (kh, vh) = pool.read(layer, seq, pos + t)?;
-                        // a 16-bit pool's rows in the queries' type
-                        let (kh, vh) = (kh.to_dtype(qs.dtype())?, vh.to_dtype(qs.dtype())?);
                         self.dense(&qs, &kh, &vh, pos)?
                     }
                     Impl::Nsa(nsa) => match (&mut seq.inner, &pool.store) {
@@ -550,7 +549,7 @@ impl Attention {
             let scale = 1.0 / (self.hd as f32).sqrt();
             return Ok(fp8nsa_ops::nsa::causal_attention(q, kh, vh, scale)?);
         }
-        // a 16-bit cache's rows in the queries' type
+        // a 16-bit cache's or pool's rows in the queries' type
         let (kh, vh) = (&kh.to_dtype(q.dtype())?, &vh.to_dtype(q.dtype())?);
         let tk = kh.dims()[2];
         let g = self.hq / self.hkv;

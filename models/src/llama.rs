@@ -401,11 +401,16 @@ impl Llama {
 
     /// An empty decode state for [`Self::forward`], keys and values in f32.
     pub fn new_cache(&self) -> Cache {
+        self.empty_cache(DType::F32)
+    }
+
+    /// Every layer's empty state, dense keys and values as `kv_dtype` (checked by the caller).
+    fn empty_cache(&self, kv_dtype: DType) -> Cache {
         Cache {
             layers: self
                 .blocks
                 .iter()
-                .map(|b| b.attn.new_cache(DType::F32))
+                .map(|b| b.attn.new_cache(kv_dtype))
                 .collect(),
             pos: 0,
         }
@@ -439,14 +444,7 @@ impl Llama {
             .map(|b| b.attn.kv_layout())
             .collect::<Result<Vec<_>>>()?;
         crate::paged::check_kv_dtype(&layers, kv_dtype)?;
-        Ok(Cache {
-            layers: self
-                .blocks
-                .iter()
-                .map(|b| b.attn.new_cache(kv_dtype))
-                .collect(),
-            pos: 0,
-        })
+        Ok(self.empty_cache(kv_dtype))
     }
 
     /// Logits `[T, vocab]` (f32) of `tokens`, appended to what `cache` has seen.

@@ -153,7 +153,7 @@ impl LinearPlan {
                 panel_gemm_bf16(tier, &xq, w, sw, s, out);
             } else {
                 let xd = quantize_act_in(x, m, k, bk, act, true, abuf)?;
-                panel_gemm(&xd.values, w, sw, s, out, self.nan_free);
+                panel_gemm(&xd.values, w, sw, s, out, tier, self.nan_free);
             }
             Ok(())
         })?;

@@ -10,8 +10,9 @@ const PANEL_ROWS: usize = 128;
 const TILE_K: usize = 512;
 
 /// Writes `codes * block scale` of weight rows `n0..n0 + rows`, columns `c0..c1`, into
-/// `buf [rows, c1 - c0]`; `nan_free` as [`LinearPlan::assume_nan_free`] (the AVX2 decoder then
-/// skips its NaN scan, the same values for such codes).
+/// `buf [rows, c1 - c0]`; `nan_free_avx2`: the codes hold no NaN
+/// ([`LinearPlan::assume_nan_free`]) and the call's tier is AVX2, so its decoder skips the NaN
+/// scan (the same values for such codes).
 #[allow(clippy::too_many_arguments)]
 fn dequant_tile(
     w: &[u8],
@@ -21,17 +22,17 @@ fn dequant_tile(
     c0: usize,
     c1: usize,
     buf: &mut [f32],
-    nan_free: bool,
+    nan_free_avx2: bool,
 ) {
-    #[cfg(target_arch = "x86_64")]
-    let tier = Tier::current();
     let decode = |src: &[u8], scale: f32, dst: &mut [f32]| {
-        // the AVX-512 tier keeps its own (NaN-checking) decoder: only the AVX2 one was measured
         #[cfg(target_arch = "x86_64")]
-        if nan_free && tier == Tier::Avx2 {
-            // SAFETY: the AVX2 tier is only in force where AVX2, FMA and F16C were detected.
+        if nan_free_avx2 {
+            // SAFETY: set only for a call planned on the AVX2 tier, which is only detected
+            // with AVX2, FMA and F16C present.
             return unsafe { crate::x86::decode_scaled_nan_free(src, scale, dst) };
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = nan_free_avx2;
         decode_scaled(src, scale, dst)
     };
     let kbs = s.k_blocks();
@@ -58,8 +59,11 @@ pub(super) fn panel_gemm(
     sw: &[f32],
     s: LinearShape,
     out: &mut [f32],
+    tier: Tier,
     nan_free: bool,
 ) {
+    // the AVX-512 tier keeps its own (NaN-checking) decoder: only the AVX2 one was measured
+    let nan_free_avx2 = nan_free && tier == Tier::Avx2;
     let threads = rayon::current_num_threads();
     // a multiple of `threads` panels of at most PANEL_ROWS rows, so every thread gets the same
     // number of equal panels (the last may be a little shorter)
@@ -82,7 +86,7 @@ pub(super) fn panel_gemm(
         for c0 in (0..s.k()).step_by(kc) {
             let c1 = (c0 + kc).min(s.k());
             let tile = &mut buf[..rows * (c1 - c0)];
-            dequant_tile(w, sw, s, i * p, c0, c1, tile, nan_free);
+            dequant_tile(w, sw, s, i * p, c0, c1, tile, nan_free_avx2);
             let lhs = Operand {
                 data: &x[c0..],
                 ld: s.k(),
