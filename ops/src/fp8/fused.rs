@@ -16,10 +16,10 @@ use crate::storage::{f32_slice, from_f32, ParkedError};
 
 impl Fp8Linear {
     /// `layers[i].forward(x)` for every layer, as one call where that pays: on the CPU, when
-    /// every layer runs the decode GEMV (at most `GEMV_MAX_M` rows) with the same K blocking
-    /// and activation scheme, `x` is quantized once and all weights' rows are one parallel
-    /// region (`fp8nsa_cpu::linear::run_fused`). Everywhere else (CUDA, PJRT, prefill-sized
-    /// calls, mixed schemes) each layer runs alone. The outputs are the layers' own, bit for bit.
+    /// every layer has the same K blocking and activation scheme, `x` is quantized once
+    /// (`fp8nsa_cpu::linear::run_fused`), and in the decode GEMV (at most `GEMV_MAX_M` rows)
+    /// all weights' rows are one parallel region. Everywhere else (CUDA, PJRT, mixed schemes)
+    /// each layer runs alone. The outputs are the layers' own, bit for bit.
     ///
     /// ```
     /// use candle_core::{Device, Module, Tensor};
@@ -103,7 +103,11 @@ fn fused_plans(layers: &[&Fp8Linear], x: &Tensor) -> Result<Option<Vec<LinearPla
             return Ok(None);
         }
         let p = fp8nsa_cpu::linear::plan(LinearShape::new(m, n, k, bn, bk)?, l.act())?;
-        if p.path().kernel != fp8nsa_types::CpuFp8Kernel::Gemv {
+        // one kernel for all (the same M and scheme plan the same one; checked, not assumed)
+        if plans
+            .first()
+            .is_some_and(|f: &LinearPlan| f.path() != p.path())
+        {
             return Ok(None);
         }
         plans.push(p);

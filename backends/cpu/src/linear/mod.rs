@@ -128,7 +128,6 @@ impl LinearPlan {
         bias: Option<&[f32]>,
         out: &mut [f32],
     ) -> Result<()> {
-        let (s, act, kernel) = (self.shape, self.act, self.kernel);
         let part = FusedPart {
             plan: *self,
             w,
@@ -136,36 +135,48 @@ impl LinearPlan {
             bias,
         };
         part.check(x, out)?;
-        if kernel == CpuFp8Kernel::Gemv {
-            return gemv_parts(x, &[part], &mut [out]);
+        if self.kernel == CpuFp8Kernel::Gemv {
+            gemv_parts(x, &[part], &mut [out])
+        } else {
+            panel_parts(x, &[part], &mut [out])
         }
-        let (m, k, bk) = (s.m(), s.k(), s.bk());
-        // the activations' quantized copy (none for W8A16) lives in a reused buffer
-        let act_len = if act == ActQuant::None { 0 } else { m * k };
-        // the plan's tier: detected on this CPU (so its SIMD code may run), and fixed for the
-        // call even if a test caps the tier meanwhile
-        let tier = self.tier;
-        with_f32(act_len, |abuf| -> Result<()> {
-            if uses_bf16(tier, act) {
-                // from BF16_TILE_MIN_M rows: each weight tile decoded once, all rows of a short
-                // call in one tile
-                let xq = quantize_act_in(x, m, k, bk, act, false, abuf)?;
-                panel_gemm_bf16(tier, &xq, w, sw, s, out);
+    }
+}
+
+/// The panel GEMM of `parts` (checked as for [`gemv_parts`]) over one quantization of `x`: each
+/// part's panels run as [`LinearPlan::run`] runs them alone, on the same quantized activations.
+fn panel_parts(x: &[f32], parts: &[FusedPart<'_>], outs: &mut [&mut [f32]]) -> Result<()> {
+    let first = parts[0].plan;
+    let (s0, act) = (first.shape, first.act);
+    let (m, k, bk) = (s0.m(), s0.k(), s0.bk());
+    // the activations' quantized copy (none for W8A16) lives in a reused buffer
+    let act_len = if act == ActQuant::None { 0 } else { m * k };
+    // the plan's tier: detected on this CPU (so its SIMD code may run), and fixed for the
+    // call even if a test caps the tier meanwhile
+    let tier = first.tier;
+    with_f32(act_len, |abuf| -> Result<()> {
+        // the bf16 kernels take the e4m3 values themselves, the f32 ones the dequantized
+        let bf16 = uses_bf16(tier, act);
+        let xq = quantize_act_in(x, m, k, bk, act, !bf16, abuf)?;
+        for (p, out) in parts.iter().zip(outs.iter_mut()) {
+            let s = p.plan.shape;
+            if bf16 {
+                // from BF16_TILE_MIN_M rows: each weight tile decoded once, all rows of a
+                // short call in one tile
+                panel_gemm_bf16(tier, &xq, p.w, p.sw, s, out);
             } else {
-                let xd = quantize_act_in(x, m, k, bk, act, true, abuf)?;
-                panel_gemm(&xd.values, w, sw, s, out, tier, self.nan_free);
+                panel_gemm(&xq.values, p.w, p.sw, s, out, tier, p.plan.nan_free);
             }
-            Ok(())
-        })?;
-        if let Some(b) = bias {
-            out.par_chunks_mut(s.n()).for_each(|row| {
-                for (y, b) in row.iter_mut().zip(b) {
-                    *y += b;
-                }
-            });
+            if let Some(b) = p.bias {
+                out.par_chunks_mut(s.n()).for_each(|row| {
+                    for (y, b) in row.iter_mut().zip(b) {
+                        *y += b;
+                    }
+                });
+            }
         }
         Ok(())
-    }
+    })
 }
 
 /// One weight of [`run_fused`]: its plan (made by [`plan`], with
@@ -194,10 +205,11 @@ impl FusedPart<'_> {
 }
 
 /// Several linears over the same activations `x [m, k]` (q, k and v; gate and up), each part's
-/// output `out_p [m, n_p]` the bits [`LinearPlan::run`] gives it: where all parts run the GEMV
-/// with one activation scheme and K blocking, `x` is quantized once and the weight rows of all
-/// parts are one parallel region (a decode step's hand-offs between threads, per layer, go from
-/// five to two); otherwise each part runs alone.
+/// output `out_p [m, n_p]` the bits [`LinearPlan::run`] gives it: where all parts run the same
+/// kernel with one activation scheme and K blocking, `x` is quantized once; the GEMV then runs
+/// the weight rows of all parts as one parallel region (a decode step's hand-offs between
+/// threads, per layer, go from five to two), the panel GEMM each part's panels in turn.
+/// Otherwise each part runs alone.
 ///
 /// ```
 /// use fp8nsa_cpu::linear::{plan, run_fused, FusedPart};
@@ -222,9 +234,10 @@ pub fn run_fused(x: &[f32], parts: &[FusedPart<'_>], outs: &mut [&mut [f32]]) ->
         return Ok(());
     };
     let (s0, act, tier) = (first.plan.shape, first.plan.act, first.plan.tier);
+    let kernel = first.plan.kernel;
     let fusable = parts.iter().all(|p| {
         let s = p.plan.shape;
-        p.plan.kernel == CpuFp8Kernel::Gemv
+        p.plan.kernel == kernel
             && p.plan.act == act
             && p.plan.tier == tier
             && (s.m(), s.k(), s.bk()) == (s0.m(), s0.k(), s0.bk())
@@ -238,7 +251,11 @@ pub fn run_fused(x: &[f32], parts: &[FusedPart<'_>], outs: &mut [&mut [f32]]) ->
     for (p, out) in parts.iter().zip(outs.iter()) {
         p.check(x, out)?;
     }
-    gemv_parts(x, parts, outs)
+    if kernel == CpuFp8Kernel::Gemv {
+        gemv_parts(x, parts, outs)
+    } else {
+        panel_parts(x, parts, outs)
+    }
 }
 
 /// The GEMV of `parts` (checked: the same M, K blocking, activation scheme and tier, every
@@ -446,7 +463,8 @@ mod tests {
 
     /// The fused call gives each part the bits of its own call: q/k/v-like parts of different
     /// N (not multiples of the row blocking), with a bias on one, at M = 1, odd M, the GEMV's
-    /// largest M and past it (where the parts run alone), heterogeneous block scales.
+    /// largest M and past it (the panel GEMM, also over one quantization), heterogeneous block
+    /// scales.
     #[test]
     fn fused_parts_equal_separate_calls() {
         use fp8nsa_test_support::{gaussian, rng};
@@ -465,7 +483,7 @@ mod tests {
             })
             .collect();
         let bias = gaussian(&mut r, ns[1]);
-        for m in [1usize, 3, GEMV_MAX_M, GEMV_MAX_M + 3] {
+        for m in [1usize, 3, GEMV_MAX_M, GEMV_MAX_M + 3, 67] {
             let x = gaussian(&mut r, m * k);
             for act in [ActQuant::Group, ActQuant::None] {
                 let parts: Vec<FusedPart> = ns

@@ -80,13 +80,14 @@ pub(super) fn panel_gemm(
     } else {
         gemm::Parallelism::Rayon(threads)
     };
-    // panel i computes its own row-major [m, rows] block
-    let panel = |i: usize, dst: &mut [f32], buf: &mut [f32]| {
-        let rows = dst.len() / s.m();
+    let dst = OutCols::new(out, s.m(), s.n());
+    // panel i computes columns i·p.. of every output row, straight into `out`
+    let panel = |i: usize, buf: &mut [f32]| {
+        let (col0, rows) = (i * p, p.min(s.n() - i * p));
         for c0 in (0..s.k()).step_by(kc) {
             let c1 = (c0 + kc).min(s.k());
             let tile = &mut buf[..rows * (c1 - c0)];
-            dequant_tile(w, sw, s, i * p, c0, c1, tile, nan_free_avx2);
+            dequant_tile(w, sw, s, col0, c0, c1, tile, nan_free_avx2);
             let lhs = Operand {
                 data: &x[c0..],
                 ld: s.k(),
@@ -95,29 +96,48 @@ pub(super) fn panel_gemm(
                 data: tile,
                 ld: c1 - c0,
             };
-            gemm_nt(s.m(), rows, c1 - c0, lhs, rhs, dst, c0 > 0, inner);
+            // SAFETY: panel i alone writes columns col0..col0 + rows (the panels split 0..n),
+            // and `out` stays exclusively borrowed by this call until every panel is done.
+            unsafe { gemm_nt(s.m(), rows, c1 - c0, lhs, rhs, dst, col0, c0 > 0, inner) };
         }
     };
-    with_f32(s.m() * s.n(), |blocks| {
-        if per_panel {
-            blocks
-                .par_chunks_mut(p * s.m())
-                .enumerate()
-                .for_each(|(i, dst)| with_f32(p * kc, |buf| panel(i, dst, buf)));
-        } else {
-            with_f32(p * kc, |buf| {
-                for (i, dst) in blocks.chunks_mut(p * s.m()).enumerate() {
-                    panel(i, dst, buf);
-                }
-            });
+    let count = s.n().div_ceil(p);
+    if per_panel {
+        (0..count)
+            .into_par_iter()
+            .for_each(|i| with_f32(p * kc, |buf| panel(i, buf)));
+    } else {
+        with_f32(p * kc, |buf| (0..count).for_each(|i| panel(i, buf)));
+    }
+}
+
+/// The output `[m, n]` (row-major) of [`panel_gemm`], written by all its panels at once, each
+/// to its own columns: a raw pointer, because each panel's columns are strided through every
+/// row (no split of `&mut [f32]` hands them out), and writing them in place saves the copy of
+/// a per-panel block into `out` (1.7% of a 512-token prefill's samples) .
+#[derive(Clone, Copy)]
+struct OutCols {
+    ptr: *mut f32,
+    m: usize,
+    n: usize,
+}
+
+// SAFETY: an `OutCols` is only written through `gemm_nt`, whose callers guarantee that no two
+// threads touch the same columns, and it never outlives the `&mut` borrow it was made from
+// (`panel_gemm` joins every panel before returning).
+unsafe impl Send for OutCols {}
+// SAFETY: as for `Send`: shared references only lead to `gemm_nt`'s disjoint column writes.
+unsafe impl Sync for OutCols {}
+
+impl OutCols {
+    fn new(out: &mut [f32], m: usize, n: usize) -> Self {
+        assert_eq!(out.len(), m * n, "out is [m, n]");
+        Self {
+            ptr: out.as_mut_ptr(),
+            m,
+            n,
         }
-        out.par_chunks_mut(s.n()).enumerate().for_each(|(r, row)| {
-            for (i, block) in blocks.chunks(p * s.m()).enumerate() {
-                let rows = block.len() / s.m();
-                row[i * p..i * p + rows].copy_from_slice(&block[r * rows..(r + 1) * rows]);
-            }
-        });
-    });
+    }
 }
 
 /// Weight rows per micro-kernel call of [`panel_gemm_bf16`]: with two vectors of 16 activation
@@ -251,33 +271,39 @@ struct Operand<'a> {
     ld: usize,
 }
 
-/// `dst[i * p + j] (+)= Σ_kk lhs[i, kk] · rhs[j, kk]` for `i < m, j < p, kk < k`: lhs `[m, k]`
-/// and rhs `[p, k]` row-major, dst row-major `[m, p]`.
+/// `dst[i, col0 + j] (+)= Σ_kk lhs[i, kk] · rhs[j, kk]` for `i < m, j < p, kk < k`: lhs `[m, k]`
+/// and rhs `[p, k]` row-major, `dst` the `[m, n]` output.
+///
+/// # Safety
+/// No other thread reads or writes columns `col0..col0 + p` of `dst` during the call, and the
+/// buffer `dst` was made from is still exclusively borrowed by the caller.
 #[allow(clippy::too_many_arguments)]
-fn gemm_nt(
+unsafe fn gemm_nt(
     m: usize,
     p: usize,
     k: usize,
     lhs: Operand<'_>,
     rhs: Operand<'_>,
-    dst: &mut [f32],
+    dst: OutCols,
+    col0: usize,
     accumulate: bool,
     par: gemm::Parallelism,
 ) {
     assert!(m > 0 && p > 0 && k > 0 && lhs.ld >= k && rhs.ld >= k);
     assert!(lhs.data.len() >= (m - 1) * lhs.ld + k);
     assert!(rhs.data.len() >= (p - 1) * rhs.ld + k);
-    assert!(dst.len() >= m * p);
-    // SAFETY: the asserts above bound every element the strides address inside the three
-    // slices, and `dst` is exclusively borrowed, so gemm touches only memory we own.
+    assert!(m <= dst.m && col0 + p <= dst.n);
+    // SAFETY: the asserts above bound every element the strides address inside the two input
+    // slices and the [m, n] output; the caller guarantees the output columns are this call's
+    // alone, so gemm touches only memory it may.
     unsafe {
         gemm::gemm(
             m,
             p,
             k,
-            dst.as_mut_ptr(),
+            dst.ptr.add(col0),
             1,
-            p as isize,
+            dst.n as isize,
             accumulate,
             lhs.data.as_ptr(),
             1,
