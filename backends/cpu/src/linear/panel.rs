@@ -1,5 +1,7 @@
 //! The panel GEMMs: f32 panels through the `gemm` crate, and bf16 pairs on AVX512-BF16.
 
+use std::marker::PhantomData;
+
 use super::*;
 
 /// Weight rows per panel (at most) and K columns per tile: a 128 x 512 f32 tile (256 KiB) stays
@@ -96,8 +98,7 @@ pub(super) fn panel_gemm(
                 data: tile,
                 ld: c1 - c0,
             };
-            // SAFETY: panel i alone writes columns col0..col0 + rows (the panels split 0..n),
-            // and `out` stays exclusively borrowed by this call until every panel is done.
+            // SAFETY: panel i alone writes columns col0..col0 + rows (the panels split 0..n).
             unsafe { gemm_nt(s.m(), rows, c1 - c0, lhs, rhs, dst, col0, c0 > 0, inner) };
         }
     };
@@ -114,28 +115,30 @@ pub(super) fn panel_gemm(
 /// The output `[m, n]` (row-major) of [`panel_gemm`], written by all its panels at once, each
 /// to its own columns: a raw pointer, because each panel's columns are strided through every
 /// row (no split of `&mut [f32]` hands them out), and writing them in place saves the copy of
-/// a per-panel block into `out` (1.7% of a 512-token prefill's samples) .
+/// a per-panel block into `out` (1.7% of a 512-token prefill's samples). It holds the
+/// output's `&mut` borrow for its lifetime, so nothing else touches the output meanwhile.
 #[derive(Clone, Copy)]
-struct OutCols {
+struct OutCols<'a> {
     ptr: *mut f32,
     m: usize,
     n: usize,
+    _out: PhantomData<&'a mut [f32]>,
 }
 
 // SAFETY: an `OutCols` is only written through `gemm_nt`, whose callers guarantee that no two
-// threads touch the same columns, and it never outlives the `&mut` borrow it was made from
-// (`panel_gemm` joins every panel before returning).
-unsafe impl Send for OutCols {}
+// threads touch the same columns, and it borrows the output exclusively while it lives.
+unsafe impl Send for OutCols<'_> {}
 // SAFETY: as for `Send`: shared references only lead to `gemm_nt`'s disjoint column writes.
-unsafe impl Sync for OutCols {}
+unsafe impl Sync for OutCols<'_> {}
 
-impl OutCols {
-    fn new(out: &mut [f32], m: usize, n: usize) -> Self {
+impl<'a> OutCols<'a> {
+    fn new(out: &'a mut [f32], m: usize, n: usize) -> Self {
         assert_eq!(out.len(), m * n, "out is [m, n]");
         Self {
             ptr: out.as_mut_ptr(),
             m,
             n,
+            _out: PhantomData,
         }
     }
 }
@@ -275,8 +278,7 @@ struct Operand<'a> {
 /// and rhs `[p, k]` row-major, `dst` the `[m, n]` output.
 ///
 /// # Safety
-/// No other thread reads or writes columns `col0..col0 + p` of `dst` during the call, and the
-/// buffer `dst` was made from is still exclusively borrowed by the caller.
+/// No other thread reads or writes columns `col0..col0 + p` of `dst` during the call.
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_nt(
     m: usize,
@@ -284,7 +286,7 @@ unsafe fn gemm_nt(
     k: usize,
     lhs: Operand<'_>,
     rhs: Operand<'_>,
-    dst: OutCols,
+    dst: OutCols<'_>,
     col0: usize,
     accumulate: bool,
     par: gemm::Parallelism,
