@@ -102,15 +102,11 @@ fn fused_plans(layers: &[&Fp8Linear], x: &Tensor) -> Result<Option<Vec<LinearPla
         if kl != k || bk != first.weight().block()[1] || l.act() != first.act() {
             return Ok(None);
         }
-        let p = fp8nsa_cpu::linear::plan(LinearShape::new(m, n, k, bn, bk)?, l.act())?;
-        // one kernel for all (the same M and scheme plan the same one; checked, not assumed)
-        if plans
-            .first()
-            .is_some_and(|f: &LinearPlan| f.path() != p.path())
-        {
-            return Ok(None);
-        }
-        plans.push(p);
+        // `run_fused` checks that the plans share a kernel (and runs them alone where not)
+        plans.push(fp8nsa_cpu::linear::plan(
+            LinearShape::new(m, n, k, bn, bk)?,
+            l.act(),
+        )?);
     }
     Ok(Some(plans))
 }
