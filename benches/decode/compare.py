@@ -43,11 +43,8 @@ def log(msg):
     print(f"[decode/compare] {msg}", file=sys.stderr, flush=True)
 
 
-def cpu_model():
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
+sys.path.insert(0, str(REPO / "benches"))
+from cpu_label import label as cpu_model, slug as cpu_slug  # noqa: E402
 
 
 def run(cmd):
@@ -189,7 +186,7 @@ def main():
             records.append({"case": name, "ours_tok_s": med[o], "llama_tok_s": med[p], "ratio": ratio,
                             "ours_samples": samples[o], "llama_samples": samples[p]})
     out = Path(a.out) if a.out else REPO / "benches/results/decode" / (
-        f"{datetime.date.today()}-{re.sub(r'[^a-z0-9]+', '-', cpu.lower()).strip('-')}.jsonl")
+        f"{datetime.date.today()}-{cpu_slug()}.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
         for rec in records:

@@ -49,10 +49,10 @@ import asyncio
 import json
 import math
 import random
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 try:
     import httpx
@@ -94,22 +94,12 @@ boat common gold possible plane stead dry wonder laugh thousand ago ran check ga
 
 
 def cpu_model() -> str:
-    """lscpu's model name, which every row carries so results from different machines stay apart."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+    """The CPU label every row carries (model name, family / model, SIMD level: see
+    benches/cpu_label.py), so that results from different machines stay apart."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from cpu_label import label
+
+    return label()
 
 
 def percentile(values: list[float], q: float) -> float | None:

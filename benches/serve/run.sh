@@ -41,8 +41,8 @@ for key in LLAMA_SERVER GGUF_Q8_0 GGUF_Q4_1; do
   }
 done
 
-cpu=$(lscpu | sed -n 's/^Model name:[[:space:]]*//p' | head -n 1)
-cpu_slug=$(echo "${cpu:-unknown}" | tr '[:upper:]' '[:lower:]' | sed -E 's/[^a-z0-9]+/-/g; s/^-+|-+$//g')
+# model name, family / model and SIMD level: "AMD EPYC" alone is both the AVX2 and the Zen 4 VMs
+cpu_slug=$(python3 benches/cpu_label.py --slug)
 out_dir=benches/results/serve
 mkdir -p "$out_dir"
 out=$out_dir/$(date +%Y-%m-%d)-$cpu_slug.jsonl
