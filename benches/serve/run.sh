@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The serving benchmark: llama.cpp's llama-server and `fp8nsa serve` on the same model
 # (SmolLM2-135M-Instruct) under the same load from benches/serve/loadgen.py, one server at a time
-# on 127.0.0.1, rows appended to benches/results/serve/<date>-<cpu-slug>.jsonl.
+# on 127.0.0.1, rows appended to benches/results/serve/<date>-<cpu-slug>.jsonl (the slug from
+# benches/cpu_label.py: model name, family / model, SIMD level).
 #
 # Usage (from anywhere; not part of CI: it builds llama.cpp and takes many minutes):
 #   bash benches/serve/run.sh
