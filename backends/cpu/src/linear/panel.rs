@@ -180,11 +180,11 @@ pub(super) fn panel_gemm_bf16(
 ) {
     #[cfg(target_arch = "x86_64")]
     if tier >= Tier::Avx512Bf16 {
-        use crate::avx512bf16::{act_layout, block_words, decode_row, gemm_tile, pair_columns};
+        use crate::avx512bf16::{act_pair_columns, block_words, decode_row, gemm_tile};
         let (m, n, k, bk, kbs) = (s.m(), s.n(), s.k(), s.bk(), s.k_blocks());
         let (bw, m_pad) = (block_words(bk), m.next_multiple_of(16));
         let ppb = bw / 2;
-        let a = pair_columns(&act_layout(&xq.values[..m * k], k, bk), m, m_pad);
+        let a = act_pair_columns(&xq.values[..m * k], m, k, bk, m_pad);
         // the activation scales as columns too, zeros for the padding rows
         let mut sxt = vec![0f32; kbs * m_pad];
         for (kb, col) in sxt.chunks_exact_mut(m_pad).enumerate() {
