@@ -38,21 +38,27 @@ def _tier(flags: set) -> str:
     return "avx512" if avx512 else "avx2" if avx2 else "portable"
 
 
-def label() -> str:
+def _parts() -> tuple:
+    """Model name, "family / model" (or None), SIMD level."""
     info = _cpuinfo()
-    name = info.get("model name", "unknown")
-    flags = set(info.get("flags", "").split())
     fam, model = info.get("cpu family"), info.get("model")
-    where = f"family {fam} model {model}, " if fam and model else ""
-    return f"{name} ({where}{_tier(flags)})"
+    return (
+        info.get("model name", "unknown"),
+        (fam, model) if fam and model else None,
+        _tier(set(info.get("flags", "").split())),
+    )
+
+
+def label() -> str:
+    name, fm, tier = _parts()
+    where = f"family {fm[0]} model {fm[1]}, " if fm else ""
+    return f"{name} ({where}{tier})"
 
 
 def slug() -> str:
-    info = _cpuinfo()
-    name = re.sub(r"[^a-z0-9]+", "-", info.get("model name", "unknown").lower()).strip("-")
-    fam, model = info.get("cpu family"), info.get("model")
-    where = f"-f{fam}m{model}" if fam and model else ""
-    return f"{name}{where}-{_tier(set(info.get('flags', '').split()))}"
+    name, fm, tier = _parts()
+    where = f"-f{fm[0]}m{fm[1]}" if fm else ""
+    return f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}{where}-{tier}"
 
 
 if __name__ == "__main__":

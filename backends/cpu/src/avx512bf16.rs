@@ -72,6 +72,17 @@ pub(crate) fn block_words(bk: usize) -> usize {
     bk.div_ceil(STEP) * STEP
 }
 
+/// The bf16 pattern of an e4m3 value held as f32: the top half of its f32 pattern (exact), and
+/// every NaN as the one quiet NaN 0x7fc0.
+#[inline(always)]
+fn bf16_bits(v: f32) -> u16 {
+    if v.is_nan() {
+        0x7fc0
+    } else {
+        (v.to_bits() >> 16) as u16
+    }
+}
+
 /// The bf16 patterns of activation rows `x` (rows of `k` e4m3 values, exact in bf16), one row
 /// after the other, laid out for [`dot4_blocks`]: in each row, K-block `kb` at word
 /// `kb · block_words(bk)`, each of its steps permuted as the decode permutes codes, zeros past
@@ -88,12 +99,7 @@ pub(crate) fn act_layout(x: &[f32], k: usize, bk: usize) -> Vec<u16> {
                 for (s, step) in dst.chunks_exact_mut(STEP).enumerate() {
                     for (j, d) in step.iter_mut().enumerate() {
                         if let Some(&v) = block.get(s * STEP + source_of(j)) {
-                            // the top half of an e4m3 value's f32 pattern is its bf16 pattern
-                            *d = if v.is_nan() {
-                                0x7fc0
-                            } else {
-                                (v.to_bits() >> 16) as u16
-                            };
+                            *d = bf16_bits(v);
                         }
                     }
                 }
@@ -322,14 +328,6 @@ pub(crate) fn act_pair_columns(x: &[f32], m: usize, k: usize, bk: usize, m_pad: 
     let pairs = k.div_ceil(bk) * bw / 2;
     // the code of each word of a step, as `act_layout` places them
     let src: [usize; STEP] = std::array::from_fn(source_of);
-    // the top half of an e4m3 value's f32 pattern is its bf16 pattern; NaN as act_layout's
-    let bits = |v: f32| {
-        if v.is_nan() {
-            0x7fc0
-        } else {
-            v.to_bits() >> 16
-        }
-    };
     let mut out = vec![0u32; pairs * m_pad];
     out.par_chunks_mut(64 * m_pad)
         .enumerate()
@@ -354,9 +352,8 @@ pub(crate) fn act_pair_columns(x: &[f32], m: usize, k: usize, bk: usize, m_pad: 
                 .collect();
             for (i, row) in x.chunks_exact(k).take(m).enumerate() {
                 for (pp, &[o0, o1]) in offs.iter().enumerate() {
-                    let lo = row.get(o0).map_or(0, |&v| bits(v));
-                    let hi = row.get(o1).map_or(0, |&v| bits(v));
-                    cols[pp * m_pad + i] = lo | hi << 16;
+                    let word = |o: usize| row.get(o).map_or(0, |&v| bf16_bits(v) as u32);
+                    cols[pp * m_pad + i] = word(o0) | word(o1) << 16;
                 }
             }
         });
