@@ -789,6 +789,42 @@ fn argument_errors_name_the_argument() {
 /// `NsaCache` is a convenience over per-sequence paged states on pools it owns: a batch of three
 /// sequences decoded one token at a time, far past its first pools (which grow, doubling),
 /// equals the stateless prefill of each sequence; a clone is independent of the original.
+/// Decode picks the blocks prefill picks, bit for bit: the importance of a query does not
+/// depend on how many queries or compressed blocks its call holds. The importance used to come from the compressed branch's probabilities, whose rounding did
+/// depend on the call's shape, and a near tie then flipped a selection now and then.
+#[test]
+fn decode_importance_and_selection_equal_prefill_bit_for_bit() {
+    let mut rng = rng("decode_importance");
+    let dims = dims(6, 2, 16, 16);
+    let t = 260;
+    let (q, k, v) = qkv(&mut rng, t, t, dims);
+    let nsa = layer(small_cfg(), dims, [0.4, 0.4, 0.4]);
+    let x = zeros((1, t, 4));
+    let full = nsa.forward_detailed(&x, &q, &k, &v).unwrap();
+    let (imp, sel) = (rows(&full.importance), sel_rows(&full.selection));
+    let nb = t.div_ceil(small_cfg().select_block);
+    let n = small_cfg().num_selected;
+    let mut cache = NsaCache::new();
+    for pos in 0..t {
+        let one = |x: &Tensor| x.narrow(1, pos, 1).unwrap();
+        let step = nsa
+            .forward_step_detailed(&one(&x), &one(&q), &one(&k), &one(&v), &mut cache)
+            .unwrap();
+        let nb1 = (pos + 1).div_ceil(small_cfg().select_block);
+        let got = rows(&step.importance);
+        for h in 0..dims.hkv() {
+            let want = &imp[(pos * dims.hkv() + h) * nb..][..nb1];
+            assert_eq!(
+                &got[h * nb1..(h + 1) * nb1],
+                want,
+                "position {pos} head {h}"
+            );
+        }
+        let want = &sel[pos * dims.hkv() * n..(pos + 1) * dims.hkv() * n];
+        assert_eq!(sel_rows(&step.selection), want, "position {pos}");
+    }
+}
+
 #[test]
 fn the_cache_grows_keeps_batch_rows_apart_and_clones_deep() {
     let mut rng = rng("cache_grows");

@@ -1,6 +1,7 @@
 //! Host-side helpers of the full NSA layer on plain slices: which compressed blocks a query
-//! sees, the remap of compressed-branch probabilities to selection-block importance, the top-n
-//! block selection and the sliding-window ranges (docs/nsa.md, "Full NSA layer").
+//! sees, selection-block importance (from the queries and compressed keys, or remapped from
+//! given compressed-branch probabilities), the top-n block selection and the sliding-window
+//! ranges (docs/nsa.md, "Full NSA layer").
 //!
 //! Each function validates its sizes and writes into a caller-provided output slice, so a
 //! device version with the same shape of signature (params, rows, inputs, output) can replace
@@ -255,34 +256,140 @@ pub fn remap(
     if rows == 0 || nb == 0 {
         return Ok(());
     }
-    let s = params.compress_stride;
-    let (ratio, span) = (params.select_block / s, params.compress_block / s);
-    let remap_row = |(row, out): (&[f32], &mut [f32])| {
-        for (j, o) in out.iter_mut().enumerate() {
-            let mut acc = 0f32;
-            for m in 0..ratio {
-                // i = ratio·j + m − n for n in 0..span, kept when 0 <= i < n_c
-                let top = ratio * j + m;
-                for n in 0..span {
-                    if let Some(i) = top.checked_sub(n) {
-                        if i < n_c {
-                            acc += row[i];
-                        }
-                    }
-                }
-            }
-            *o = acc;
-        }
-    };
     if n_c == 0 {
         // no probabilities: every term is out of range
         out.fill(0.0);
     } else {
         p.par_chunks(n_c)
             .zip(out.par_chunks_mut(nb))
-            .for_each(remap_row);
+            .for_each(|(row, out)| remap_row(params, row, out));
     }
     Ok(())
+}
+
+/// [`remap`] of one row: `p [n_c]` (any length) to `out [nb]`.
+fn remap_row(params: NsaParams, p: &[f32], out: &mut [f32]) {
+    let s = params.compress_stride;
+    let (ratio, span) = (params.select_block / s, params.compress_block / s);
+    for (j, o) in out.iter_mut().enumerate() {
+        let mut acc = 0f32;
+        for m in 0..ratio {
+            // i = ratio·j + m − n for n in 0..span, kept when 0 <= i < n_c
+            let top = ratio * j + m;
+            for n in 0..span {
+                if let Some(&x) = top.checked_sub(n).and_then(|i| p.get(i)) {
+                    acc += x;
+                }
+            }
+        }
+        *o = acc;
+    }
+}
+
+/// The compressed branch's shapes as [`importance`] reads them: `g` query heads per kv head,
+/// head size `d`, `n_c` compressed blocks, and the softmax scale.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CompressedDims {
+    pub g: usize,
+    pub d: usize,
+    pub n_c: usize,
+    pub scale: f32,
+}
+
+/// Selection-block importance from the queries and the compressed keys (docs/nsa.md, "Block
+/// importance"): for each row `(b, t, h)` of `rows`, the softmax of `scale · q · ck` over the
+/// compressed blocks the query sees ([`compressed_mask`]), summed over the `g` query heads of
+/// kv head `h`, then [`remap`]ped into `out [rows, nb]`. `q [b, tq, hkv · g, d]` (head `h · g +
+/// i` is the `i`-th of kv head `h`'s group), `ck [b, n_c, hkv, d]`.
+///
+/// Each row is computed on its own in one fixed order (the dot products eight lanes at a time,
+/// then the softmax and the group sum sequentially), whatever the batch, the number of queries
+/// or of compressed blocks. So a query's importance is bit-identical in a prefill and in a
+/// one-token decode step, and both pick the same blocks even where two nearly tie (a matrix
+/// product's rounding depends on its shape, which made the two disagree now and then).
+///
+/// ```
+/// use fp8nsa_cpu::nsa_select::{importance, CompressedDims, NsaParams, QueryRows};
+/// let p = NsaParams { compress_block: 2, compress_stride: 2, select_block: 2,
+///                     num_selected: 2, num_initial: 1, num_local: 1, window: 8 };
+/// let rows = QueryRows { b: 1, tq: 1, hkv: 1, q_offset: 3 }; // sees blocks 0 and 1
+/// let dims = CompressedDims { g: 1, d: 1, n_c: 2, scale: 1.0 };
+/// let mut imp = [0f32; 2];
+/// importance(p, rows, dims, 2, &[1.0], &[0.0, 2f32.ln()], &mut imp).unwrap();
+/// // scores 0 and ln 2: probabilities 1/3 and 2/3
+/// assert!((imp[0] - 1.0 / 3.0).abs() < 1e-6 && (imp[1] - 2.0 / 3.0).abs() < 1e-6);
+/// ```
+pub fn importance(
+    params: NsaParams,
+    rows: QueryRows,
+    dims: CompressedDims,
+    nb: usize,
+    q: &[f32],
+    ck: &[f32],
+    out: &mut [f32],
+) -> Result<()> {
+    params.validate()?;
+    rows.check_positions()?;
+    let CompressedDims { g, d, n_c, scale } = dims;
+    check_positive("g", g)?;
+    check_positive("d", d)?;
+    let n_rows = rows.count()?;
+    check_len("q", q.len(), product("q", &[n_rows, g, d])?)?;
+    check_len("ck", ck.len(), product("ck", &[rows.b, n_c, rows.hkv, d])?)?;
+    check_len(
+        "importance",
+        out.len(),
+        product("importance", &[n_rows, nb])?,
+    )?;
+    if n_rows == 0 || nb == 0 {
+        return Ok(());
+    }
+    let (tq, hkv) = (rows.tq, rows.hkv);
+    out.par_chunks_mut(nb).enumerate().for_each_init(
+        || (vec![0f32; n_c], vec![0f32; n_c]),
+        |(s, p), (r, out)| {
+            let (h, t, bi) = (r % hkv, r / hkv % tq, r / (hkv * tq));
+            let vis = params.compressed_len(rows.q_offset + t + 1).min(n_c);
+            p.fill(0.0);
+            for i in 0..g {
+                let qh = &q[(r * g + i) * d..][..d];
+                for (j, s) in s[..vis].iter_mut().enumerate() {
+                    *s = dot8(qh, &ck[((bi * n_c + j) * hkv + h) * d..][..d]) * scale;
+                }
+                let m = s[..vis].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                let mut l = 0f32;
+                for s in &mut s[..vis] {
+                    *s = (*s - m).exp();
+                    l += *s;
+                }
+                for (p, &e) in p.iter_mut().zip(&s[..vis]) {
+                    *p += e / l;
+                }
+            }
+            remap_row(params, p, out);
+        },
+    );
+    Ok(())
+}
+
+/// `a · b` (equal lengths) in a fixed order: eight lane sums, then the tail, then the lanes
+/// pairwise.
+fn dot8(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in ca.zip(cb) {
+        for ((acc, x), y) in acc.iter_mut().zip(x).zip(y) {
+            *acc += x * y;
+        }
+    }
+    let [a0, a1, a2, a3, a4, a5, a6, a7] = acc;
+    ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)) + tail
 }
 
 /// Top-n selection (docs/nsa.md, "Top-n selection"): for each row of `importance [rows, nb]`
@@ -446,6 +553,90 @@ mod tests {
         let mut out = vec![7i32; p.num_selected];
         top_n(p, rows, imp.len(), imp, &mut out).unwrap();
         out
+    }
+
+    /// `importance` against an f64 softmax and eq. 9 by overlap counting, and each row alone
+    /// (one query, only the blocks it sees) bit-identical to the same row inside a batch.
+    #[test]
+    fn importance_matches_f64_and_each_row_alone() {
+        let mut rng = rng();
+        // l = 8, d = 4 (overlapping blocks), l' = 16; 61 keys: 14 compressed, 4 selection blocks
+        let p = params(8, 4, 16, 3, 1, 1);
+        let (b, tq, hkv, g, d, tk) = (2, 13, 2, 3, 11, 61);
+        let (n_c, nb, q_offset) = (p.compressed_len(tk), tk.div_ceil(16), tk - tq);
+        let mut gen =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect() };
+        let (q, ck) = (gen(b * tq * hkv * g * d), gen(b * n_c * hkv * d));
+        let rows = QueryRows {
+            b,
+            tq,
+            hkv,
+            q_offset,
+        };
+        let dims = CompressedDims {
+            g,
+            d,
+            n_c,
+            scale: 0.7,
+        };
+        let mut imp = vec![0f32; b * tq * hkv * nb];
+        importance(p, rows, dims, nb, &q, &ck, &mut imp).unwrap();
+        for (r, row) in imp.chunks_exact(nb).enumerate() {
+            let (h, t, bi) = (r % hkv, r / hkv % tq, r / (hkv * tq));
+            let pos = q_offset + t;
+            let vis = p.compressed_len(pos + 1);
+            // f64 reference: probabilities summed over the group, then each compressed block's
+            // keys [4i, 4i + 8) shared with selection block j's [16j, 16j + 16), over 4
+            let mut pr = vec![0f64; vis];
+            for i in 0..g {
+                let qh = &q[(r * g + i) * d..][..d];
+                let s: Vec<f64> = (0..vis)
+                    .map(|j| {
+                        let kj = &ck[((bi * n_c + j) * hkv + h) * d..][..d];
+                        0.7 * qh
+                            .iter()
+                            .zip(kj)
+                            .map(|(&a, &b)| a as f64 * b as f64)
+                            .sum::<f64>()
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let l: f64 = s.iter().map(|s| (s - m).exp()).sum();
+                for (p, s) in pr.iter_mut().zip(&s) {
+                    *p += (s - m).exp() / l;
+                }
+            }
+            for (j, &got) in row.iter().enumerate() {
+                let want: f64 = (0..vis)
+                    .map(|i| {
+                        let (a, c) = ((4 * i).max(16 * j), (4 * i + 8).min(16 * j + 16));
+                        pr[i] * c.saturating_sub(a) as f64 / 4.0
+                    })
+                    .sum();
+                assert!(
+                    (got as f64 - want).abs() < 1e-5,
+                    "row {r} block {j}: {got} vs {want}"
+                );
+            }
+            // the row alone, with only the compressed blocks it sees and its own blocks
+            let one = QueryRows {
+                b: 1,
+                tq: 1,
+                hkv: 1,
+                q_offset: pos,
+            };
+            let qr = &q[r * g * d..][..g * d];
+            let ckr: Vec<f32> = (0..vis)
+                .flat_map(|j| ck[((bi * n_c + j) * hkv + h) * d..][..d].to_vec())
+                .collect();
+            let nb1 = (pos + 1).div_ceil(16);
+            let mut alone = vec![0f32; nb1];
+            let dims1 = CompressedDims { n_c: vis, ..dims };
+            importance(p, one, dims1, nb1, qr, &ckr, &mut alone).unwrap();
+            assert_eq!(alone[..], row[..nb1], "row {r}");
+        }
+        let bad = importance(p, rows, dims, nb, &q[1..], &ck, &mut imp);
+        assert!(matches!(bad, Err(Error::Shape { arg: "q", .. })), "{bad:?}");
     }
 
     #[test]

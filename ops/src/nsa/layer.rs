@@ -367,7 +367,6 @@ impl NativeSparseAttention {
         let n_c = ck.dims()[1];
         let nb = tk.div_ceil(self.cfg.select_block);
         let params = self.cfg.params();
-        let mut importance = vec![0f32; b * tq * hkv * nb];
         let mut outs = Vec::with_capacity(b);
         for bi in 0..b {
             let mut chunks = Vec::new();
@@ -399,24 +398,35 @@ impl NativeSparseAttention {
                 let mut mask = vec![0f32; tc * n_c];
                 nsa_select::compressed_mask(params, q_offset + t0, tc, n_c, &mut mask)?;
                 let attend = Tensor::from_vec(mask, (1, 1, tc, n_c), q.device())?.eq(0f32)?;
-                let (o, probs, _) = masked_attention(&qs, &kb, &vb, &attend, self.scale)?;
-                let o = o.permute((2, 0, 1, 3))?.reshape((tc, hq, dv))?;
-                chunks.push(o);
-                // group-summed probabilities [hkv, tc, n_c], as rows [tc, hkv] like
-                // importance [b, tq, hkv, nb] -> block importance
-                let p: Vec<f32> = probs
-                    .sum(1)?
-                    .transpose(0, 1)?
-                    .flatten_all()?
-                    .to_device(&Device::Cpu)?
-                    .to_vec1()?;
-                let at = (bi * tq + t0) * hkv * nb;
-                let out = &mut importance[at..at + tc * hkv * nb];
-                nsa_select::remap(params, tc * hkv, n_c, nb, &p, out)?;
+                let (o, _, _) = masked_attention(&qs, &kb, &vb, &attend, self.scale)?;
+                chunks.push(o.permute((2, 0, 1, 3))?.reshape((tc, hq, dv))?);
             }
             outs.push(Tensor::cat(&chunks, 0)?);
         }
         let o_cmp = Tensor::stack(&outs, 0)?;
+        // the importance is not taken from the branch's probabilities: their rounding depends
+        // on the product's shape (queries per call, blocks so far), so a prefill and a decode
+        // step could pick different blocks at a near tie; `importance` computes each row alone
+        let host = |t: &Tensor| -> Result<Vec<f32>> {
+            Ok(t.to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_device(&Device::Cpu)?
+                .to_vec1()?)
+        };
+        let mut importance = vec![0f32; b * tq * hkv * nb];
+        let rows = QueryRows {
+            b,
+            tq,
+            hkv,
+            q_offset,
+        };
+        let cd = nsa_select::CompressedDims {
+            g,
+            d,
+            n_c,
+            scale: self.scale,
+        };
+        nsa_select::importance(params, rows, cd, nb, &host(q)?, &host(ck)?, &mut importance)?;
         let selection = self.top_n(&importance, b, tq, nb, q_offset, q.device())?;
         let importance = Tensor::from_vec(importance, (b, tq, hkv, nb), q.device())?;
         Ok((o_cmp, importance, selection))
