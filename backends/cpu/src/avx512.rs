@@ -1,5 +1,6 @@
 //! AVX-512 forms of the e4m3 kernels in `x86` (the decode and the M = 1 row kernel): the same
-//! arithmetic on 16-lane vectors. The f32 `dot_4x3` of M = 2..16 has none: a 16-lane form
+//! arithmetic on 16-lane vectors; and the attention's decode fold for up to three query heads
+//! per pass ([`fold_chunk16`]). The f32 `dot_4x3` of M = 2..16 has none: a 16-lane form
 //! measured slower (see `linear::gemv_small_rows`).
 //!
 //! The e4m3 decode is the F16C trick described in `x86` (a code moved into a half's bit pattern
@@ -176,6 +177,173 @@ pub(crate) unsafe fn dot4_blocks<const CHECK_NAN: bool>(
         }
     }
     out
+}
+
+/// The online-softmax fold of `x86::fold_chunk8` for `G` (1..=3) query heads at once, `d` and
+/// `dv` multiples of 16: each key row is loaded and converted once for the `G` heads' scores
+/// and each value row once for their outputs (`fold_chunk8` loads and converts both once per
+/// head, and that conversion work, not memory, bounded it with keys in cache). Scores of
+/// eight keys for every head are in 8·G accumulators (24 of the 32 registers at G = 3),
+/// reduced together; the outputs of all heads, 64 lanes each, stay in registers over the
+/// chunk's keys. Same arguments, prefetching and non-finite rules as `fold_chunk8`
+/// (`q [G, d]` prescaled, `scores` at least `G · c.next_multiple_of(8)`); the sums run in
+/// another order, so the two agree to rounding. An f32 row and a 16-bit row of the same values
+/// give the same bits, as the load is the only difference.
+///
+/// # Safety
+/// The CPU must have AVX-512 F with AVX2, FMA and F16C (the sizes are checked).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+// `j` indexes the rows and the scores alike
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+pub(crate) unsafe fn fold_chunk16<E: crate::x86::Lanes, const G: usize>(
+    q: &[f32],
+    k: &[E],
+    v: &[E],
+    rows: &[u32],
+    d: usize,
+    dv: usize,
+    m: &mut [f32],
+    l: &mut [f32],
+    acc: &mut [f32],
+    scores: &mut [f32],
+    ahead: &[u32],
+) {
+    use crate::x86::{exp_nonpos8, hsum, prefetch_bytes};
+    let c = rows.len();
+    if c == 0 {
+        return;
+    }
+    let cp = c.next_multiple_of(8);
+    let es = std::mem::size_of::<E>();
+    assert!((1..=3).contains(&G) && q.len() == G * d);
+    assert!(d.is_multiple_of(16) && dv.is_multiple_of(16) && scores.len() >= G * cp);
+    assert!(rows
+        .iter()
+        .all(|&r| (r as usize + 1) * d <= k.len() && (r as usize + 1) * dv <= v.len()));
+    assert!(m.len() >= G && l.len() >= G && acc.len() >= G * dv);
+    let (kp, vp, sp, qp) = (k.as_ptr(), v.as_ptr(), scores.as_mut_ptr(), q.as_ptr());
+    let mut run_max = [_mm256_set1_ps(f32::NEG_INFINITY); G];
+    for j0 in (0..c).step_by(8) {
+        for &r in ahead.iter().skip(j0).take(8) {
+            let r = r as usize;
+            prefetch_bytes(kp.cast::<u8>().wrapping_add(r * d * es), d * es);
+            prefetch_bytes(vp.cast::<u8>().wrapping_add(r * dv * es), dv * es);
+        }
+        // keys past the chunk repeat its last key; their scores are not kept
+        let krow: [usize; 8] = std::array::from_fn(|r| rows[(j0 + r).min(c - 1)] as usize * d);
+        let mut a = [[_mm512_setzero_ps(); 8]; G];
+        for t in (0..d).step_by(16) {
+            // SAFETY: t + 16 <= d: inside q's G rows and every key row (checked above).
+            let qv: [__m512; G] = std::array::from_fn(|gi| _mm512_loadu_ps(qp.add(gi * d + t)));
+            for r in 0..8 {
+                let kv = E::load16(kp.add(krow[r] + t));
+                for gi in 0..G {
+                    a[gi][r] = _mm512_fmadd_ps(qv[gi], kv, a[gi][r]);
+                }
+            }
+        }
+        let live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+            _mm256_set1_epi32((c - j0) as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        ));
+        for gi in 0..G {
+            // each key's 16 lanes to 8, then the eight horizontal sums at once: lane r of the
+            // result is key j0 + r's score
+            let h: [__m256; 8] = std::array::from_fn(|r| {
+                let x = a[gi][r];
+                _mm256_add_ps(
+                    _mm512_castps512_ps256(x),
+                    _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x))),
+                )
+            });
+            let t0 = _mm256_hadd_ps(h[0], h[1]);
+            let t1 = _mm256_hadd_ps(h[2], h[3]);
+            let t2 = _mm256_hadd_ps(h[4], h[5]);
+            let t3 = _mm256_hadd_ps(h[6], h[7]);
+            let (u0, u1) = (_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));
+            let s = _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(u0, u1),
+                _mm256_permute2f128_ps::<0x31>(u0, u1),
+            );
+            // -inf only from an Inf in a key: NaN, so that it cannot vanish as exp(-inf) = 0
+            let ninf = _mm256_cmp_ps::<_CMP_EQ_OQ>(s, _mm256_set1_ps(f32::NEG_INFINITY));
+            let s = _mm256_blendv_ps(s, _mm256_set1_ps(f32::NAN), ninf);
+            // max ignoring NaN scores: the second operand is returned when either is NaN
+            let cand = _mm256_blendv_ps(_mm256_set1_ps(f32::NEG_INFINITY), s, live);
+            run_max[gi] = _mm256_max_ps(cand, run_max[gi]);
+            // SAFETY: gi · cp + j0 + 8 <= G · cp <= scores.len().
+            _mm256_storeu_ps(sp.add(gi * cp + j0), s);
+        }
+    }
+    let mut alpha = [0f32; G];
+    for gi in 0..G {
+        let mut lanes = [0f32; 8];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), run_max[gi]);
+        let mx = lanes.iter().fold(m[gi], |a, &b| a.max(b));
+        alpha[gi] = (m[gi] - mx).exp();
+        let mxv = _mm256_set1_ps(mx);
+        let mut sum = _mm256_setzero_ps();
+        for j0 in (0..c).step_by(8) {
+            let live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+                _mm256_set1_epi32((c - j0) as i32),
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+            ));
+            let p = sp.add(gi * cp + j0);
+            let e = _mm256_and_ps(exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(p), mxv)), live);
+            sum = _mm256_add_ps(sum, e);
+            _mm256_storeu_ps(p, e);
+        }
+        m[gi] = mx;
+        l[gi] = l[gi] * alpha[gi] + hsum(sum);
+    }
+    let ap = acc.as_mut_ptr();
+    // 64 output lanes of every head at a time (4·G registers), then 16 at a time
+    let mut c0 = 0;
+    while c0 + 64 <= dv {
+        let mut o: [[__m512; 4]; G] = std::array::from_fn(|gi| {
+            let al = _mm512_set1_ps(alpha[gi]);
+            std::array::from_fn(|i| {
+                _mm512_mul_ps(_mm512_loadu_ps(ap.add(gi * dv + c0 + 16 * i)), al)
+            })
+        });
+        for j in 0..c {
+            // SAFETY: j < c rows of dv values each in v; c0 + 64 <= dv; the scores of head gi
+            // start at gi · cp.
+            let vj = vp.add(rows[j] as usize * dv + c0);
+            let vr: [__m512; 4] = std::array::from_fn(|i| E::load16(vj.add(16 * i)));
+            for gi in 0..G {
+                let p = _mm512_set1_ps(*sp.add(gi * cp + j));
+                for i in 0..4 {
+                    o[gi][i] = _mm512_fmadd_ps(p, vr[i], o[gi][i]);
+                }
+            }
+        }
+        for gi in 0..G {
+            for i in 0..4 {
+                _mm512_storeu_ps(ap.add(gi * dv + c0 + 16 * i), o[gi][i]);
+            }
+        }
+        c0 += 64;
+    }
+    while c0 < dv {
+        let mut o: [__m512; G] = std::array::from_fn(|gi| {
+            _mm512_mul_ps(
+                _mm512_loadu_ps(ap.add(gi * dv + c0)),
+                _mm512_set1_ps(alpha[gi]),
+            )
+        });
+        for j in 0..c {
+            // SAFETY: as above, c0 + 16 <= dv (dv is a multiple of 16).
+            let vr = E::load16(vp.add(rows[j] as usize * dv + c0));
+            for gi in 0..G {
+                o[gi] = _mm512_fmadd_ps(_mm512_set1_ps(*sp.add(gi * cp + j)), vr, o[gi]);
+            }
+        }
+        for gi in 0..G {
+            _mm512_storeu_ps(ap.add(gi * dv + c0), o[gi]);
+        }
+        c0 += 16;
+    }
 }
 
 #[cfg(test)]

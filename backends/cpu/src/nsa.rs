@@ -87,27 +87,42 @@ const CHUNK_ROWS: [u32; CHUNK] = {
     r
 };
 
-/// Whether [`fold_rows`] runs the AVX2 kernel for these head sizes.
-fn fold_fast(d: usize, dv: usize) -> bool {
+/// Which fold [`fold_rows`] runs, decided once per call by [`fold_kernel`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FoldKernel {
+    /// Run by run of consecutive rows through [`fold_chunk_portable`].
+    Portable,
+    /// `x86::fold_chunk8`: head sizes multiples of 8, one head per pass.
+    Avx2,
+    /// `avx512::fold_chunk16`: head sizes multiples of 16, up to three heads per pass.
+    Avx512,
+}
+
+/// The fold for these head sizes at the tier in force.
+fn fold_kernel(d: usize, dv: usize) -> FoldKernel {
     #[cfg(target_arch = "x86_64")]
-    if d.is_multiple_of(8)
-        && dv.is_multiple_of(8)
-        && crate::simd::Tier::current() >= crate::simd::Tier::Avx2
     {
-        return true;
+        use crate::simd::Tier;
+        let tier = Tier::current();
+        if d.is_multiple_of(16) && dv.is_multiple_of(16) && tier >= Tier::Avx512 {
+            return FoldKernel::Avx512;
+        }
+        if d.is_multiple_of(8) && dv.is_multiple_of(8) && tier >= Tier::Avx2 {
+            return FoldKernel::Avx2;
+        }
     }
     let _ = (d, dv);
-    false
+    FoldKernel::Portable
 }
 
 /// [`fold_chunk_impl`] over the key rows `rows` (at most CHUNK, any rows of `k [.., d]` /
-/// `v [.., dv]`): by the AVX2 kernel where `fast` (from [`fold_fast`]), else run by run of
-/// consecutive rows through the portable fold (the same sums in another order: they agree to
-/// rounding). `scores` must hold `g · CHUNK` values. The AVX2 kernel prefetches the rows
-/// `ahead` (the next chunk's, or none) as it goes.
+/// `v [.., dv]`) by `kernel` (from [`fold_kernel`]); the portable one goes run by run of
+/// consecutive rows (the same sums in another order: the kernels agree to rounding).
+/// `scores` must hold `g · CHUNK` values. The x86 kernels prefetch the rows `ahead` (the next
+/// chunk's, or none) as they go.
 #[allow(clippy::too_many_arguments)]
 fn fold_rows<T: KeyElem>(
-    fast: bool,
+    kernel: FoldKernel,
     q: &[f32],
     k: &[T],
     v: &[T],
@@ -119,14 +134,42 @@ fn fold_rows<T: KeyElem>(
     ahead: &[u32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if fast {
-        let Softmax { m, l, acc } = st;
-        // SAFETY: `fast` comes from `fold_fast`: the AVX2 tier (only detected with AVX2, FMA
-        // and F16C present) and head sizes that are multiples of 8; the kernel checks the rest.
-        unsafe { crate::x86::fold_chunk8(q, k, v, rows, d, dv, m, l, acc, scores, ahead) };
-        return;
+    match kernel {
+        FoldKernel::Avx2 => {
+            let Softmax { m, l, acc } = st;
+            // SAFETY: `Avx2` comes from `fold_kernel`: the AVX2 tier (only detected with AVX2,
+            // FMA and F16C present) and head sizes that are multiples of 8; the kernel checks
+            // the rest.
+            unsafe { crate::x86::fold_chunk8(q, k, v, rows, d, dv, m, l, acc, scores, ahead) };
+            return;
+        }
+        FoldKernel::Avx512 => {
+            // the heads three at a time (the kernel's register budget), the rows prefetched
+            // by the first pass only
+            let g = q.len() / d;
+            for h0 in (0..g).step_by(3) {
+                let n = 3.min(g - h0);
+                let q = &q[h0 * d..(h0 + n) * d];
+                let (m, l) = (&mut st.m[h0..], &mut st.l[h0..]);
+                let acc = &mut st.acc[h0 * dv..];
+                let ahead = if h0 == 0 { ahead } else { &[] };
+                use crate::avx512::fold_chunk16 as f;
+                // SAFETY: `Avx512` comes from `fold_kernel`: the AVX-512 tier (only detected
+                // with AVX-512 F, AVX2, FMA and F16C present) and head sizes that are
+                // multiples of 16; the kernel checks the rest.
+                unsafe {
+                    match n {
+                        1 => f::<T, 1>(q, k, v, rows, d, dv, m, l, acc, scores, ahead),
+                        2 => f::<T, 2>(q, k, v, rows, d, dv, m, l, acc, scores, ahead),
+                        _ => f::<T, 3>(q, k, v, rows, d, dv, m, l, acc, scores, ahead),
+                    }
+                }
+            }
+            return;
+        }
+        FoldKernel::Portable => {}
     }
-    let _ = (fast, ahead);
+    let _ = (kernel, ahead);
     let mut i = 0;
     while i < rows.len() {
         let mut j = i + 1;
@@ -160,7 +203,7 @@ fn fold_chunk(
 ) {
     let c = kc.len() / d;
     fold_rows(
-        fold_fast(d, dv),
+        fold_kernel(d, dv),
         q,
         kc,
         vc,
@@ -578,11 +621,11 @@ fn attend_heads<T: KeyElem>(
         // chunks fill across span boundaries: many short spans (token-level selections, small
         // blocks) fold CHUNK keys at a time like one long span, instead of one softmax
         // rescale per span
-        let fast = fold_fast(d, dv);
-        if fast || T::as_f32(a.k).is_some() {
+        let kernel = fold_kernel(d, dv);
+        if kernel != FoldKernel::Portable || T::as_f32(a.k).is_some() {
             // the chunk is a list of rows read in place (a token-level selection would
-            // otherwise copy every selected key and value row before folding it); the AVX2
-            // fold converts 16-bit rows in its loads
+            // otherwise copy every selected key and value row before folding it); the x86
+            // folds convert 16-bit rows in its loads
             let (k, v) = (a.k, a.v);
             let mut rows = [0u32; CHUNK];
             let mut n = 0;
@@ -591,7 +634,7 @@ fn attend_heads<T: KeyElem>(
                 n += 1;
                 if n == CHUNK {
                     fold_rows(
-                        fast,
+                        kernel,
                         &sc.q,
                         k,
                         v,
@@ -607,7 +650,7 @@ fn attend_heads<T: KeyElem>(
             }
             if n > 0 {
                 fold_rows(
-                    fast,
+                    kernel,
                     &sc.q,
                     k,
                     v,
@@ -1187,10 +1230,10 @@ impl<T: KeyElem> HeadRows<'_, T> {
             acc: vec![0.0; g * dv],
         };
         let mut scores = vec![0f32; g * CHUNK];
-        let fast = fold_fast(d, dv);
+        let kernel = fold_kernel(d, dv);
         // rows read in place, a 16-bit cache's converted in the fold's loads
         let fold = |rows: &[u32], ahead: &[u32], st: &mut Softmax, scores: &mut [f32]| {
-            fold_rows(fast, &qh, self.k, self.v, rows, d, dv, st, scores, ahead)
+            fold_rows(kernel, &qh, self.k, self.v, rows, d, dv, st, scores, ahead)
         };
         // two chunks of rows: a chunk folds once the next one is known, which the fold
         // prefetches as it goes (a decode step reads every sequence's cache from memory, and
@@ -1491,31 +1534,43 @@ mod tests {
     use super::*;
     use fp8nsa_test_support::nsa::f64_attention;
 
-    /// The AVX2 fold against the portable one over several chunks (online-softmax rescaling
-    /// between them), partial chunks, G = 1 and 3, head sizes 8..128 (d != dv), scores large
+    /// The x86 folds (AVX2; AVX-512, up to three heads per pass) against the portable one
+    /// over several chunks (online-softmax rescaling between them), partial chunks, G = 1..5
+    /// (the AVX-512 fold splits 4 and 5 into passes), head sizes 8..128 (d != dv), scores large
     /// enough that a missing max shift would overflow, and a NaN key poisoning only its head
     /// group's output.
     #[test]
-    fn avx2_fold_matches_portable() {
-        if crate::simd::Tier::detected() < crate::simd::Tier::Avx2 {
+    fn x86_folds_match_portable() {
+        use crate::simd::Tier;
+        if Tier::detected() < Tier::Avx2 {
             return; // the kernel-level suite (x86::tests) says so, or fails under CI's flag
         }
         use fp8nsa_test_support::{gaussian, rng};
-        let mut r = rng("avx2_fold_matches_portable");
+        let mut r = rng("x86_folds_match_portable");
+        let mut kernels = vec![FoldKernel::Avx2];
+        if Tier::current() >= Tier::Avx512 {
+            kernels.push(FoldKernel::Avx512);
+        }
         for (g, d, dv, keys) in [
             (1usize, 64usize, 64usize, 200usize),
             (3, 128, 32, 64),
             (3, 8, 24, 7),
             (2, 16, 128, 130),
+            (4, 64, 64, 70),
+            (5, 32, 48, 129),
+            (3, 64, 80, 9),
         ] {
-            for nan in [false, true] {
+            for (kernel, nan) in kernels.iter().flat_map(|&k| [(k, false), (k, true)]) {
+                if kernel == FoldKernel::Avx512 && (d % 16 != 0 || dv % 16 != 0) {
+                    continue;
+                }
                 let q: Vec<f32> = gaussian(&mut r, g * d).iter().map(|x| x * 4.0).collect();
                 let mut k = gaussian(&mut r, keys * d);
                 let v = gaussian(&mut r, keys * dv);
                 if nan {
                     k[d * (keys / 2) + 1] = f32::NAN;
                 }
-                let run = |fast: bool| {
+                let run = |kernel: FoldKernel| {
                     let mut st = Softmax {
                         m: vec![f32::NEG_INFINITY; g],
                         l: vec![0.0; g],
@@ -1525,15 +1580,12 @@ mod tests {
                     for c0 in (0..keys).step_by(CHUNK) {
                         let c1 = (c0 + CHUNK).min(keys);
                         let (kc, vc) = (&k[c0 * d..c1 * d], &v[c0 * dv..c1 * dv]);
-                        if fast {
-                            fold_chunk(&q, kc, vc, d, dv, &mut st, &mut scores);
-                        } else {
-                            fold_chunk_portable(&q, kc, vc, d, dv, &mut st, &mut scores);
-                        }
+                        let rows = &CHUNK_ROWS[..c1 - c0];
+                        fold_rows(kernel, &q, kc, vc, rows, d, dv, &mut st, &mut scores, &[]);
                     }
                     st
                 };
-                let (a, b) = (run(true), run(false));
+                let (a, b) = (run(kernel), run(FoldKernel::Portable));
                 for gi in 0..g {
                     if nan {
                         assert!(
@@ -1550,7 +1602,7 @@ mod tests {
                     let score_err = |x: f32, y: f32| (x - y).abs() / y.abs().max(1.0);
                     assert!(
                         score_err(a.m[gi], b.m[gi]) < 1e-5,
-                        "g {g} d {d}: max {} vs {}",
+                        "{kernel:?} g {g} d {d}: max {} vs {}",
                         a.m[gi],
                         b.m[gi]
                     );
@@ -1563,7 +1615,7 @@ mod tests {
                     for (x, y) in a.acc[gi * dv..(gi + 1) * dv].iter().zip(&b.acc[gi * dv..]) {
                         assert!(
                             (x / a.l[gi] - y / b.l[gi]).abs() < 1e-4,
-                            "g {g} d {d} dv {dv}: {x} vs {y}"
+                            "{kernel:?} g {g} d {d} dv {dv}: {x} vs {y}"
                         );
                     }
                 }

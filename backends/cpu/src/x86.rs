@@ -51,7 +51,7 @@ unsafe fn nan_seen(seen: __m128i) -> bool {
 }
 
 #[inline(always)]
-unsafe fn hsum(v: __m256) -> f32 {
+pub(crate) unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -291,7 +291,7 @@ pub(crate) unsafe fn dot4_f32(x: &[f32], w: [&[f32]; 4], ahead: *const u8) -> [f
 /// same values): NaN lanes stay NaN, lanes below -87.3 give 0, positive lanes 1.
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn exp_nonpos8(x: __m256) -> __m256 {
+pub(crate) unsafe fn exp_nonpos8(x: __m256) -> __m256 {
     // NaN lanes: every comparison below is false for them, so they pass through to `r` as NaN
     let x = _mm256_blendv_ps(
         x,
@@ -350,6 +350,12 @@ pub trait Lanes: Copy {
     /// # Safety
     /// `p` must point at eight readable elements; the CPU must have AVX2 and F16C.
     unsafe fn load8(p: *const Self) -> __m256;
+
+    /// Sixteen elements from `p` as f32, converted as [`Self::load8`] converts them.
+    ///
+    /// # Safety
+    /// `p` must point at sixteen readable elements; the CPU must have AVX-512 F.
+    unsafe fn load16(p: *const Self) -> __m512;
 }
 
 impl Lanes for f32 {
@@ -357,12 +363,22 @@ impl Lanes for f32 {
     unsafe fn load8(p: *const f32) -> __m256 {
         _mm256_loadu_ps(p)
     }
+
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> __m512 {
+        _mm512_loadu_ps(p)
+    }
 }
 
 impl Lanes for half::f16 {
     #[inline(always)]
     unsafe fn load8(p: *const half::f16) -> __m256 {
         _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+
+    #[inline(always)]
+    unsafe fn load16(p: *const half::f16) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
     }
 }
 
@@ -372,6 +388,12 @@ impl Lanes for half::bf16 {
         // bf16 is the high half of an f32
         let w = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
         _mm256_castsi256_ps(_mm256_slli_epi32::<16>(w))
+    }
+
+    #[inline(always)]
+    unsafe fn load16(p: *const half::bf16) -> __m512 {
+        let w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w))
     }
 }
 
