@@ -346,6 +346,64 @@ pub(crate) unsafe fn fold_chunk16<E: crate::x86::Lanes, const G: usize>(
     }
 }
 
+/// `dst[r · ld_dst + c] = src[c · ld_src + r]` for `r < rows` (at most 16) and `c < 16`: a
+/// 16 x 16 block of `src` transposed in registers (four rounds of two-source permutes), its
+/// first `rows` rows stored. The bf16 panel GEMM's output is column-major per panel; this
+/// puts it in place with whole-vector loads and stores, where a scalar copy made 16 strided
+/// stores per column (~7% of a 512-token prefill's samples on Zen 4).
+///
+/// # Safety
+/// The CPU must have AVX-512 F. `src` must hold 16 readable rows of 16 at stride `ld_src`, and
+/// `dst` `rows` writable rows of 16 at stride `ld_dst` (checked, panicking).
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn transpose16(
+    src: &[f32],
+    ld_src: usize,
+    dst: &mut [f32],
+    ld_dst: usize,
+    rows: usize,
+) {
+    assert!(rows <= 16 && src.len() >= 15 * ld_src + 16);
+    assert!(rows == 0 || dst.len() >= (rows - 1) * ld_dst + 16);
+    let sp = src.as_ptr();
+    // SAFETY (of the loads): row c < 16 at c · ld_src, 16 wide, is inside `src` (checked).
+    let mut x: [__m512; 16] = std::array::from_fn(|c| _mm512_loadu_ps(sp.add(c * ld_src)));
+    // round b pairs vectors 2^b apart: lane i of the result takes lane i (bit b of i clear) or
+    // lane i ^ 2^b (bit b set) of the one vector and, for the other half, of the other; after
+    // four rounds vector r holds lane r of every input, in input order
+    for b in 0..4 {
+        let step = 1 << b;
+        let (lo, hi) = match b {
+            0 => (
+                _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+                _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31),
+            ),
+            1 => (
+                _mm512_setr_epi32(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+                _mm512_setr_epi32(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31),
+            ),
+            2 => (
+                _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+                _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31),
+            ),
+            _ => (
+                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31),
+            ),
+        };
+        let mut y = x;
+        for i in (0..16).filter(|i| i & step == 0) {
+            y[i] = _mm512_permutex2var_ps(x[i], lo, x[i + step]);
+            y[i + step] = _mm512_permutex2var_ps(x[i], hi, x[i + step]);
+        }
+        x = y;
+    }
+    for (r, v) in x.iter().take(rows).enumerate() {
+        // SAFETY: row r < rows of `dst`, 16 wide (checked above).
+        _mm512_storeu_ps(dst.as_mut_ptr().add(r * ld_dst), *v);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -362,6 +420,32 @@ mod tests {
             );
         }
         ok
+    }
+
+    /// Every element lands at its transposed place, for every row count and strides wider
+    /// than the block; rows past `rows` and columns past 16 are not written.
+    #[test]
+    fn transpose16_moves_each_element_once() {
+        if !avx512() {
+            return;
+        }
+        let (ld_src, ld_dst) = (21, 19);
+        let src: Vec<f32> = (0..16 * ld_src).map(|i| i as f32).collect();
+        for rows in 0..=16 {
+            let mut dst = vec![-1f32; 16 * ld_dst];
+            // SAFETY: the tier was checked; the sizes are the kernel's to check.
+            unsafe { transpose16(&src, ld_src, &mut dst, ld_dst, rows) };
+            for r in 0..16 {
+                for c in 0..ld_dst {
+                    let want = if r < rows && c < 16 {
+                        src[c * ld_src + r]
+                    } else {
+                        -1.0
+                    };
+                    assert_eq!(dst[r * ld_dst + c], want, "rows {rows}: ({r}, {c})");
+                }
+            }
+        }
     }
 
     #[test]

@@ -180,6 +180,7 @@ pub(super) fn panel_gemm_bf16(
 ) {
     #[cfg(target_arch = "x86_64")]
     if tier >= Tier::Avx512Bf16 {
+        use crate::avx512::transpose16;
         use crate::avx512bf16::{act_pair_columns, block_words, decode_row, gemm_tile};
         let (m, n, k, bk, kbs) = (s.m(), s.n(), s.k(), s.bk(), s.k_blocks());
         let (bw, m_pad) = (block_words(bk), m.next_multiple_of(16));
@@ -248,11 +249,20 @@ pub(super) fn panel_gemm_bf16(
                         }
                     }
                 });
-            // 16 output rows per task: each 64-byte run of yt is read once
+            // 16 output rows per task: each 64-byte run of yt is read once, 16 columns at a
+            // time transposed in registers, the last n % 16 one by one
             out.par_chunks_mut(16 * n)
                 .enumerate()
                 .for_each(|(c, rows)| {
-                    for j in 0..n {
+                    let nr = rows.len() / n;
+                    let n16 = n - n % 16;
+                    for j0 in (0..n16).step_by(16) {
+                        let src = &yt[j0 * m_pad + 16 * c..];
+                        // SAFETY: the AVX512-BF16 tier includes AVX-512 F; 16 columns of yt
+                        // from j0 (j0 + 16 <= n rows of m_pad) and nr <= 16 rows of `rows`.
+                        unsafe { transpose16(src, m_pad, &mut rows[j0..], n, nr) };
+                    }
+                    for j in n16..n {
                         let src = &yt[j * m_pad + 16 * c..];
                         for (r, y) in rows.iter_mut().skip(j).step_by(n).enumerate() {
                             *y = src[r];
