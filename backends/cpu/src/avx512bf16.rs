@@ -321,14 +321,21 @@ pub(crate) fn pair_columns(xb: &[u16], m: usize, m_pad: usize) -> Vec<u32> {
 /// fill and pass were ~8% of a 512-token prefill's samples on Zen 4, the transpose ~4%). Each
 /// task fills 64 pairs of every row; where each pair's two words come from is worked out once
 /// per task, not per row.
-pub(crate) fn act_pair_columns(x: &[f32], m: usize, k: usize, bk: usize, m_pad: usize) -> Vec<u32> {
+pub(crate) fn act_pair_columns(
+    x: &[f32],
+    m: usize,
+    k: usize,
+    bk: usize,
+    m_pad: usize,
+    out: &mut [u32],
+) {
     use rayon::prelude::*;
     assert!(k > 0 && bk > 0 && m <= m_pad && x.len() >= m * k);
     let bw = block_words(bk);
     let pairs = k.div_ceil(bk) * bw / 2;
+    assert_eq!(out.len(), pairs * m_pad);
     // the code of each word of a step, as `act_layout` places them
     let src: [usize; STEP] = std::array::from_fn(source_of);
-    let mut out = vec![0u32; pairs * m_pad];
     out.par_chunks_mut(64 * m_pad)
         .enumerate()
         .for_each(|(c, cols)| {
@@ -356,8 +363,10 @@ pub(crate) fn act_pair_columns(x: &[f32], m: usize, k: usize, bk: usize, m_pad: 
                     cols[pp * m_pad + i] = word(o0) | word(o1) << 16;
                 }
             }
+            for col in cols.chunks_exact_mut(m_pad) {
+                col[m..].fill(0);
+            }
         });
-    out
 }
 
 /// The panel GEMM's micro-kernel, for `16 · MV` activation rows (the lanes) and `NR` weight
@@ -366,7 +375,9 @@ pub(crate) fn act_pair_columns(x: &[f32], m: usize, k: usize, bk: usize, m_pad: 
 /// `a` holds the activations' pairs from [`act_pair_columns`] (row stride `a_ld`, already offset to
 /// the first lane), `w` the weight rows decoded by [`decode_row`] (row stride `w_ld` words),
 /// both starting at the first block. The block partials stay in `MV · NR` registers; the
-/// running totals live in `yt`, touched once per block.
+/// running totals live in `yt`, touched once per block. With `overwrite`, the first block
+/// starts them from zero instead of adding to what `yt` holds (the same bits as adding to a
+/// zero-filled `yt`, without the fill).
 ///
 /// # Safety
 /// The CPU must have AVX-512 F / BW / VL / VBMI / BF16. The slices must hold what the strides
@@ -385,6 +396,7 @@ pub(crate) unsafe fn gemm_tile<const MV: usize, const NR: usize>(
     (ppb, blocks): (usize, usize),
     yt: &mut [f32],
     yt_ld: usize,
+    overwrite: bool,
 ) {
     let pairs = ppb * blocks;
     assert!(pairs > 0 && a.len() >= (pairs - 1) * a_ld + 16 * MV);
@@ -415,7 +427,12 @@ pub(crate) unsafe fn gemm_tile<const MV: usize, const NR: usize>(
                 // sx · sw rounded to f32 first, as in the GEMV kernels
                 let s = _mm512_mul_ps(sxv, _mm512_set1_ps(sw[r][b]));
                 let y = yp.add(r * yt_ld + 16 * v);
-                _mm512_storeu_ps(y, _mm512_fmadd_ps(*acc, s, _mm512_loadu_ps(y)));
+                let y0 = if overwrite && b == 0 {
+                    _mm512_setzero_ps()
+                } else {
+                    _mm512_loadu_ps(y)
+                };
+                _mm512_storeu_ps(y, _mm512_fmadd_ps(*acc, s, y0));
             }
         }
     }
@@ -474,7 +491,12 @@ mod tests {
                 .collect();
             let want = pair_columns(&act_layout(&x, k, bk), m, m_pad);
             assert_eq!(
-                act_pair_columns(&x, m, k, bk, m_pad),
+                {
+                    // a dirty buffer: every element must be written
+                    let mut out = vec![u32::MAX; k.div_ceil(bk) * block_words(bk) / 2 * m_pad];
+                    act_pair_columns(&x, m, k, bk, m_pad, &mut out);
+                    out
+                },
                 want,
                 "m {m} k {k} bk {bk}"
             );

@@ -8,17 +8,34 @@
 
 use std::cell::RefCell;
 
-/// Buffers a thread keeps between calls.
+/// Buffers a thread keeps between calls, per element type.
 const KEEP: usize = 4;
-/// A buffer larger than this (in f32s; 16 MiB) is freed after use rather than kept, so a big
-/// prefill does not pin its temporaries on every worker for the life of the pool (at most
-/// `KEEP` x 16 MiB per thread stay). Calls that large are long enough that a fresh allocation
-/// costs little next to them.
+/// A buffer larger than this (in elements; 16 MiB of f32) is freed after use rather than kept,
+/// so a big prefill does not pin its temporaries on every worker for the life of the pool (at
+/// most `KEEP` such buffers per type stay per thread). Calls that large are long enough that a
+/// fresh allocation costs little next to them.
 const KEEP_MAX_LEN: usize = 4 << 20;
 
-thread_local! {
-    static POOL: RefCell<Vec<Vec<f32>>> = const { RefCell::new(Vec::new()) };
+/// An element type with a per-thread pool of kept buffers.
+pub(crate) trait Pooled: Copy + Default + 'static {
+    /// Runs `f` on this thread's pool of `Self` buffers.
+    fn pool<R>(f: impl FnOnce(&mut Vec<Vec<Self>>) -> R) -> R;
 }
+
+macro_rules! pooled {
+    ($($t:ty => $pool:ident),*) => {
+        thread_local! {
+            $(static $pool: RefCell<Vec<Vec<$t>>> = const { RefCell::new(Vec::new()) };)*
+        }
+        $(impl Pooled for $t {
+            fn pool<R>(f: impl FnOnce(&mut Vec<Vec<Self>>) -> R) -> R {
+                $pool.with(|p| f(&mut p.borrow_mut()))
+            }
+        })*
+    };
+}
+
+pooled!(f32 => POOL, u16 => POOL_U16, u32 => POOL_U32);
 
 /// Runs `f` on a buffer of `len` f32s whose contents are unspecified (whatever an earlier call
 /// left, or zeros): `f` must write every element it reads. Reentrant: a nested call gets a
@@ -29,27 +46,29 @@ thread_local! {
 /// assert_eq!(sum, 3.0);
 /// ```
 pub(crate) fn with_f32<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    let mut buf = POOL
-        .with(|p| {
-            let mut p = p.borrow_mut();
-            // the smallest kept buffer that fits, else the largest (grown below)
-            let at = p
-                .iter()
-                .enumerate()
-                .filter(|(_, b)| b.len() >= len)
-                .min_by_key(|(_, b)| b.len())
-                .or_else(|| p.iter().enumerate().max_by_key(|(_, b)| b.len()))
-                .map(|(i, _)| i);
-            at.map(|i| p.swap_remove(i))
-        })
-        .unwrap_or_default();
+    with_buf(len, f)
+}
+
+/// [`with_f32`] for any pooled element type.
+pub(crate) fn with_buf<T: Pooled, R>(len: usize, f: impl FnOnce(&mut [T]) -> R) -> R {
+    let mut buf = T::pool(|p| {
+        // the smallest kept buffer that fits, else the largest (grown below)
+        let at = p
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.len() >= len)
+            .min_by_key(|(_, b)| b.len())
+            .or_else(|| p.iter().enumerate().max_by_key(|(_, b)| b.len()))
+            .map(|(i, _)| i);
+        at.map(|i| p.swap_remove(i))
+    })
+    .unwrap_or_default();
     if buf.len() < len {
-        buf.resize(len, 0.0);
+        buf.resize(len, T::default());
     }
     let r = f(&mut buf[..len]);
     if buf.len() <= KEEP_MAX_LEN {
-        POOL.with(|p| {
-            let mut p = p.borrow_mut();
+        T::pool(|p| {
             if p.len() < KEEP {
                 p.push(buf);
             }

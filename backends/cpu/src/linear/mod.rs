@@ -23,7 +23,7 @@ use rayon::prelude::*;
 use crate::error::{check_len, check_positive, Result};
 use crate::fp8::{decode_scaled, e4m3_to_f32};
 use crate::quant::{quantize_act_in, QuantizedAct};
-use crate::scratch::with_f32;
+use crate::scratch::{with_buf, with_f32};
 use crate::simd::{dot, lanes, simd_dispatch, Arith, Tier};
 use fp8nsa_types::{ActQuant, CpuFp8Kernel, CpuFp8Path, LinearShape};
 

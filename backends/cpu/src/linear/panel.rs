@@ -161,6 +161,7 @@ type TileFn = unsafe fn(
     (usize, usize),
     &mut [f32],
     usize,
+    bool,
 );
 
 /// The panel GEMM on the AVX512-BF16 tier, for W8A8 (`xq` holds the e4m3 values, not
@@ -185,90 +186,107 @@ pub(super) fn panel_gemm_bf16(
         let (m, n, k, bk, kbs) = (s.m(), s.n(), s.k(), s.bk(), s.k_blocks());
         let (bw, m_pad) = (block_words(bk), m.next_multiple_of(16));
         let ppb = bw / 2;
-        let a = act_pair_columns(&xq.values[..m * k], m, k, bk, m_pad);
-        // the activation scales as columns too, zeros for the padding rows
-        let mut sxt = vec![0f32; kbs * m_pad];
-        for (kb, col) in sxt.chunks_exact_mut(m_pad).enumerate() {
-            for (i, v) in col[..m].iter_mut().enumerate() {
-                *v = xq.scale(i, kb);
+        with_buf(kbs * bw / 2 * m_pad, |a: &mut [u32]| {
+            act_pair_columns(&xq.values[..m * k], m, k, bk, m_pad, a);
+            let a = &*a;
+            // the activation scales as columns too, zeros for the padding rows
+            let mut sxt = vec![0f32; kbs * m_pad];
+            for (kb, col) in sxt.chunks_exact_mut(m_pad).enumerate() {
+                for (i, v) in col[..m].iter_mut().enumerate() {
+                    *v = xq.scale(i, kb);
+                }
             }
-        }
-        // K tiles of whole blocks, about TILE_K codes each, all of about the same size
-        let per_tile = (TILE_K as f64 / bw as f64).round().max(1.0) as usize;
-        let per_tile = kbs.div_ceil(kbs.div_ceil(per_tile));
-        let threads = rayon::current_num_threads();
-        let panels = n.div_ceil(threads * PANEL_ROWS) * threads;
-        let p = n.div_ceil(panels).next_multiple_of(BF16_NR);
-        // yt [n rounded up to panels, m_pad]: panel i owns rows i·p..; the padding rows of the
-        // last panel multiply zero weights and are dropped
-        with_f32(n.next_multiple_of(p) * m_pad, |yt| {
-            yt.par_chunks_mut(p * m_pad)
-                .enumerate()
-                .for_each(|(i, yt)| {
-                    yt.fill(0.0);
-                    let (n0, rows) = (i * p, p.min(n - i * p));
-                    let mut wt = vec![0u16; p * per_tile * bw];
-                    for kb0 in (0..kbs).step_by(per_tile) {
-                        let nb = per_tile.min(kbs - kb0);
-                        let (c0, c1, tw) = (kb0 * bk, ((kb0 + nb) * bk).min(k), nb * bw);
-                        for (r, dst) in wt.chunks_exact_mut(tw).take(rows).enumerate() {
-                            let row = &w[(n0 + r) * k..(n0 + r + 1) * k];
-                            // SAFETY: `tier` came from `Tier::current()`, never above the
-                            // detected tier, which needs AVX-512 F/BW/VL/VBMI/BF16; `dst`
-                            // holds the nb blocks of c1 - c0 codes.
-                            unsafe { decode_row(&row[c0..c1], c1 - c0, bk, dst) };
+            // K tiles of whole blocks, about TILE_K codes each, all of about the same size
+            let per_tile = (TILE_K as f64 / bw as f64).round().max(1.0) as usize;
+            let per_tile = kbs.div_ceil(kbs.div_ceil(per_tile));
+            let threads = rayon::current_num_threads();
+            let panels = n.div_ceil(threads * PANEL_ROWS) * threads;
+            let p = n.div_ceil(panels).next_multiple_of(BF16_NR);
+            // yt [n rounded up to panels, m_pad]: panel i owns rows i·p..; the padding rows of the
+            // last panel multiply zero weights and are dropped
+            with_f32(n.next_multiple_of(p) * m_pad, |yt| {
+                yt.par_chunks_mut(p * m_pad)
+                    .enumerate()
+                    .for_each(|(i, yt)| {
+                        let (n0, rows) = (i * p, p.min(n - i * p));
+                        with_buf(p * per_tile * bw, |wt: &mut [u16]| {
+                            for kb0 in (0..kbs).step_by(per_tile) {
+                                let nb = per_tile.min(kbs - kb0);
+                                let (c0, c1, tw) = (kb0 * bk, ((kb0 + nb) * bk).min(k), nb * bw);
+                                for (r, dst) in wt.chunks_exact_mut(tw).take(rows).enumerate() {
+                                    let row = &w[(n0 + r) * k..(n0 + r + 1) * k];
+                                    // SAFETY: `tier` came from `Tier::current()`, never above the
+                                    // detected tier, which needs AVX-512 F/BW/VL/VBMI/BF16; `dst`
+                                    // holds the nb blocks of c1 - c0 codes.
+                                    unsafe { decode_row(&row[c0..c1], c1 - c0, bk, dst) };
+                                }
+                                // rows past the weight's end must be zeros; a shorter last tile
+                                // (`tw`) moves where they start, so they are cleared every tile
+                                wt[rows * tw..p * tw].fill(0);
+                                for g in (0..p).step_by(BF16_NR) {
+                                    let swr: [&[f32]; BF16_NR] = std::array::from_fn(|r| {
+                                        let o = ((n0 + g + r).min(n - 1) / s.bn()) * kbs + kb0;
+                                        &sw[o..o + nb]
+                                    });
+                                    let wg = &wt[g * tw..p * tw];
+                                    let ytg = &mut yt[g * m_pad..];
+                                    let mut m0 = 0;
+                                    while m0 < m_pad {
+                                        // tiles of 32 rows, and one of 16 where m_pad leaves it
+                                        let (tile_m, tile) = if m_pad - m0 >= 32 {
+                                            (32, gemm_tile::<2, BF16_NR> as TileFn)
+                                        } else {
+                                            (16, gemm_tile::<1, BF16_NR> as TileFn)
+                                        };
+                                        let (ao, so) = (kb0 * ppb * m_pad + m0, kb0 * m_pad + m0);
+                                        let (a, sx) = (&a[ao..], &sxt[so..]);
+                                        let yg = &mut ytg[m0..];
+                                        // the first K tile writes yt's panel, no zero fill first
+                                        let first = kb0 == 0;
+                                        // SAFETY: as above for the tier; every slice holds what the
+                                        // strides address from its offset (checked by the kernel).
+                                        unsafe {
+                                            tile(
+                                                a,
+                                                m_pad,
+                                                wg,
+                                                tw,
+                                                sx,
+                                                m_pad,
+                                                swr,
+                                                (ppb, nb),
+                                                yg,
+                                                m_pad,
+                                                first,
+                                            )
+                                        };
+                                        m0 += tile_m;
+                                    }
+                                }
+                            }
+                        });
+                    });
+                // 16 output rows per task: each 64-byte run of yt is read once, 16 columns at a
+                // time transposed in registers, the last n % 16 one by one
+                out.par_chunks_mut(16 * n)
+                    .enumerate()
+                    .for_each(|(c, rows)| {
+                        let nr = rows.len() / n;
+                        let n16 = n - n % 16;
+                        for j0 in (0..n16).step_by(16) {
+                            let src = &yt[j0 * m_pad + 16 * c..];
+                            // SAFETY: the AVX512-BF16 tier includes AVX-512 F; 16 columns of yt
+                            // from j0 (j0 + 16 <= n rows of m_pad) and nr <= 16 rows of `rows`.
+                            unsafe { transpose16(src, m_pad, &mut rows[j0..], n, nr) };
                         }
-                        // rows past the weight's end must be zeros; a shorter last tile
-                        // (`tw`) moves where they start, so they are cleared every tile
-                        wt[rows * tw..p * tw].fill(0);
-                        for g in (0..p).step_by(BF16_NR) {
-                            let swr: [&[f32]; BF16_NR] = std::array::from_fn(|r| {
-                                let o = ((n0 + g + r).min(n - 1) / s.bn()) * kbs + kb0;
-                                &sw[o..o + nb]
-                            });
-                            let wg = &wt[g * tw..p * tw];
-                            let ytg = &mut yt[g * m_pad..];
-                            let mut m0 = 0;
-                            while m0 < m_pad {
-                                // tiles of 32 rows, and one of 16 where m_pad leaves it
-                                let (tile_m, tile) = if m_pad - m0 >= 32 {
-                                    (32, gemm_tile::<2, BF16_NR> as TileFn)
-                                } else {
-                                    (16, gemm_tile::<1, BF16_NR> as TileFn)
-                                };
-                                let (ao, so) = (kb0 * ppb * m_pad + m0, kb0 * m_pad + m0);
-                                let (a, sx) = (&a[ao..], &sxt[so..]);
-                                let yg = &mut ytg[m0..];
-                                // SAFETY: as above for the tier; every slice holds what the
-                                // strides address from its offset (checked by the kernel).
-                                unsafe {
-                                    tile(a, m_pad, wg, tw, sx, m_pad, swr, (ppb, nb), yg, m_pad)
-                                };
-                                m0 += tile_m;
+                        for j in n16..n {
+                            let src = &yt[j * m_pad + 16 * c..];
+                            for (r, y) in rows.iter_mut().skip(j).step_by(n).enumerate() {
+                                *y = src[r];
                             }
                         }
-                    }
-                });
-            // 16 output rows per task: each 64-byte run of yt is read once, 16 columns at a
-            // time transposed in registers, the last n % 16 one by one
-            out.par_chunks_mut(16 * n)
-                .enumerate()
-                .for_each(|(c, rows)| {
-                    let nr = rows.len() / n;
-                    let n16 = n - n % 16;
-                    for j0 in (0..n16).step_by(16) {
-                        let src = &yt[j0 * m_pad + 16 * c..];
-                        // SAFETY: the AVX512-BF16 tier includes AVX-512 F; 16 columns of yt
-                        // from j0 (j0 + 16 <= n rows of m_pad) and nr <= 16 rows of `rows`.
-                        unsafe { transpose16(src, m_pad, &mut rows[j0..], n, nr) };
-                    }
-                    for j in n16..n {
-                        let src = &yt[j * m_pad + 16 * c..];
-                        for (r, y) in rows.iter_mut().skip(j).step_by(n).enumerate() {
-                            *y = src[r];
-                        }
-                    }
-                });
+                    });
+            });
         });
         return;
     }
