@@ -348,23 +348,24 @@ pub(crate) unsafe fn fold_chunk16<E: crate::x86::Lanes, const G: usize>(
 
 /// `dst[r · ld_dst + c] = src[c · ld_src + r]` for `r < rows` (at most 16) and `c < 16`: a
 /// 16 x 16 block of `src` transposed in registers (four rounds of two-source permutes), its
-/// first `rows` rows stored. The bf16 panel GEMM's output is column-major per panel; this
-/// puts it in place with whole-vector loads and stores, where a scalar copy made 16 strided
-/// stores per column (~7% of a 512-token prefill's samples on Zen 4).
+/// first `rows` rows stored. The bf16 panel GEMM's panels are column-major; this puts them in
+/// the row-major output with whole-vector loads and stores, where a scalar copy made 16
+/// strided stores per column (~7% of a 512-token prefill's samples on Zen 4). `dst` is a raw
+/// pointer because the panels write their column blocks of the output's rows at once.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F. `src` must hold 16 readable rows of 16 at stride `ld_src`, and
-/// `dst` `rows` writable rows of 16 at stride `ld_dst` (checked, panicking).
+/// The CPU must have AVX-512 F. `src` must hold 16 readable rows of 16 at stride `ld_src`
+/// (checked, panicking); `dst` must be valid for writes of `rows` rows of 16 at stride
+/// `ld_dst`, which no other thread reads or writes during the call.
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn transpose16(
     src: &[f32],
     ld_src: usize,
-    dst: &mut [f32],
+    dst: *mut f32,
     ld_dst: usize,
     rows: usize,
 ) {
     assert!(rows <= 16 && src.len() >= 15 * ld_src + 16);
-    assert!(rows == 0 || dst.len() >= (rows - 1) * ld_dst + 16);
     let sp = src.as_ptr();
     // SAFETY (of the loads): row c < 16 at c · ld_src, 16 wide, is inside `src` (checked).
     let mut x: [__m512; 16] = std::array::from_fn(|c| _mm512_loadu_ps(sp.add(c * ld_src)));
@@ -399,8 +400,8 @@ pub(crate) unsafe fn transpose16(
         x = y;
     }
     for (r, v) in x.iter().take(rows).enumerate() {
-        // SAFETY: row r < rows of `dst`, 16 wide (checked above).
-        _mm512_storeu_ps(dst.as_mut_ptr().add(r * ld_dst), *v);
+        // SAFETY: row r < rows of `dst`, 16 wide (the caller's contract).
+        _mm512_storeu_ps(dst.add(r * ld_dst), *v);
     }
 }
 
@@ -434,7 +435,7 @@ mod tests {
         for rows in 0..=16 {
             let mut dst = vec![-1f32; 16 * ld_dst];
             // SAFETY: the tier was checked; the sizes are the kernel's to check.
-            unsafe { transpose16(&src, ld_src, &mut dst, ld_dst, rows) };
+            unsafe { transpose16(&src, ld_src, dst.as_mut_ptr(), ld_dst, rows) };
             for r in 0..16 {
                 for c in 0..ld_dst {
                     let want = if r < rows && c < 16 {

@@ -125,10 +125,11 @@ struct OutCols<'a> {
     _out: PhantomData<&'a mut [f32]>,
 }
 
-// SAFETY: an `OutCols` is only written through `gemm_nt`, whose callers guarantee that no two
-// threads touch the same columns, and it borrows the output exclusively while it lives.
+// SAFETY: an `OutCols` is only written through `gemm_nt` and `put_transposed`, whose callers
+// guarantee that no two threads touch the same columns, and it borrows the output exclusively
+// while it lives.
 unsafe impl Send for OutCols<'_> {}
-// SAFETY: as for `Send`: shared references only lead to `gemm_nt`'s disjoint column writes.
+// SAFETY: as for `Send`: shared references only lead to disjoint column writes.
 unsafe impl Sync for OutCols<'_> {}
 
 impl<'a> OutCols<'a> {
@@ -139,6 +140,33 @@ impl<'a> OutCols<'a> {
             m,
             n,
             _out: PhantomData,
+        }
+    }
+    /// Writes the transposed panel `yt [cols, m_pad]` (column `j`'s `m` values from
+    /// `yt[j · m_pad]`) into columns `col0..col0 + cols` of every row: 16 x 16 blocks through
+    /// [`transpose16`](crate::avx512::transpose16), the last `cols % 16` columns one by one.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512 F. No other thread reads or writes these columns during the
+    /// call.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn put_transposed(&self, col0: usize, cols: usize, yt: &[f32], m_pad: usize) {
+        assert!(col0 + cols <= self.n && m_pad >= self.m && yt.len() >= cols * m_pad);
+        let c16 = cols - cols % 16;
+        for m0 in (0..self.m).step_by(16) {
+            let nr = 16.min(self.m - m0);
+            // SAFETY: rows m0..m0 + nr < m and columns col0..col0 + cols < n lie inside the
+            // [m, n] output this borrows; the caller owns these columns.
+            let row0 = self.ptr.add(m0 * self.n + col0);
+            for j0 in (0..c16).step_by(16) {
+                crate::avx512::transpose16(&yt[j0 * m_pad + m0..], m_pad, row0.add(j0), self.n, nr);
+            }
+            for j in c16..cols {
+                for r in 0..nr {
+                    *row0.add(r * self.n + j) = yt[j * m_pad + m0 + r];
+                }
+            }
         }
     }
 }
@@ -181,7 +209,6 @@ pub(super) fn panel_gemm_bf16(
 ) {
     #[cfg(target_arch = "x86_64")]
     if tier >= Tier::Avx512Bf16 {
-        use crate::avx512::transpose16;
         use crate::avx512bf16::{act_pair_columns, block_words, decode_row, gemm_tile};
         let (m, n, k, bk, kbs) = (s.m(), s.n(), s.k(), s.bk(), s.k_blocks());
         let (bw, m_pad) = (block_words(bk), m.next_multiple_of(16));
@@ -202,90 +229,73 @@ pub(super) fn panel_gemm_bf16(
             let threads = rayon::current_num_threads();
             let panels = n.div_ceil(threads * PANEL_ROWS) * threads;
             let p = n.div_ceil(panels).next_multiple_of(BF16_NR);
-            // yt [n rounded up to panels, m_pad]: panel i owns rows i·p..; the padding rows of the
-            // last panel multiply zero weights and are dropped
-            with_f32(n.next_multiple_of(p) * m_pad, |yt| {
-                yt.par_chunks_mut(p * m_pad)
-                    .enumerate()
-                    .for_each(|(i, yt)| {
-                        let (n0, rows) = (i * p, p.min(n - i * p));
-                        with_buf(p * per_tile * bw, |wt: &mut [u16]| {
-                            for kb0 in (0..kbs).step_by(per_tile) {
-                                let nb = per_tile.min(kbs - kb0);
-                                let (c0, c1, tw) = (kb0 * bk, ((kb0 + nb) * bk).min(k), nb * bw);
-                                for (r, dst) in wt.chunks_exact_mut(tw).take(rows).enumerate() {
-                                    let row = &w[(n0 + r) * k..(n0 + r + 1) * k];
-                                    // SAFETY: `tier` came from `Tier::current()`, never above the
-                                    // detected tier, which needs AVX-512 F/BW/VL/VBMI/BF16; `dst`
-                                    // holds the nb blocks of c1 - c0 codes.
-                                    unsafe { decode_row(&row[c0..c1], c1 - c0, bk, dst) };
-                                }
-                                // rows past the weight's end must be zeros; a shorter last tile
-                                // (`tw`) moves where they start, so they are cleared every tile
-                                wt[rows * tw..p * tw].fill(0);
-                                for g in (0..p).step_by(BF16_NR) {
-                                    let swr: [&[f32]; BF16_NR] = std::array::from_fn(|r| {
-                                        let o = ((n0 + g + r).min(n - 1) / s.bn()) * kbs + kb0;
-                                        &sw[o..o + nb]
-                                    });
-                                    let wg = &wt[g * tw..p * tw];
-                                    let ytg = &mut yt[g * m_pad..];
-                                    let mut m0 = 0;
-                                    while m0 < m_pad {
-                                        // tiles of 32 rows, and one of 16 where m_pad leaves it
-                                        let (tile_m, tile) = if m_pad - m0 >= 32 {
-                                            (32, gemm_tile::<2, BF16_NR> as TileFn)
-                                        } else {
-                                            (16, gemm_tile::<1, BF16_NR> as TileFn)
-                                        };
-                                        let (ao, so) = (kb0 * ppb * m_pad + m0, kb0 * m_pad + m0);
-                                        let (a, sx) = (&a[ao..], &sxt[so..]);
-                                        let yg = &mut ytg[m0..];
-                                        // the first K tile writes yt's panel, no zero fill first
-                                        let first = kb0 == 0;
-                                        // SAFETY: as above for the tier; every slice holds what the
-                                        // strides address from its offset (checked by the kernel).
-                                        unsafe {
-                                            tile(
-                                                a,
-                                                m_pad,
-                                                wg,
-                                                tw,
-                                                sx,
-                                                m_pad,
-                                                swr,
-                                                (ppb, nb),
-                                                yg,
-                                                m_pad,
-                                                first,
-                                            )
-                                        };
-                                        m0 += tile_m;
-                                    }
-                                }
+            let dst = OutCols::new(out, m, n);
+            // panel i computes its rows i·p.. of the transposed output in a [p, m_pad] scratch
+            // (the rows past the weight's end multiply zero weights and are dropped), then puts
+            // them in columns i·p.. of every output row: one parallel region per call
+            (0..n.div_ceil(p)).into_par_iter().for_each(|i| {
+                let (n0, rows) = (i * p, p.min(n - i * p));
+                with_f32(p * m_pad, |yt| {
+                    with_buf(p * per_tile * bw, |wt: &mut [u16]| {
+                        for kb0 in (0..kbs).step_by(per_tile) {
+                            let nb = per_tile.min(kbs - kb0);
+                            let (c0, c1, tw) = (kb0 * bk, ((kb0 + nb) * bk).min(k), nb * bw);
+                            for (r, dst) in wt.chunks_exact_mut(tw).take(rows).enumerate() {
+                                let row = &w[(n0 + r) * k..(n0 + r + 1) * k];
+                                // SAFETY: `tier` came from `Tier::current()`, never above the
+                                // detected tier, which needs AVX-512 F/BW/VL/VBMI/BF16; `dst`
+                                // holds the nb blocks of c1 - c0 codes.
+                                unsafe { decode_row(&row[c0..c1], c1 - c0, bk, dst) };
                             }
-                        });
-                    });
-                // 16 output rows per task: each 64-byte run of yt is read once, 16 columns at a
-                // time transposed in registers, the last n % 16 one by one
-                out.par_chunks_mut(16 * n)
-                    .enumerate()
-                    .for_each(|(c, rows)| {
-                        let nr = rows.len() / n;
-                        let n16 = n - n % 16;
-                        for j0 in (0..n16).step_by(16) {
-                            let src = &yt[j0 * m_pad + 16 * c..];
-                            // SAFETY: the AVX512-BF16 tier includes AVX-512 F; 16 columns of yt
-                            // from j0 (j0 + 16 <= n rows of m_pad) and nr <= 16 rows of `rows`.
-                            unsafe { transpose16(src, m_pad, &mut rows[j0..], n, nr) };
-                        }
-                        for j in n16..n {
-                            let src = &yt[j * m_pad + 16 * c..];
-                            for (r, y) in rows.iter_mut().skip(j).step_by(n).enumerate() {
-                                *y = src[r];
+                            // rows past the weight's end must be zeros; a shorter last tile
+                            // (`tw`) moves where they start, so they are cleared every tile
+                            wt[rows * tw..p * tw].fill(0);
+                            for g in (0..p).step_by(BF16_NR) {
+                                let swr: [&[f32]; BF16_NR] = std::array::from_fn(|r| {
+                                    let o = ((n0 + g + r).min(n - 1) / s.bn()) * kbs + kb0;
+                                    &sw[o..o + nb]
+                                });
+                                let wg = &wt[g * tw..p * tw];
+                                let ytg = &mut yt[g * m_pad..];
+                                let mut m0 = 0;
+                                while m0 < m_pad {
+                                    // tiles of 32 rows, and one of 16 where m_pad leaves it
+                                    let (tile_m, tile) = if m_pad - m0 >= 32 {
+                                        (32, gemm_tile::<2, BF16_NR> as TileFn)
+                                    } else {
+                                        (16, gemm_tile::<1, BF16_NR> as TileFn)
+                                    };
+                                    let (ao, so) = (kb0 * ppb * m_pad + m0, kb0 * m_pad + m0);
+                                    let (a, sx) = (&a[ao..], &sxt[so..]);
+                                    let yg = &mut ytg[m0..];
+                                    // the first K tile writes yt's panel, no zero fill first
+                                    let first = kb0 == 0;
+                                    // SAFETY: as above for the tier; every slice holds what the
+                                    // strides address from its offset (checked by the kernel).
+                                    unsafe {
+                                        tile(
+                                            a,
+                                            m_pad,
+                                            wg,
+                                            tw,
+                                            sx,
+                                            m_pad,
+                                            swr,
+                                            (ppb, nb),
+                                            yg,
+                                            m_pad,
+                                            first,
+                                        )
+                                    };
+                                    m0 += tile_m;
+                                }
                             }
                         }
                     });
+                    // SAFETY: the AVX512-BF16 tier includes AVX-512 F; panel i alone writes
+                    // columns n0..n0 + rows.
+                    unsafe { dst.put_transposed(n0, rows, yt, m_pad) };
+                });
             });
         });
         return;
