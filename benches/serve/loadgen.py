@@ -49,6 +49,7 @@ import asyncio
 import json
 import math
 import random
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -100,6 +101,18 @@ def cpu_model() -> str:
     from cpu_label import label
 
     return label()
+
+
+def checkout() -> str:
+    """The repository's commit, with "-dirty" when the work tree differs from it: what
+    `benches/serve/run.sh` builds our server from (a peer's rows carry it too, as the run's),
+    results files aside."""
+    repo = Path(__file__).resolve().parents[2]
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=repo).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    # the results this run appends do not count as a change of what was measured
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benches/results")
+    return commit + ("-dirty" if changed else "")
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -287,6 +300,7 @@ def summarize(args, concurrency: int, level: Level, cpu: str, tpw: float) -> dic
         "tpot_p99_ms": rnd(percentile(tpot, 99), 3),
         "cpu": cpu,
         # extras: enough to tell how a row was produced
+        "commit": checkout(),
         "output_tokens": tokens,
         "wall_s": round(level.wall_s, 3),
         "prompt_tokens_mean": rnd(sum(prompt) / len(prompt), 1) if prompt else None,

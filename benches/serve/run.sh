@@ -9,7 +9,8 @@
 # Environment:
 #   CONCURRENCY        loadgen levels (default 1,4,16,64)
 #   ROWS               space-separated subset of the row labels below (default: all)
-#   FP8NSA_BIN         our binary (default target/release/fp8nsa; build it with cargo build --release)
+#   FP8NSA_BIN         our binary (default: target/release/fp8nsa, built here first with
+#                      `cargo build --release -p fp8nsa-cli`, so the rows measure the checkout)
 #   LOADGEN_ARGS       extra loadgen.py arguments, e.g. "--requests 8 --max-out 64"
 #   HEALTH_TIMEOUT     seconds to wait for a server's GET /health to answer 200 (default 300)
 #   FP8NSA_PEERS_CACHE where llama.cpp and the GGUFs are cached (see benches/peers/llama-cpp.sh)
@@ -24,6 +25,12 @@ health_timeout=${HEALTH_TIMEOUT:-300}
 read -r -a loadgen_extra <<< "${LOADGEN_ARGS:-}"
 
 log() { echo "[serve/run.sh] $*" >&2; }
+
+# a binary left from an earlier checkout would be measured silently: build the default one
+if [ -z "${FP8NSA_BIN:-}" ]; then
+  log "building $fp8nsa_bin (cargo build --release -p fp8nsa-cli)"
+  cargo build --release -q -p fp8nsa-cli >&2
+fi
 
 python3 -c 'import httpx' 2> /dev/null || {
   log "installing httpx for loadgen.py"
