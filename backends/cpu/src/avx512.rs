@@ -346,32 +346,12 @@ pub(crate) unsafe fn fold_chunk16<E: crate::x86::Lanes, const G: usize>(
     }
 }
 
-/// `dst[r · ld_dst + c] = src[c · ld_src + r]` for `r < rows` (at most 16) and `c < 16`: a
-/// 16 x 16 block of `src` transposed in registers (four rounds of two-source permutes), its
-/// first `rows` rows stored. The bf16 panel GEMM's panels are column-major; this puts them in
-/// the row-major output with whole-vector loads and stores, where a scalar copy made 16
-/// strided stores per column (~7% of a 512-token prefill's samples on Zen 4). `dst` is a raw
-/// pointer because the panels write their column blocks of the output's rows at once.
-///
-/// # Safety
-/// The CPU must have AVX-512 F. `src` must hold 16 readable rows of 16 at stride `ld_src`
-/// (checked, panicking); `dst` must be valid for writes of `rows` rows of 16 at stride
-/// `ld_dst`, which no other thread reads or writes during the call.
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn transpose16(
-    src: &[f32],
-    ld_src: usize,
-    dst: *mut f32,
-    ld_dst: usize,
-    rows: usize,
-) {
-    assert!(rows <= 16 && src.len() >= 15 * ld_src + 16);
-    let sp = src.as_ptr();
-    // SAFETY (of the loads): row c < 16 at c · ld_src, 16 wide, is inside `src` (checked).
-    let mut x: [__m512; 16] = std::array::from_fn(|c| _mm512_loadu_ps(sp.add(c * ld_src)));
-    // round b pairs vectors 2^b apart: lane i of the result takes lane i (bit b of i clear) or
-    // lane i ^ 2^b (bit b set) of the one vector and, for the other half, of the other; after
-    // four rounds vector r holds lane r of every input, in input order
+/// Sixteen vectors of 16 lanes transposed: lane `c` of result `r` is lane `r` of input `c`.
+/// Four rounds of two-source permutes: round b pairs vectors 2^b apart, each result lane taking
+/// its own lane (bit b of the lane clear) or lane `i ^ 2^b` of the partner; after the four,
+/// vector and lane indices have traded every bit.
+#[inline(always)]
+pub(crate) unsafe fn transpose16_regs(mut x: [__m512; 16]) -> [__m512; 16] {
     for b in 0..4 {
         let step = 1 << b;
         let (lo, hi) = match b {
@@ -399,6 +379,32 @@ pub(crate) unsafe fn transpose16(
         }
         x = y;
     }
+    x
+}
+
+/// `dst[r · ld_dst + c] = src[c · ld_src + r]` for `r < rows` (at most 16) and `c < 16`: a
+/// 16 x 16 block of `src` transposed in registers ([`transpose16_regs`]), its first `rows`
+/// rows stored. The bf16 panel GEMM's panels are column-major; this puts them in
+/// the row-major output with whole-vector loads and stores, where a scalar copy made 16
+/// strided stores per column (~7% of a 512-token prefill's samples on Zen 4). `dst` is a raw
+/// pointer because the panels write their column blocks of the output's rows at once.
+///
+/// # Safety
+/// The CPU must have AVX-512 F. `src` must hold 16 readable rows of 16 at stride `ld_src`
+/// (checked, panicking); `dst` must be valid for writes of `rows` rows of 16 at stride
+/// `ld_dst`, which no other thread reads or writes during the call.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn transpose16(
+    src: &[f32],
+    ld_src: usize,
+    dst: *mut f32,
+    ld_dst: usize,
+    rows: usize,
+) {
+    assert!(rows <= 16 && src.len() >= 15 * ld_src + 16);
+    let sp = src.as_ptr();
+    // SAFETY (of the loads): row c < 16 at c · ld_src, 16 wide, is inside `src` (checked).
+    let x = transpose16_regs(std::array::from_fn(|c| _mm512_loadu_ps(sp.add(c * ld_src))));
     for (r, v) in x.iter().take(rows).enumerate() {
         // SAFETY: row r < rows of `dst`, 16 wide (the caller's contract).
         _mm512_storeu_ps(dst.add(r * ld_dst), *v);

@@ -214,7 +214,8 @@ pub(super) fn panel_gemm_bf16(
         let (bw, m_pad) = (block_words(bk), m.next_multiple_of(16));
         let ppb = bw / 2;
         with_buf(kbs * bw / 2 * m_pad, |a: &mut [u32]| {
-            act_pair_columns(&xq.values[..m * k], m, k, bk, m_pad, a);
+            // SAFETY: `tier` came from `Tier::current()`: this tier has AVX-512 F and BW.
+            unsafe { act_pair_columns(&xq.values[..m * k], m, k, bk, m_pad, a) };
             let a = &*a;
             // the activation scales as columns too, zeros for the padding rows
             let mut sxt = vec![0f32; kbs * m_pad];
