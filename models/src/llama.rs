@@ -512,9 +512,9 @@ impl Llama {
             let h = b
                 .attn
                 .forward(&b.ln1.forward(&x)?, cache.pos, &self.rope, c)?;
-            x = (x + h)?;
+            x = fp8nsa_ops::residual_add(&x, &h)?;
             let m = b.mlp.forward(&b.ln2.forward(&x)?)?;
-            x = (x + m)?;
+            x = fp8nsa_ops::residual_add(&x, &m)?;
         }
         if which == Logits::Last {
             x = x.narrow(1, t - 1, 1)?;
@@ -698,9 +698,9 @@ impl Llama {
             let h =
                 b.attn
                     .forward_batch(&b.ln1.forward(&x)?, &segs, &self.rope, l, pool, &mut seqs)?;
-            x = (x + h)?;
+            x = fp8nsa_ops::residual_add(&x, &h)?;
             let m = b.mlp.forward(&b.ln2.forward(&x)?)?;
-            x = (x + m)?;
+            x = fp8nsa_ops::residual_add(&x, &m)?;
         }
         let x = self.norm.forward(&x)?;
         match logits {

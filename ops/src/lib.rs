@@ -24,7 +24,7 @@ pub mod nsa;
 pub mod reference;
 mod storage;
 
-pub use act::silu_mul;
+pub use act::{residual_add, silu_mul};
 pub use backend::{Backend, PjrtRuntime};
 pub use dense::dense_linear;
 pub use error::{Error, Result};

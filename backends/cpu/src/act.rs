@@ -37,6 +37,33 @@ pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
+/// `out = a + b`, element-wise, in parallel chunks on rayon's pool (the residual adds of a
+/// decoder layer: Candle's own add of a large tensor runs on its separate barrier pool, whose
+/// thread then spins for a while and took a core from the next kernel on a 2-core machine).
+/// Exactly IEEE f32 addition, so the same bits as any other add.
+///
+/// ```
+/// use fp8nsa_cpu::act::add;
+///
+/// let mut out = [0f32; 3];
+/// add(&[1.0, 2.0, f32::INFINITY], &[0.5, -2.0, 1.0], &mut out)?;
+/// assert_eq!(out, [1.5, 0.0, f32::INFINITY]);
+/// assert!(add(&[1.0], &[1.0, 2.0], &mut out[..1]).is_err()); // lengths differ
+/// # Ok::<(), fp8nsa_cpu::Error>(())
+/// ```
+pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) -> Result<()> {
+    check_len("b", b.len(), a.len())?;
+    check_len("out", out.len(), a.len())?;
+    out.par_chunks_mut(TASK)
+        .zip(a.par_chunks(TASK).zip(b.par_chunks(TASK)))
+        .for_each(|(o, (a, b))| {
+            for ((o, &a), &b) in o.iter_mut().zip(a).zip(b) {
+                *o = a + b;
+            }
+        });
+    Ok(())
+}
+
 simd_dispatch!(fn silu_mul_chunk => silu_mul_impl(g: &[f32], u: &[f32], o: &mut [f32]));
 
 #[inline(always)]
