@@ -176,6 +176,10 @@ impl<'a> OutCols<'a> {
 /// broadcast weight pairs per 24 `vdpbf16ps`.
 const BF16_NR: usize = 12;
 
+/// Bytes of decoded weights per panel tile in a bf16 panel GEMM of one 16-row tile: half of a
+/// 1 MiB L2.
+const BF16_DECODE_TILE: usize = 512 << 10;
+
 /// [`gemm_tile`](crate::avx512bf16::gemm_tile) for one row-tile height, `BF16_NR` weight rows.
 #[cfg(target_arch = "x86_64")]
 type TileFn = unsafe fn(
@@ -224,12 +228,21 @@ pub(super) fn panel_gemm_bf16(
                     *v = xq.scale(i, kb);
                 }
             }
-            // K tiles of whole blocks, about TILE_K codes each, all of about the same size
-            let per_tile = (TILE_K as f64 / bw as f64).round().max(1.0) as usize;
-            let per_tile = kbs.div_ceil(kbs.div_ceil(per_tile));
             let threads = rayon::current_num_threads();
             let panels = n.div_ceil(threads * PANEL_ROWS) * threads;
             let p = n.div_ceil(panels).next_multiple_of(BF16_NR);
+            // K tiles of whole blocks, all of about the same size: about TILE_K codes, so that
+            // the activations' tile stays in L2 across the panel's row groups; with one tile of
+            // 16 rows (a decode step) the activations are small and each decoded weight is
+            // used once, so as many blocks as keep the panel's decoded tile within
+            // BF16_DECODE_TILE bytes: each weight row is then decoded in one pass over its
+            // codes, not in strided segments (16-sequence decode 375 -> 410 tok/s, Zen 4)
+            let per_tile = if m_pad == 16 {
+                (BF16_DECODE_TILE / (p * bw * 2)).max(1)
+            } else {
+                (TILE_K as f64 / bw as f64).round().max(1.0) as usize
+            };
+            let per_tile = kbs.div_ceil(kbs.div_ceil(per_tile));
             let dst = OutCols::new(out, m, n);
             // panel i computes its rows i·p.. of the transposed output in a [p, m_pad] scratch
             // (the rows past the weight's end multiply zero weights and are dropped), then puts
