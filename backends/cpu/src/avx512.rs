@@ -208,7 +208,7 @@ pub(crate) unsafe fn fold_chunk16<E: crate::x86::Lanes, const G: usize>(
     scores: &mut [f32],
     ahead: &[u32],
 ) {
-    use crate::x86::{exp_nonpos8, hsum, prefetch_bytes};
+    use crate::x86::{live8, prefetch_bytes, scores8, softmax8};
     let c = rows.len();
     if c == 0 {
         return;
@@ -242,13 +242,9 @@ pub(crate) unsafe fn fold_chunk16<E: crate::x86::Lanes, const G: usize>(
                 }
             }
         }
-        let live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-            _mm256_set1_epi32((c - j0) as i32),
-            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-        ));
+        let live = live8(c, j0);
         for gi in 0..G {
-            // each key's 16 lanes to 8, then the eight horizontal sums at once: lane r of the
-            // result is key j0 + r's score
+            // each key's 16 lanes to 8 (the scores then as in `fold_chunk8`)
             let h: [__m256; 8] = std::array::from_fn(|r| {
                 let x = a[gi][r];
                 _mm256_add_ps(
@@ -256,46 +252,14 @@ pub(crate) unsafe fn fold_chunk16<E: crate::x86::Lanes, const G: usize>(
                     _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x))),
                 )
             });
-            let t0 = _mm256_hadd_ps(h[0], h[1]);
-            let t1 = _mm256_hadd_ps(h[2], h[3]);
-            let t2 = _mm256_hadd_ps(h[4], h[5]);
-            let t3 = _mm256_hadd_ps(h[6], h[7]);
-            let (u0, u1) = (_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));
-            let s = _mm256_add_ps(
-                _mm256_permute2f128_ps::<0x20>(u0, u1),
-                _mm256_permute2f128_ps::<0x31>(u0, u1),
-            );
-            // -inf only from an Inf in a key: NaN, so that it cannot vanish as exp(-inf) = 0
-            let ninf = _mm256_cmp_ps::<_CMP_EQ_OQ>(s, _mm256_set1_ps(f32::NEG_INFINITY));
-            let s = _mm256_blendv_ps(s, _mm256_set1_ps(f32::NAN), ninf);
-            // max ignoring NaN scores: the second operand is returned when either is NaN
-            let cand = _mm256_blendv_ps(_mm256_set1_ps(f32::NEG_INFINITY), s, live);
-            run_max[gi] = _mm256_max_ps(cand, run_max[gi]);
+            let s = scores8(h, live, &mut run_max[gi]);
             // SAFETY: gi · cp + j0 + 8 <= G · cp <= scores.len().
             _mm256_storeu_ps(sp.add(gi * cp + j0), s);
         }
     }
-    let mut alpha = [0f32; G];
-    for gi in 0..G {
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), run_max[gi]);
-        let mx = lanes.iter().fold(m[gi], |a, &b| a.max(b));
-        alpha[gi] = (m[gi] - mx).exp();
-        let mxv = _mm256_set1_ps(mx);
-        let mut sum = _mm256_setzero_ps();
-        for j0 in (0..c).step_by(8) {
-            let live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                _mm256_set1_epi32((c - j0) as i32),
-                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-            ));
-            let p = sp.add(gi * cp + j0);
-            let e = _mm256_and_ps(exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(p), mxv)), live);
-            sum = _mm256_add_ps(sum, e);
-            _mm256_storeu_ps(p, e);
-        }
-        m[gi] = mx;
-        l[gi] = l[gi] * alpha[gi] + hsum(sum);
-    }
+    // SAFETY: head gi's scores start at gi · cp, cp = c rounded up to 8, inside `scores`.
+    let alpha: [f32; G] =
+        std::array::from_fn(|gi| softmax8(sp.add(gi * cp), c, run_max[gi], &mut m[gi], &mut l[gi]));
     let ap = acc.as_mut_ptr();
     // 64 output lanes of every head at a time (4·G registers), then 16 at a time
     let mut c0 = 0;

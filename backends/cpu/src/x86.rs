@@ -340,6 +340,76 @@ pub(crate) fn prefetch_bytes(p: *const u8, bytes: usize) {
     }
 }
 
+/// Lanes of `c` keys from `j0`: all ones for keys `j0 + r < c`, zeros past the chunk.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(crate) unsafe fn live8(c: usize, j0: usize) -> __m256 {
+    _mm256_castsi256_ps(_mm256_cmpgt_epi32(
+        _mm256_set1_epi32((c - j0) as i32),
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+    ))
+}
+
+/// Eight keys' scores from their eight accumulators (lane r of the result: the sum of `a[r]`'s
+/// lanes), under the folds' rules: a score of -inf (only an Inf in a key gives one) becomes NaN,
+/// which exp(-inf) = 0 would otherwise hide; `run_max` takes the `live` lanes, NaN left out.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(crate) unsafe fn scores8(a: [__m256; 8], live: __m256, run_max: &mut __m256) -> __m256 {
+    // eight horizontal sums at once
+    let t0 = _mm256_hadd_ps(a[0], a[1]);
+    let t1 = _mm256_hadd_ps(a[2], a[3]);
+    let t2 = _mm256_hadd_ps(a[4], a[5]);
+    let t3 = _mm256_hadd_ps(a[6], a[7]);
+    let (u0, u1) = (_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));
+    let s = _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(u0, u1),
+        _mm256_permute2f128_ps::<0x31>(u0, u1),
+    );
+    let ninf = _mm256_cmp_ps::<_CMP_EQ_OQ>(s, _mm256_set1_ps(f32::NEG_INFINITY));
+    let s = _mm256_blendv_ps(s, _mm256_set1_ps(f32::NAN), ninf);
+    // max ignoring NaN scores: the second operand is returned when either is NaN
+    let cand = _mm256_blendv_ps(_mm256_set1_ps(f32::NEG_INFINITY), s, live);
+    *run_max = _mm256_max_ps(cand, *run_max);
+    s
+}
+
+/// One head's online-softmax step over its `c` scores at `s` (written in steps of eight, lanes
+/// past `c` unused): the new max from `run_max` and `m`, the scores replaced by their
+/// exponentials (zeros past `c`), `m` and `l` updated. Returns the factor the head's
+/// accumulator must be scaled by.
+///
+/// # Safety
+/// AVX2 and FMA; `s` must hold `c.next_multiple_of(8)` writable values.
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+pub(crate) unsafe fn softmax8(
+    s: *mut f32,
+    c: usize,
+    run_max: __m256,
+    m: &mut f32,
+    l: &mut f32,
+) -> f32 {
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), run_max);
+    let mx = lanes.iter().fold(*m, |a, &b| a.max(b));
+    let alpha = (*m - mx).exp();
+    let mxv = _mm256_set1_ps(mx);
+    let mut sum = _mm256_setzero_ps();
+    for j0 in (0..c).step_by(8) {
+        let p = s.add(j0);
+        let e = _mm256_and_ps(
+            exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(p), mxv)),
+            live8(c, j0),
+        );
+        sum = _mm256_add_ps(sum, e);
+        _mm256_storeu_ps(p, e);
+    }
+    *m = mx;
+    *l = *l * alpha + hsum(sum);
+    alpha
+}
+
 /// An element type the fold reads eight at a time as f32: f32 rows in place, and the rows of
 /// a 16-bit KV cache converted in the load (F16C for f16, a shift for bf16), so that a 16-bit
 /// cache costs no pass of its own. Public in this private module: nameable only here, it is
@@ -459,50 +529,11 @@ pub(crate) unsafe fn fold_chunk8<E: Lanes>(
                     a[r] = _mm256_fmadd_ps(qv, E::load8(kp.add(krow[r] + t)), a[r]);
                 }
             }
-            // eight horizontal sums at once: lane r of the result is key j0 + r's score
-            let t0 = _mm256_hadd_ps(a[0], a[1]);
-            let t1 = _mm256_hadd_ps(a[2], a[3]);
-            let t2 = _mm256_hadd_ps(a[4], a[5]);
-            let t3 = _mm256_hadd_ps(a[6], a[7]);
-            let (u0, u1) = (_mm256_hadd_ps(t0, t1), _mm256_hadd_ps(t2, t3));
-            let s = _mm256_add_ps(
-                _mm256_permute2f128_ps::<0x20>(u0, u1),
-                _mm256_permute2f128_ps::<0x31>(u0, u1),
-            );
-            // -inf comes only from an Inf in a key; as exp(-inf) = 0 it would vanish, so it
-            // becomes NaN (as in the portable fold)
-            let ninf = _mm256_cmp_ps::<_CMP_EQ_OQ>(s, _mm256_set1_ps(f32::NEG_INFINITY));
-            let s = _mm256_blendv_ps(s, _mm256_set1_ps(f32::NAN), ninf);
-            // max ignoring NaN scores: the second operand is returned when either is NaN
-            let live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                _mm256_set1_epi32((c - j0) as i32),
-                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-            ));
-            let cand = _mm256_blendv_ps(_mm256_set1_ps(f32::NEG_INFINITY), s, live);
-            run_max = _mm256_max_ps(cand, run_max);
+            let s = scores8(a, live8(c, j0), &mut run_max);
             // SAFETY: j0 + 8 <= c.next_multiple_of(8) <= scores.len().
             _mm256_storeu_ps(sp.add(j0), s);
         }
-        let mut lanes = [0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), run_max);
-        let mx = lanes.iter().fold(m[gi], |a, &b| a.max(b));
-        let alpha = (m[gi] - mx).exp();
-        let mxv = _mm256_set1_ps(mx);
-        let mut sum = _mm256_setzero_ps();
-        for j0 in (0..c).step_by(8) {
-            let live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(
-                _mm256_set1_epi32((c - j0) as i32),
-                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-            ));
-            let e = _mm256_and_ps(
-                exp_nonpos8(_mm256_sub_ps(_mm256_loadu_ps(sp.add(j0)), mxv)),
-                live,
-            );
-            sum = _mm256_add_ps(sum, e);
-            _mm256_storeu_ps(sp.add(j0), e);
-        }
-        m[gi] = mx;
-        l[gi] = l[gi] * alpha + hsum(sum);
+        let alpha = softmax8(sp, c, run_max, &mut m[gi], &mut l[gi]);
         let ap = acc.as_mut_ptr().add(gi * dv);
         let al = _mm256_set1_ps(alpha);
         // 32 output lanes at a time in four named registers (an array indexed up to a runtime
