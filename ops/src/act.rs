@@ -26,59 +26,13 @@ use crate::storage::{contiguous, ParkedError};
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    if gate.dims() != up.dims() {
-        return Err(Error::Shape {
-            arg: "up",
-            expected: format!("{:?}, the gate's shape", gate.dims()),
-            got: up.dims().to_vec(),
-        });
-    }
-    let fused = [gate, up]
-        .iter()
-        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32);
-    if !fused {
-        return Ok((candle_nn::ops::silu(gate)? * up)?);
-    }
-    let op = SiluMulOp {
+    let op = Elementwise {
+        name: "fp8nsa-silu-mul",
+        args: ["gate", "up"],
+        kernel: fp8nsa_cpu::act::silu_mul,
         err: ParkedError::new(),
     };
-    let y = gate
-        .contiguous()?
-        .apply_op2_no_bwd(&up.contiguous()?, &op)
-        .map_err(|e| op.err.or(e))?;
-    Ok(y)
-}
-
-struct SiluMulOp {
-    err: ParkedError,
-}
-
-impl CustomOp2 for SiluMulOp {
-    fn name(&self) -> &'static str {
-        "fp8nsa-silu-mul"
-    }
-
-    fn cpu_fwd(
-        &self,
-        gs: &CpuStorage,
-        gl: &Layout,
-        us: &CpuStorage,
-        ul: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        self.err.park((|| {
-            let (CpuStorage::F32(gd), CpuStorage::F32(ud)) = (gs, us) else {
-                return Err(Error::DType {
-                    arg: "gate",
-                    expected: "f32 gate and up",
-                    got: gs.dtype(),
-                });
-            };
-            let (g, u) = (contiguous("gate", gd, gl)?, contiguous("up", ud, ul)?);
-            let mut y = vec![0f32; g.len()];
-            fp8nsa_cpu::act::silu_mul(g, u, &mut y)?;
-            Ok((CpuStorage::F32(y), gl.shape().clone()))
-        })())
-    }
+    op.apply(gate, up, || Ok((candle_nn::ops::silu(gate)? * up)?))
 }
 
 /// `x + h` for tensors of one shape: a decoder layer's residual add. f32 on the CPU runs
@@ -101,57 +55,83 @@ impl CustomOp2 for SiluMulOp {
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub fn residual_add(x: &Tensor, h: &Tensor) -> Result<Tensor> {
-    if x.dims() != h.dims() {
-        return Err(Error::Shape {
-            arg: "h",
-            expected: format!("{:?}, the residual's shape", x.dims()),
-            got: h.dims().to_vec(),
-        });
-    }
-    let fused = [x, h]
-        .iter()
-        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32);
-    if !fused {
-        return Ok((x + h)?);
-    }
-    let op = AddOp {
+    let op = Elementwise {
+        name: "fp8nsa-residual-add",
+        args: ["x", "h"],
+        kernel: fp8nsa_cpu::act::add,
         err: ParkedError::new(),
     };
-    let y = x
-        .contiguous()?
-        .apply_op2_no_bwd(&h.contiguous()?, &op)
-        .map_err(|e| op.err.or(e))?;
-    Ok(y)
+    op.apply(x, h, || Ok((x + h)?))
 }
 
-struct AddOp {
+/// A CPU backend kernel of two equal-length inputs into an output of their length.
+type SliceKernel = fn(&[f32], &[f32], &mut [f32]) -> fp8nsa_cpu::Result<()>;
+
+/// An element-wise op of two f32 tensors of one shape: on the CPU the backend's `kernel` over
+/// the contiguous slices (one pass on rayon's pool), elsewhere `fallback` (Candle's ops).
+struct Elementwise {
+    name: &'static str,
+    /// The two operands' names, for errors.
+    args: [&'static str; 2],
+    kernel: SliceKernel,
     err: ParkedError,
 }
 
-impl CustomOp2 for AddOp {
+impl Elementwise {
+    fn apply(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        fallback: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        if a.dims() != b.dims() {
+            return Err(Error::Shape {
+                arg: self.args[1],
+                expected: format!("{:?}, the shape of {}", a.dims(), self.args[0]),
+                got: b.dims().to_vec(),
+            });
+        }
+        let fused = [a, b]
+            .iter()
+            .all(|t| t.device().is_cpu() && t.dtype() == DType::F32);
+        if !fused {
+            return fallback();
+        }
+        let y = a
+            .contiguous()?
+            .apply_op2_no_bwd(&b.contiguous()?, self)
+            .map_err(|e| self.err.or(e))?;
+        Ok(y)
+    }
+}
+
+impl CustomOp2 for Elementwise {
     fn name(&self) -> &'static str {
-        "fp8nsa-residual-add"
+        self.name
     }
 
     fn cpu_fwd(
         &self,
-        xs: &CpuStorage,
-        xl: &Layout,
-        hs: &CpuStorage,
-        hl: &Layout,
+        as_: &CpuStorage,
+        al: &Layout,
+        bs: &CpuStorage,
+        bl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         self.err.park((|| {
-            let (CpuStorage::F32(xd), CpuStorage::F32(hd)) = (xs, hs) else {
+            let (CpuStorage::F32(ad), CpuStorage::F32(bd)) = (as_, bs) else {
                 return Err(Error::DType {
-                    arg: "x",
-                    expected: "f32 x and h",
-                    got: xs.dtype(),
+                    arg: self.args[0],
+                    expected: "f32 operands",
+                    got: as_.dtype(),
                 });
             };
-            let (x, h) = (contiguous("x", xd, xl)?, contiguous("h", hd, hl)?);
-            let mut y = vec![0f32; x.len()];
-            fp8nsa_cpu::act::add(x, h, &mut y)?;
-            Ok((CpuStorage::F32(y), xl.shape().clone()))
+            let (a, b) = (
+                contiguous(self.args[0], ad, al)?,
+                contiguous(self.args[1], bd, bl)?,
+            );
+            let mut y = vec![0f32; a.len()];
+            (self.kernel)(a, b, &mut y)?;
+            Ok((CpuStorage::F32(y), al.shape().clone()))
         })())
     }
 }
