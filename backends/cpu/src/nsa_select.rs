@@ -10,6 +10,7 @@
 use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, Error, Result};
+use crate::simd::{dot, simd_dispatch, Arith};
 
 /// Largest `compress_block` / `select_block` a config may ask for (keys per block).
 pub const MAX_BLOCK: usize = 1 << 16;
@@ -302,8 +303,8 @@ pub struct CompressedDims {
 /// kv head `h`, then [`remap`]ped into `out [rows, nb]`. `q [b, tq, hkv · g, d]` (head `h · g +
 /// i` is the `i`-th of kv head `h`'s group), `ck [b, n_c, hkv, d]`.
 ///
-/// Each row is computed on its own in one fixed order (the dot products eight lanes at a time,
-/// then the softmax and the group sum sequentially), whatever the batch, the number of queries
+/// Each row is computed on its own in one fixed order (the dot products by `simd::dot`, then
+/// the softmax and the group sum sequentially), whatever the batch, the number of queries
 /// or of compressed blocks. So a query's importance is bit-identical in a prefill and in a
 /// one-token decode step, and both pick the same blocks even where two nearly tie (a matrix
 /// product's rounding depends on its shape, which made the two disagree now and then).
@@ -352,9 +353,11 @@ pub fn importance(
             let vis = params.compressed_len(rows.q_offset + t + 1).min(n_c);
             p.fill(0.0);
             for i in 0..g {
-                let qh = &q[(r * g + i) * d..][..d];
-                for (j, s) in s[..vis].iter_mut().enumerate() {
-                    *s = dot8(qh, &ck[((bi * n_c + j) * hkv + h) * d..][..d]) * scale;
+                if vis > 0 {
+                    let qh = &q[(r * g + i) * d..][..d];
+                    // compressed block j of kv head h at `(bi · n_c + j) · hkv + h` rows of d
+                    let keys = &ck[(bi * n_c * hkv + h) * d..];
+                    scores_row(qh, keys, hkv * d, scale, &mut s[..vis]);
                 }
                 let m = s[..vis].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
                 let mut l = 0f32;
@@ -372,24 +375,18 @@ pub fn importance(
     Ok(())
 }
 
-/// `a · b` (equal lengths) in a fixed order: eight lane sums, then the tail, then the lanes
-/// pairwise.
-fn dot8(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
-        for ((acc, x), y) in acc.iter_mut().zip(x).zip(y) {
-            *acc += x * y;
-        }
+simd_dispatch!(fn scores_row => scores_row_impl(
+    q: &[f32], keys: &[f32], stride: usize, scale: f32, s: &mut [f32]
+));
+
+/// `s[j] = scale · q · keys[j · stride ..][..q.len()]`: the products by the project's one dot
+/// product, whose order is fixed by its code (and its tier, which a prefill and the decode
+/// steps after it share), not by how many rows a call holds.
+#[inline(always)]
+fn scores_row_impl<A: Arith>(q: &[f32], keys: &[f32], stride: usize, scale: f32, s: &mut [f32]) {
+    for (j, s) in s.iter_mut().enumerate() {
+        *s = dot::<A>(q, &keys[j * stride..][..q.len()]) * scale;
     }
-    let [a0, a1, a2, a3, a4, a5, a6, a7] = acc;
-    ((a0 + a4) + (a1 + a5)) + ((a2 + a6) + (a3 + a7)) + tail
 }
 
 /// Top-n selection (docs/nsa.md, "Top-n selection"): for each row of `importance [rows, nb]`
