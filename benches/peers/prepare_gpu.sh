@@ -106,6 +106,6 @@ if [ "$bytes" -ge "$limit" ]; then
   echo "prepare_gpu: too large for the device tool's carry" >&2
   exit 1
 fi
-echo "== ready: one device command (carry [\".device\", \".whl\"], timeout_s 500):"
+echo "== ready: one device command (carry [\".device\", \".whl\"], timeout_s 570):"
 echo "   bash benches/peers/gpu_session.sh"
 echo "   (or the two phases by hand: bash benches/peers/run_gpu.sh; FP8NSA_SANITIZE=only bash benches/peers/run_gpu.sh)"

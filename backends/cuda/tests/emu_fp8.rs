@@ -498,3 +498,31 @@ fn non_finite_activations_stay_in_their_token() {
         }
     }
 }
+
+/// The dense small-M kernel at every group width its launch rule picks (K of 200, 1000, 1500,
+/// 3884 columns: 32, 64, 128, 256 threads per group, so 8, 4, 2, 1 groups per CTA), N odd
+/// (the last CTA's groups partly past N), 1 to 5 tokens, against the f64 reference.
+#[test]
+fn small_m_every_group_width() {
+    let mut rng = rng("emu_fp8_small_m_widths");
+    for (k, m, dtype) in [
+        (200, 1, Dtype::Bf16),
+        (1000, 2, Dtype::F32),
+        (1500, 3, Dtype::F16),
+        (3884, 4, Dtype::Bf16),
+        (1000, 5, Dtype::F32),
+    ] {
+        run(
+            &mut rng,
+            &Case {
+                m,
+                n: 1001,
+                k,
+                block: [128, 128],
+                act: ActQuant::Group,
+                dtype,
+                bias: true,
+            },
+        );
+    }
+}

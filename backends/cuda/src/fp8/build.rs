@@ -13,23 +13,83 @@ use super::names;
 use super::plan::{tile_smem_bytes, tile_warps};
 use super::weight::WeightLayout;
 
-/// Output rows per CTA of the small-M kernel for `tokens` (as its template instances have them).
-pub(super) fn gemv_rows(tokens: usize) -> usize {
-    match tokens {
-        1..=4 => 8,
-        8 => 4,
-        _ => 2,
+/// Threads per CTA of the small-M kernel.
+const GEMV_BLOCK: usize = 256;
+/// CTAs the small-M grid aims for: three per SM of a 132-SM H100, the fewest with which every
+/// DeepSeek-V3 shape streamed at its best in the H100 sweep (benches/gpu/gemv_sweep.cu).
+const GEMV_MIN_CTAS: usize = 396;
+/// Most 16-byte chunks of a row one thread walks: past this a narrower group leaves too few
+/// loads in flight per row (the sweep's 7168 x 16384 at M = 1: 48 us at 8, 52 us at 16).
+const GEMV_MAX_CHUNKS_PER_THREAD: usize = 8;
+
+/// How the small-M kernel runs for `n` rows, `k` columns and `tokens` (its template size).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct GemvLaunch {
+    /// Output rows per thread group, as the kernel's template instances have them.
+    pub rows: usize,
+    /// Threads per group (a multiple of 32, at most [`GEMV_BLOCK`]).
+    pub tpg: usize,
+    /// Threads per CTA.
+    pub block: usize,
+    /// CTAs.
+    pub ctas: usize,
+}
+
+/// The dense small-M kernel. Up to 8 tokens (`fp8_gemv`): the narrowest group (fewest threads
+/// per row) that still gives the grid [`GEMV_MIN_CTAS`] CTAs of [`GEMV_BLOCK`] threads and
+/// each thread at most [`GEMV_MAX_CHUNKS_PER_THREAD`] chunks of a row, and never wider than
+/// the row has chunks (no thread idles for want of one). 16 tokens: [`gemv_cta_launch`].
+pub(super) fn gemv_launch(n: usize, k: usize, tokens: usize) -> GemvLaunch {
+    if tokens > 8 {
+        return gemv_cta_launch(n, k, tokens);
+    }
+    let chunks = k.div_ceil(16).max(1);
+    let widest = chunks.next_power_of_two().clamp(32, GEMV_BLOCK);
+    let rows = 4;
+    let groups = n.div_ceil(rows).max(1);
+    let ctas = |tpg: usize| groups.div_ceil(GEMV_BLOCK / tpg);
+    let tpg = [32, 64, 128, 256]
+        .into_iter()
+        .filter(|&tpg| tpg <= widest)
+        .find(|&tpg| {
+            ctas(tpg) >= GEMV_MIN_CTAS && chunks.div_ceil(tpg) <= GEMV_MAX_CHUNKS_PER_THREAD
+        })
+        .unwrap_or(widest);
+    GemvLaunch {
+        rows,
+        tpg,
+        block: GEMV_BLOCK,
+        ctas: ctas(tpg),
     }
 }
 
-/// Threads per CTA of the small-M kernel: one per 16-byte chunk of K, 32 to 256.
-pub(super) fn gemv_threads(k: usize) -> u32 {
-    k.div_ceil(16).next_multiple_of(32).clamp(32, 256) as u32
+/// The CTA-wide form (`fp8_gemv_cta`: 16 tokens, and every grouped expert launch): the CTA is
+/// one group of 8 rows (up to 4 tokens), 4 (8 tokens) or 2 (16), a thread per 16-byte chunk
+/// of K, 32 to 256.
+pub(super) fn gemv_cta_launch(n: usize, k: usize, tokens: usize) -> GemvLaunch {
+    let rows = match tokens {
+        1..=4 => 8,
+        5..=8 => 4,
+        _ => 2,
+    };
+    let threads = k.div_ceil(16).next_multiple_of(32).clamp(32, GEMV_BLOCK);
+    GemvLaunch {
+        rows,
+        tpg: threads,
+        block: threads,
+        ctas: n.div_ceil(rows).max(1),
+    }
 }
 
 /// The fields of `GemvParams` (fp8_gemv.cu), in order: activations `xd` f32 `[m, ld]`, codes
-/// argument 1, scales argument 2, output argument 4.
-pub(super) fn gemv_params(w: &WeightLayout, xd: Buf, bias: Val, m: usize) -> Vec<Val> {
+/// argument 1, scales argument 2, output argument 4, the group width.
+pub(super) fn gemv_params(
+    w: &WeightLayout,
+    xd: Buf,
+    bias: Val,
+    m: usize,
+    launch: GemvLaunch,
+) -> Vec<Val> {
     vec![
         Val::Ptr(xd, 0),
         Val::Ptr(Buf::Arg(1), 0),
@@ -44,6 +104,7 @@ pub(super) fn gemv_params(w: &WeightLayout, xd: Buf, bias: Val, m: usize) -> Vec
         Val::I32(w.k as i32),
         Val::I32(w.bn as i32),
         Val::I32(w.bk as i32),
+        Val::I32(launch.tpg as i32),
     ]
 }
 
@@ -340,13 +401,13 @@ pub fn plan_fp8_linear(
                 act,
                 ActOut::F32(Val::Ptr(xd, 0)),
             ));
-            let (rows, threads) = (gemv_rows(tokens), gemv_threads(k));
-            let params = gemv_params(w, xd, field(&bias), m);
+            let launch = gemv_launch(n, k, tokens);
+            let params = gemv_params(w, xd, field(&bias), m, launch);
             plan.kernel(Kernel {
                 module: names::GEMV_MODULE,
                 name: names::gemv(tokens, x.suffix()),
-                grid: (n.div_ceil(rows) as u32, 1, 1),
-                block: threads,
+                grid: (launch.ctas as u32, 1, 1),
+                block: launch.block as u32,
                 smem: 0,
                 args: vec![KArg::Struct(params)],
             });
@@ -402,4 +463,42 @@ pub fn plan_fp8_linear(
         }
     }
     plan
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On the H100 sweep (benches/gpu/gemv_sweep.cu, one token, kernel only) these widths
+    /// streamed fastest for the DeepSeek-V3 shapes; the rule must keep picking them.
+    #[test]
+    fn gemv_launch_picks_the_measured_widths() {
+        for (n, k, tpg) in [
+            (2112, 7168, 256),
+            (24576, 1536, 32),
+            (7168, 16384, 128),
+            (4096, 7168, 128),
+            (7168, 2048, 64),
+        ] {
+            let l = gemv_launch(n, k, 1);
+            assert_eq!((l.rows, l.tpg, l.block), (4, tpg, 256), "{n} x {k}");
+            // every row group has its threads, and no more CTAs than needed
+            assert_eq!(l.ctas, n.div_ceil(4).div_ceil(256 / tpg), "{n} x {k}");
+        }
+    }
+
+    /// Short rows never get wider groups than they have chunks; 16 tokens and the grouped
+    /// experts take the CTA-wide kernel, a thread per chunk.
+    #[test]
+    fn gemv_launch_small_and_wide_cases() {
+        assert_eq!(gemv_launch(5, 20, 1).tpg, 32);
+        assert_eq!(gemv_launch(576, 3884, 4).tpg, 256);
+        let l = gemv_launch(576, 3884, 16);
+        assert_eq!((l.rows, l.tpg, l.block, l.ctas), (2, 256, 256, 288));
+        let l = gemv_launch(7, 100, 16);
+        assert_eq!((l.rows, l.tpg, l.block, l.ctas), (2, 32, 32, 4));
+        // the MoE bench's experts, [768, 2048], one token: as first measured on the H100
+        let l = gemv_cta_launch(768, 2048, 1);
+        assert_eq!((l.rows, l.tpg, l.block, l.ctas), (8, 128, 128, 96));
+    }
 }

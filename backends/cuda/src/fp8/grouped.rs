@@ -20,7 +20,7 @@ use crate::error::{invalid, unsupported, Result};
 use crate::launch;
 use crate::step::{Buf, DevBuf, Dtype, KArg, Kernel, Plan, Val};
 
-use super::build::{act_step, gemm_params, gemv_params, gemv_rows, gemv_threads, ActOut, X};
+use super::build::{act_step, gemm_params, gemv_cta_launch, gemv_params, ActOut, X};
 use super::names;
 use super::plan::{
     applicability, mma_tile, tile_smem_bytes, tile_warps, SMALL_M_MAX, SMALL_M_PREFERRED,
@@ -192,13 +192,14 @@ pub fn plan_fp8_grouped(
             let xd = plan.tmp(4 * t * ld, false);
             act_launches(&mut plan, &|r0, _| ActOut::F32(at(xd, 4 * r0 * ld)));
             // M is per chunk, set by the kernel
-            let mut params = gemv_params(w, xd, Val::Null, 0);
+            let launch = gemv_cta_launch(n, k, tokens);
+            let mut params = gemv_params(w, xd, Val::Null, 0, launch);
             params.extend(strides);
             plan.kernel(Kernel {
                 module: names::GEMV_MODULE,
                 name: names::grouped_gemv(tokens, x.suffix()),
-                grid: (n.div_ceil(gemv_rows(tokens)) as u32, e as u32, 1),
-                block: gemv_threads(k),
+                grid: (launch.ctas as u32, e as u32, 1),
+                block: launch.block as u32,
                 smem: 0,
                 args: vec![KArg::Struct(params)],
             });
