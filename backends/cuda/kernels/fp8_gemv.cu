@@ -137,7 +137,8 @@ template <int MT, int ROWS, typename OutT> FP8NSA_DEVICE void fp8_gemv(const Gem
 // some targets, and at 16 tokens the kernel is bound by arithmetic, where the shape matters
 // little) and for the grouped experts (most CTAs of a grouped launch belong to unrouted experts
 // and return at once: fewer, narrower CTAs cost less; the group form measured 0.030 against
-// 0.019 ms for a one-token MoE step on the H100).
+// 0.019 ms for a one-token MoE step on the H100). Its chunk loop repeats fp8_gemv's on purpose:
+// one shared chunk function changed ptxas's register choices enough to spill on sm_90.
 template <int MT, int ROWS, typename OutT> __device__ void fp8_gemv_cta(const GemvParams& p) {
     const int n0 = blockIdx.x * ROWS;  // the CTA is one group: tpg = blockDim.x
     const int chunks = (int)((p.K + 15) / 16);  // chunks holding data; the rest are zeros
