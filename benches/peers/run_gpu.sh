@@ -112,6 +112,15 @@ run_bench bench_nsa "$4" --json "$out/nsa_ours.jsonl"
 if [ $# -ge 5 ]; then
   run_bench bench_moe "$5" --json "$out/moe_ours.jsonl"
 fi
+# fla's NSA peers before the NCCL and PJRT suites: the PJRT suite's XLA compilation is the
+# longest step (95 s on the H100), and a run cut off by its time limit keeps the peers' rows
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+(cd benches/peers && ${step[@]+"${step[@]}"} python3 nsa.py --json "$out/nsa_peers.jsonl") > "$out/peers_nsa.log" 2>&1 \
+  || failed+=(peers_nsa)
+# the report of every row so far, rewritten at the end (a run cut off after this still has one)
+(cd benches/peers && python3 report.py "$out") > "$out/report.md"
 # a one-rank NCCL group; libnccl.so.2 comes from the machine's nvidia-nccl-cu13 (PyTorch's)
 if [ $# -ge 6 ]; then
   nccl_dir=$(find / -xdev -name 'libnccl.so.2' -printf '%h\n' 2>/dev/null | head -1)
@@ -134,11 +143,6 @@ if [ $# -ge 7 ]; then
     FP8NSA_PJRT_PLUGIN="$plugin" FP8NSA_REQUIRE_PJRT=1 FP8NSA_PJRT_DUMP="$out" run_test test_pjrt_gpu "$7"
   fi
 fi
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-(cd benches/peers && ${step[@]+"${step[@]}"} python3 nsa.py --json "$out/nsa_peers.jsonl") > "$out/peers_nsa.log" 2>&1 \
-  || failed+=(peers_nsa)
 (cd benches/peers && python3 report.py "$out") > "$out/report.md"
 cat "$out/report.md"
 if [ ${#failed[@]} -gt 0 ]; then
