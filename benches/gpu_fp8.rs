@@ -5,7 +5,9 @@
 //!
 //! Shapes: M in {1, 16, 64, 128, 4096} x (N, K) in the DeepSeek-V3 set. Ours includes the
 //! activation quantization (a layer call); TFLOPS = 2MNK / t; for M <= 16 also the weight
-//! bandwidth N*K / t against the weight-read floor N*K / (device copy bandwidth). Successive
+//! bandwidth N*K / t against the weight-read floor N*K / (device copy bandwidth), and the host's
+//! time to enqueue one call ("host ms": where it reaches "ours ms", the call is bound by the
+//! CPU's launches, not by the GPU). Successive
 //! calls cycle through distinct copies of the weights (256 MiB or more in all, for both sides),
 //! so that they come from HBM as a model's layers do, not from the 50 MB L2.
 //!
@@ -48,8 +50,18 @@ fn main() {
         json!({"op": "copy", "gpu": gpu_name, "gbs": copy_gbs}),
     );
     println!(
-        "{:>5} {:>6} {:>6}  {:<22} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9}",
-        "M", "N", "K", "path", "ours ms", "bf16 ms", "TFLOPS", "x bf16", "GB/s", "x floor"
+        "{:>5} {:>6} {:>6}  {:<22} {:>9} {:>9} {:>9} {:>8} {:>8} {:>9} {:>9}",
+        "M",
+        "N",
+        "K",
+        "path",
+        "ours ms",
+        "bf16 ms",
+        "TFLOPS",
+        "x bf16",
+        "GB/s",
+        "x floor",
+        "host ms"
     );
     let shapes: &[(usize, usize)] = if args.quick { &SHAPES[..1] } else { &SHAPES };
     for &(n, k) in shapes {
@@ -91,6 +103,14 @@ fn main() {
                 drop(autos[i % copies].forward(&x).unwrap());
                 i += 1;
             });
+            // host time per call where the GPU time is short enough for the host to matter
+            let host = (m <= 16).then(|| {
+                let mut i = 0;
+                gpu::host_ms(&stream, || {
+                    drop(autos[i % copies].forward(&x).unwrap());
+                    i += 1;
+                })
+            });
             // the path that really ran (cuBLASLt may refuse at run time and fall back)
             let path = match autos[0].forward_with_path(&x).unwrap().1 {
                 fp8nsa::Fp8Path::Cuda(p) => p.to_string(),
@@ -100,19 +120,22 @@ fn main() {
             let tflops = flops / t_ours / 1e9;
             let gbs = (n * k) as f64 / t_ours / 1e6;
             let floor_ms = (n * k) as f64 / (copy_gbs * 1e6);
-            let (gbs_s, floor_s) = if m <= 16 {
-                (format!("{gbs:.0}"), format!("{:.2}", t_ours / floor_ms))
-            } else {
-                ("-".into(), "-".into())
+            let (gbs_s, floor_s, host_s) = match host {
+                Some(h) => (
+                    format!("{gbs:.0}"),
+                    format!("{:.2}", t_ours / floor_ms),
+                    format!("{h:.4}"),
+                ),
+                None => ("-".into(), "-".into(), "-".into()),
             };
             println!(
-                "{m:>5} {n:>6} {k:>6}  {:<22} {t_ours:>9.4} {t_bf16:>9.4} {tflops:>9.1} {:>8.2} {gbs_s:>8} {floor_s:>9}",
+                "{m:>5} {n:>6} {k:>6}  {:<22} {t_ours:>9.4} {t_bf16:>9.4} {tflops:>9.1} {:>8.2} {gbs_s:>8} {floor_s:>9} {host_s:>9}",
                 path,
                 t_bf16 / t_ours
             );
             gpu::emit(
                 &args.json,
-                json!({"op": "fp8_linear", "impl": "fp8nsa", "path": path, "m": m, "n": n, "k": k, "ms": t_ours, "tflops": tflops, "gbs": gbs, "floor_ms": floor_ms}),
+                json!({"op": "fp8_linear", "impl": "fp8nsa", "path": path, "m": m, "n": n, "k": k, "ms": t_ours, "tflops": tflops, "gbs": gbs, "floor_ms": floor_ms, "host_ms": host}),
             );
             gpu::emit(
                 &args.json,

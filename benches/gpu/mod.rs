@@ -86,6 +86,28 @@ pub fn time_ms(stream: &Arc<CudaStream>, mut f: impl FnMut()) -> f64 {
     samples[samples.len() / 2]
 }
 
+/// Median host milliseconds per call of `f`: the time to enqueue 50 calls without waiting for
+/// the GPU, 5 samples. A call whose host time reaches its `time_ms` keeps the GPU waiting on
+/// the CPU (launch-bound): its GPU time then measures the host, not the kernels.
+pub fn host_ms(stream: &Arc<CudaStream>, mut f: impl FnMut()) -> f64 {
+    const CALLS: usize = 50;
+    f();
+    stream.synchronize().unwrap();
+    let mut samples: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            for _ in 0..CALLS {
+                f();
+            }
+            let ms = t.elapsed().as_secs_f64() * 1e3 / CALLS as f64;
+            stream.synchronize().unwrap();
+            ms
+        })
+        .collect();
+    samples.sort_by(|a, b| a.total_cmp(b));
+    samples[samples.len() / 2]
+}
+
 /// Appends one JSON object per line.
 pub fn emit(path: &Option<std::path::PathBuf>, v: serde_json::Value) {
     if let Some(p) = path {

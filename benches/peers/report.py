@@ -30,8 +30,8 @@ def main(out):
     copy = next((r["gbs"] for r in fp8 if r.get("op") == "copy"), None)
     if fp8:
         print(f"## fp8 linear (copy bandwidth {copy:.0f} GB/s)\n" if copy else "## fp8 linear\n")
-        print("| M | N | K | path | fp8nsa ms | TFLOPS | vs candle bf16 | vs torch bf16 | vs torch scaled_mm | vs scaled_mm + quant | x weight-read floor |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| M | N | K | path | fp8nsa ms | TFLOPS | vs candle bf16 | vs torch bf16 | vs torch scaled_mm | vs scaled_mm + quant | x weight-read floor | host ms |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         ours = [r for r in fp8 if r.get("impl") == "fp8nsa" and r.get("op") == "fp8_linear"]
         for r in ours:
             key = (r["m"], r["n"], r["k"])
@@ -41,10 +41,12 @@ def main(out):
                 return f"{p['ms'] / r['ms']:.2f}x" if p else "-"
 
             floor = f"{r['ms'] / r['floor_ms']:.2f}" if r["m"] <= 16 else "-"
+            host = f"{r['host_ms']:.4f}" if r.get("host_ms") is not None else "-"
             print(f"| {r['m']} | {r['n']} | {r['k']} | {r['path']} | {r['ms']:.4f} | {r['tflops']:.1f} | "
                   f"{peer('candle_bf16')} | {peer('torch_bf16')} | {peer('torch_scaled_mm')} | "
-                  f"{peer('torch_scaled_mm_with_quant')} | {floor} |")
-        print("\nRatios are peer time / fp8nsa time (> 1: fp8nsa faster).\n")
+                  f"{peer('torch_scaled_mm_with_quant')} | {floor} | {host} |")
+        print("\nRatios are peer time / fp8nsa time (> 1: fp8nsa faster). host ms: the CPU's time to "
+              "enqueue one call (M <= 16); where it reaches fp8nsa ms the call is launch-bound.\n")
     if nsa:
         print("## NSA selection (Hq 64, Hkv 4, D 128, 16 x 64 blocks, bf16)\n")
         print("| case | fp8nsa ms | candle dense ms | vs candle dense | dense flash ms | vs dense flash | fla ms | vs fla |")
