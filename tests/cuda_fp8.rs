@@ -209,6 +209,10 @@ fn every_path_writes_every_element() {
         (83, 576, 3884, [256, 256]),
         (512, 576, 3884, [128, 128]),
         (1, 130, 384, [64, 128]),
+        // the small-M kernel's 64- and 128-thread groups (4 and 2 groups per CTA), so that
+        // compute-sanitizer's racecheck of this test reaches every group width
+        (1, 1001, 1000, [128, 128]),
+        (3, 1001, 1500, [128, 128]),
     ] {
         poisoned::<f32>(&s, &mut rng, (m, n, k), block);
         poisoned::<half::bf16>(&s, &mut rng, (m, n, k), block);

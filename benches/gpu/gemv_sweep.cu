@@ -63,7 +63,8 @@ struct Bench {
 };
 
 // build.rs, gemv_launch (up to 8 tokens): the narrowest group giving >= 396 CTAs of 256 threads
-// and <= 8 chunks per thread, never wider than the row's chunks.
+// and <= 8 chunks per thread, among the widths up to the row's chunk count rounded up to a
+// power of two (at least 32); that widest one where none meets both.
 static int picked_tpg(int n, int k) {
     const int chunks = std::max(1, (k + 15) / 16), groups = std::max(1, (n + 3) / 4);
     int widest = 32;

@@ -3,7 +3,9 @@
 #   here:   bash benches/gpu/gemv_sweep.sh build [REV]
 #           builds .device/gemv_sweep with the CUDA 13 toolchain (.ci/cuda-toolchain.sh), with
 #           the small-M kernel as it was at git revision REV (renamed, benches/gpu/old_gemv.cuh
-#           generated and removed again) timed as "before" in the same run; no REV: without it
+#           generated and removed again) timed as "before" in the same run; no REV: without it.
+#           REV must hold the kernel's first form (one CTA per row group, no `tpg` field), as
+#           `c78ecb1` does: the renaming and the "before" launch know that form only.
 #   there:  bash benches/gpu/gemv_sweep.sh          (device tool, carry [".device"])
 #           runs it into $OUT/gemv_sweep.txt; without .device/gemv_sweep it builds with the
 #           machine's nvcc first (no "before" then)
@@ -13,7 +15,12 @@ if [ "${1:-}" = build ]; then
   set -e
   source .ci/cuda-toolchain.sh > /dev/null
   defs=()
+  trap 'rm -f benches/gpu/old_gemv.cuh' EXIT
   if [ -n "${2:-}" ]; then
+    if git show "$2:backends/cuda/kernels/fp8_gemv.cu" | grep -q "int tpg"; then
+      echo "gemv_sweep: $2's small-M kernel is the group form; name a revision with the first form (c78ecb1)" >&2
+      exit 2
+    fi
     git show "$2:backends/cuda/kernels/fp8_gemv.cu" | python3 -c '
 import re, sys
 s = sys.stdin.read()
@@ -26,7 +33,6 @@ print(s)' > benches/gpu/old_gemv.cuh
   fi
   mkdir -p .device
   nvcc -O3 -std=c++17 -arch=sm_90 ${defs[@]+"${defs[@]}"} benches/gpu/gemv_sweep.cu -o .device/gemv_sweep
-  rm -f benches/gpu/old_gemv.cuh
   echo "built .device/gemv_sweep${2:+ (before: $2)}"
   exit 0
 fi

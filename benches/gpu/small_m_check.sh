@@ -3,8 +3,9 @@
 # less than gpu_session.sh needs (about 6 minutes of the device tool's 15): the fp8 tests,
 # the small-M sweep, the fp8 and MoE benches, and compute-sanitizer (memcheck, racecheck) over
 # the fp8 tests that reach every path, each step under its own limit, logs into $OUT.
-#   here:   bash benches/peers/prepare_gpu.sh && bash benches/gpu/gemv_sweep.sh build HEAD
-#   there:  bash benches/gpu/small_m_check.sh      (device tool: carry [".device"], timeout_s 370)
+#   here:   bash benches/peers/prepare_gpu.sh && bash benches/gpu/gemv_sweep.sh build c78ecb1
+#   there:  bash benches/gpu/small_m_check.sh      (device tool: carry [".device"], timeout_s 480:
+#           the steps' limits add up to 425 s)
 #   here:   tar xzf /work/.device/<n>/check.tgz    (every log; the tool returns at most 8 files)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -25,8 +26,10 @@ step() {
   local rc=$?
   echo "== $name: exit $rc (124: out of time) in $((SECONDS - t0)) s"
   [ $rc -eq 0 ] || failed+=("$name")
+  # packed after every step: a command cut off by the device tool still brings these back
+  tar czf "$dest/check.tgz" -C "$(dirname "$out")" check
 }
-step test_fp8 90 .device/run.sh "$test_fp8" --test-threads=1
+step test_fp8 120 .device/run.sh "$test_fp8" --test-threads=1
 OUT="$out" FP8NSA_SWEEP_TIMEOUT=50 step gemv_sweep_run 55 bash benches/gpu/gemv_sweep.sh
 step bench_fp8 60 .device/run.sh "$bench_fp8" --json "$out/fp8_ours.jsonl"
 step bench_moe 40 .device/run.sh "$bench_moe" --json "$out/moe_ours.jsonl"
@@ -41,8 +44,11 @@ ours=$(grep -c -v -E " at (nvjet_|cublasLt)" < <(printf "%s" "$races"))
 echo "== racecheck hazards: $ours in our kernels," \
   "$(grep -c -E " at (nvjet_|cublasLt)" < <(printf "%s" "$races")) in cuBLASLt's own"
 if [ "$ours" -eq 0 ] && grep -q "^test result: ok" "$out/sanitize_racecheck_fp8.log"; then
-  failed=("${failed[@]/sanitize_racecheck_fp8/}")
-  [ -n "${failed[*]// /}" ] || failed=()
+  kept=()
+  for f in ${failed[@]+"${failed[@]}"}; do
+    [ "$f" = sanitize_racecheck_fp8 ] || kept+=("$f")
+  done
+  failed=(${kept[@]+"${kept[@]}"})
 fi
 grep -h -E "test result|ERROR SUMMARY|RACECHECK SUMMARY|panicked|FAILED" "$out"/*.log
 grep -E "picked|before" "$out/gemv_sweep.txt"

@@ -11,7 +11,7 @@
 //   accumulates all MT tokens x ROWS rows, and the group reduces through warp shuffles and
 //   shared memory. A CTA of 256 threads holds 256 / tpg groups. The host picks tpg from N and
 //   K (build.rs, gemv_launch): wide groups for a few long rows, narrow ones for many short
-//   rows, so that no thread idles for lack of chunks and the grid has CTAs enough to keep
+//   rows, so that few threads idle for lack of chunks and the grid has CTAs enough to keep
 //   every SM streaming (the H100 sweep, benches/gpu/gemv_sweep.cu: 1.0-1.3x the CTA form's
 //   speed at one and two tokens).
 // - fp8_gemv_cta (16 tokens, and the grouped expert form): the CTA is the one group of its

@@ -19,7 +19,8 @@ const GEMV_BLOCK: usize = 256;
 /// DeepSeek-V3 shape streamed at its best in the H100 sweep (benches/gpu/gemv_sweep.cu).
 const GEMV_MIN_CTAS: usize = 396;
 /// Most 16-byte chunks of a row one thread walks: past this a narrower group leaves too few
-/// loads in flight per row (the sweep's 7168 x 16384 at M = 1: 48 us at 8, 52 us at 16).
+/// loads in flight per row (run3's sweep, the group kernel's first form, 7168 x 16384 at
+/// M = 1: 48 us at 8 chunks per thread, 52 us at 16).
 const GEMV_MAX_CHUNKS_PER_THREAD: usize = 8;
 
 /// How the small-M kernel runs for `n` rows, `k` columns and `tokens` (its template size).
@@ -37,8 +38,9 @@ pub(super) struct GemvLaunch {
 
 /// The dense small-M kernel. Up to 8 tokens (`fp8_gemv`): the narrowest group (fewest threads
 /// per row) that still gives the grid [`GEMV_MIN_CTAS`] CTAs of [`GEMV_BLOCK`] threads and
-/// each thread at most [`GEMV_MAX_CHUNKS_PER_THREAD`] chunks of a row, and never wider than
-/// the row has chunks (no thread idles for want of one). 16 tokens: [`gemv_cta_launch`].
+/// each thread at most [`GEMV_MAX_CHUNKS_PER_THREAD`] chunks of a row, among the widths up to
+/// the row's chunk count rounded up to a power of two (at least 32); where none meets both
+/// limits, that widest one. 16 tokens: [`gemv_cta_launch`].
 pub(super) fn gemv_launch(n: usize, k: usize, tokens: usize) -> GemvLaunch {
     if tokens > 8 {
         return gemv_cta_launch(n, k, tokens);
@@ -487,8 +489,9 @@ mod tests {
         }
     }
 
-    /// Short rows never get wider groups than they have chunks; 16 tokens and the grouped
-    /// experts take the CTA-wide kernel, a thread per chunk.
+    /// Short rows get no group wider than their chunk count rounded up to a power of two (at
+    /// least 32); 16 tokens and the grouped experts take the CTA-wide kernel, a thread per
+    /// chunk.
     #[test]
     fn gemv_launch_small_and_wide_cases() {
         assert_eq!(gemv_launch(5, 20, 1).tpg, 32);
