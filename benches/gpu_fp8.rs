@@ -98,19 +98,15 @@ fn main() {
                 drop(x.matmul(&wts[i % copies]).unwrap());
                 i += 1;
             });
+            // one layer call, on the next copy of the weights each time
             let mut i = 0;
-            let t_ours = gpu::time_ms(&stream, || {
+            let mut ours = || {
                 drop(autos[i % copies].forward(&x).unwrap());
                 i += 1;
-            });
+            };
+            let t_ours = gpu::time_ms(&stream, &mut ours);
             // host time per call where the GPU time is short enough for the host to matter
-            let host = (m <= 16).then(|| {
-                let mut i = 0;
-                gpu::host_ms(&stream, || {
-                    drop(autos[i % copies].forward(&x).unwrap());
-                    i += 1;
-                })
-            });
+            let host = (m <= 16).then(|| gpu::host_ms(&stream, &mut ours));
             // the path that really ran (cuBLASLt may refuse at run time and fall back)
             let path = match autos[0].forward_with_path(&x).unwrap().1 {
                 fp8nsa::Fp8Path::Cuda(p) => p.to_string(),
