@@ -198,12 +198,11 @@ type TileFn = unsafe fn(
 
 /// The panel GEMM on the AVX512-BF16 tier, for W8A8 (`xq` holds the e4m3 values, not
 /// dequantized): the same panels of weight rows per thread as [`panel_gemm`], but each K tile
-/// of whole blocks of each group of `BF16_NR` weight rows is decoded to bf16 without its
-/// scale (exact) and multiplied by
-/// [`gemm_tile`](crate::avx512bf16::gemm_tile) with the activations in bf16 pairs, and each
-/// (row, row, K-block) partial is scaled by `sx · sw` as in the GEMV. `vdpbf16ps` does twice
-/// the multiplies of an f32 FMA, and the per-block scaling costs one FMA per 64 of them at
-/// 128-wide blocks.
+/// of whole blocks is decoded to bf16 without its scale (exact), `BF16_NR` weight rows at a
+/// time, and multiplied by [`gemm_tile`](crate::avx512bf16::gemm_tile) with the activations in
+/// bf16 pairs, and each (row, row, K-block) partial is scaled by `sx · sw` as in the GEMV.
+/// `vdpbf16ps` does twice the multiplies of an f32 FMA, and the per-block scaling costs one
+/// FMA per 64 of them at 128-wide blocks.
 pub(super) fn panel_gemm_bf16(
     tier: Tier,
     xq: &QuantizedAct<'_>,
