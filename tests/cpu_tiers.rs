@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Module, Tensor};
 use fp8nsa::cpu::Tier;
-use fp8nsa::fp8::{CpuFp8Kernel, CpuFp8Path, BF16_TILE_MIN_M, GEMV_MAX_M};
+use fp8nsa::fp8::{bf16_tile_min_m, CpuFp8Kernel, CpuFp8Path, GEMV_MAX_M};
 use fp8nsa::nsa::{BlockSelection, SelectionAttention};
 use fp8nsa::{reference, ActQuant, Fp8BlockWeight, Fp8Linear, Fp8Path};
 use fp8nsa_test_support::nsa::f64_attention;
@@ -31,6 +31,8 @@ fn fp8_sweep(rng: &mut StdRng, tier: Tier) {
                 (1, DType::F32),
                 (1, DType::BF16),
                 (4, DType::F32),
+                // 7: the GEMV for K = 3884, the panel GEMM's tile (9 rows of padding) for K = 300
+                (7, DType::F32),
                 (GEMV_MAX_M, DType::F32),
                 (GEMV_MAX_M + 1, DType::BF16),
                 // 40: a last tile of 16 rows in the AVX512-BF16 panel GEMM (tiles of 32)
@@ -42,9 +44,9 @@ fn fp8_sweep(rng: &mut StdRng, tier: Tier) {
                     .unwrap();
                 let (y, path) = layer.forward_with_path(&x).unwrap();
                 // the path reported is the kernel that ran: on AVX512-BF16, W8A8 calls from
-                // BF16_TILE_MIN_M rows run the panel GEMM's micro-kernel
+                // bf16_tile_min_m(k) rows run the panel GEMM's micro-kernel
                 let bf16_tile =
-                    tier == Tier::Avx512Bf16 && act != ActQuant::None && m >= BF16_TILE_MIN_M;
+                    tier == Tier::Avx512Bf16 && act != ActQuant::None && m >= bf16_tile_min_m(k);
                 let kernel = if m <= GEMV_MAX_M && !bf16_tile {
                     CpuFp8Kernel::Gemv
                 } else {

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Module, Tensor};
 use fp8nsa::cpu::Tier;
-use fp8nsa::fp8::{CpuFp8Kernel, CpuFp8Path, BF16_TILE_MIN_M, GEMV_MAX_M};
+use fp8nsa::fp8::{bf16_tile_min_m, CpuFp8Kernel, CpuFp8Path, GEMV_MAX_M};
 use fp8nsa::{reference, ActQuant, Error, Fp8BlockWeight, Fp8Linear, Fp8Path};
 use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
@@ -154,7 +154,7 @@ fn the_path_taken_is_returned() {
         let m: usize = dims[..dims.len() - 1].iter().product();
         assert_eq!(want == CpuFp8Kernel::Gemv, m <= gemv_max, "{dims:?}");
         let tier = Tier::current();
-        let want = if tier == Tier::Avx512Bf16 && m >= BF16_TILE_MIN_M {
+        let want = if tier == Tier::Avx512Bf16 && m >= bf16_tile_min_m(k) {
             CpuFp8Kernel::PanelGemm
         } else {
             want

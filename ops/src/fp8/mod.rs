@@ -18,7 +18,7 @@ pub(crate) mod weight;
 
 pub use comm::{Communicator, HostGroup};
 pub use experts::Fp8Experts;
-pub use fp8nsa_cpu::linear::{BF16_TILE_MIN_M, GEMV_MAX_M};
+pub use fp8nsa_cpu::linear::{bf16_tile_min_m, GEMV_MAX_M};
 pub use fp8nsa_types::{ActQuant, ScaleDType};
 pub use fp8nsa_types::{CpuFp8Kernel, CpuFp8Path};
 pub use linear::Fp8Linear;

@@ -14,7 +14,8 @@
 //! On CPUs with AVX512-BF16 and VBMI (`Tier::Avx512Bf16`), W8A8 calls of both kernels multiply
 //! bf16 pairs instead (`avx512bf16`): the e4m3 weights and activations are exact in bf16, the
 //! products exact in f32, and each (row, row, K-block) partial is scaled by `sx · sw`. There calls
-//! of 10..=16 rows are planned as the panel GEMM (its micro-kernel on a single tile of rows).
+//! of 10..=16 rows (5..=16 for rows of at most 1536 codes: [`bf16_tile_min_m`]) are planned as
+//! the panel GEMM (its micro-kernel on a single tile of rows).
 //! [`plan`] decides kernel and tier once; the path it reports is the one [`LinearPlan::run`]
 //! runs.
 
@@ -69,7 +70,7 @@ pub struct LinearPlan {
 
 /// Checks a call's shape and activation scheme and picks its kernel at the tier in force
 /// ([`Tier::current`], read once here): the GEMV up to [`GEMV_MAX_M`] rows, except from
-/// `BF16_TILE_MIN_M` rows on the AVX512-BF16 tier, where the panel GEMM's micro-kernel runs
+/// [`bf16_tile_min_m`] rows on the AVX512-BF16 tier, where the panel GEMM's micro-kernel runs
 /// them as one tile; the panel GEMM past that.
 pub fn plan(shape: LinearShape, act: ActQuant) -> Result<LinearPlan> {
     // the kernels work on fitted blocks (a block past the matrix is one partial block)
@@ -79,7 +80,7 @@ pub fn plan(shape: LinearShape, act: ActQuant) -> Result<LinearPlan> {
     }
     let tier = Tier::current();
     let m = shape.m();
-    let kernel = if m > GEMV_MAX_M || (m >= BF16_TILE_MIN_M && uses_bf16(tier, act)) {
+    let kernel = if m > GEMV_MAX_M || (m >= bf16_tile_min_m(shape.k()) && uses_bf16(tier, act)) {
         CpuFp8Kernel::PanelGemm
     } else {
         CpuFp8Kernel::Gemv
@@ -161,7 +162,7 @@ fn panel_parts(x: &[f32], parts: &[FusedPart<'_>], outs: &mut [&mut [f32]]) -> R
         for (p, out) in parts.iter().zip(outs.iter_mut()) {
             let s = p.plan.shape;
             if bf16 {
-                // from BF16_TILE_MIN_M rows: each weight tile decoded once, all rows of a
+                // from bf16_tile_min_m rows: each weight tile decoded once, all rows of a
                 // short call in one tile
                 panel_gemm_bf16(tier, &xq, p.w, p.sw, s, out);
             } else {
@@ -450,11 +451,29 @@ pub fn fp8_linear(
     Ok(p.path())
 }
 
-/// From this many rows on, a GEMV call on the AVX512-BF16 tier runs [`panel_gemm_bf16`] (one
-/// tile of at most 16 rows): decoding each weight tile once into L2 and multiplying it with
-/// broadcast weight pairs beats [`gemv_rows_bf16`]'s four-by-two register blocks there (Zen 4,
-/// N = K = 4096: 2.16 vs 2.69 ms at M = 12, 2.19 vs 3.42 ms at M = 16; 2.20 vs 1.87 ms at M = 8).
-pub const BF16_TILE_MIN_M: usize = 10;
+/// From how many rows on a W8A8 call of at most [`GEMV_MAX_M`] rows, with rows of `k` codes,
+/// runs [`panel_gemm_bf16`] on the AVX512-BF16 tier (one tile of 16 rows, the missing ones
+/// zeros) instead of [`gemv_rows_bf16`]'s four-by-two register blocks: from 10 rows, and from 5
+/// for rows of at most 1536 codes, where the GEMV's costs per output (a horizontal sum per
+/// row pair and K-block, a task per 12 weight rows) outweigh the panel's padding. Zen 4,
+/// `linear_time` medians, GEMV against panel: N = K = 4096 1.69 against 2.25 ms at M = 8,
+/// 2.16 against 2.69 at M = 12 (an earlier build); 2048 x 2048 0.64 against 0.71 ms at M = 6;
+/// 1536 x 576 (from memory) 0.153 against 0.149 ms at M = 4, 0.210 against 0.132 at M = 5,
+/// 0.258 against 0.157 at M = 8; 576 x 1536 0.180 against 0.148 ms at M = 6.
+///
+/// ```
+/// use fp8nsa_cpu::linear::bf16_tile_min_m;
+///
+/// assert_eq!(bf16_tile_min_m(576), 5); // SmolLM2's projections
+/// assert_eq!(bf16_tile_min_m(4096), 10);
+/// ```
+pub fn bf16_tile_min_m(k: usize) -> usize {
+    if k <= 1536 {
+        5
+    } else {
+        10
+    }
+}
 
 #[cfg(test)]
 mod tests {
