@@ -278,7 +278,10 @@ pub(super) fn panel_gemm_bf16(
                                 // multiplies (with the decode moved next to the products,
                                 // nothing else overlaps their arrival from memory)
                                 for r in (g + BF16_NR..g + 2 * BF16_NR).take_while(|&r| r < rows) {
-                                    prefetch_lines(&w[(n0 + r) * k + c0..(n0 + r) * k + c1]);
+                                    crate::x86::prefetch_bytes(
+                                        w[(n0 + r) * k + c0..].as_ptr(),
+                                        c1 - c0,
+                                    );
                                 }
                                 let swr: [&[f32]; BF16_NR] = std::array::from_fn(|r| {
                                     let o = ((n0 + g + r).min(n - 1) / s.bn()) * kbs + kb0;
@@ -332,16 +335,6 @@ pub(super) fn panel_gemm_bf16(
     // `uses_bf16` picks this path only on that tier
     let _ = (tier, xq, w, sw, s, out);
     unreachable!("the bf16 panel GEMM runs on the AVX512-BF16 tier only")
-}
-
-/// Prefetches every cache line of `bytes` into L1.
-#[cfg(target_arch = "x86_64")]
-fn prefetch_lines(bytes: &[u8]) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    for line in bytes.chunks(64) {
-        // SAFETY: a prefetch reads nothing architecturally; the address lies inside `bytes`.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
-    }
 }
 
 /// A row-major matrix operand: row `r` starts at `data[r * ld]`.
