@@ -24,6 +24,102 @@ struct Softmax {
     acc: Vec<f32>,
 }
 
+impl Softmax {
+    /// The state before any key.
+    fn new(g: usize, dv: usize) -> Self {
+        Self {
+            m: vec![f32::NEG_INFINITY; g],
+            l: vec![0.0; g],
+            acc: vec![0.0; g * dv],
+        }
+    }
+
+    /// `o [g, dv]`: the weighted sums over the folded keys. A head without keys gives zeros
+    /// (as the selection kernel does); a NaN `l` stays NaN.
+    fn finish(&self, o: &mut [f32]) {
+        let dv = self.acc.len() / self.l.len().max(1);
+        for ((o, a), &l) in o
+            .chunks_exact_mut(dv)
+            .zip(self.acc.chunks_exact(dv))
+            .zip(&self.l)
+        {
+            let inv = if l != 0.0 { 1.0 / l } else { 0.0 };
+            for (o, a) in o.iter_mut().zip(a) {
+                *o = a * inv;
+            }
+        }
+    }
+
+    /// [`Self::finish`] of the states of disjoint key parts of the same queries, each rescaled
+    /// to the largest running max: one fold over all the parts gives the same to rounding. A
+    /// part without keys (`l = 0`) adds nothing; a NaN in any part's max or sum makes its head
+    /// NaN, as in one fold.
+    fn finish_merged(parts: &[Softmax], o: &mut [f32]) {
+        let Some(first) = parts.first() else {
+            return o.fill(0.0);
+        };
+        let (g, dv) = (first.m.len(), o.len() / first.m.len().max(1));
+        for (h, oh) in o.chunks_exact_mut(dv).enumerate().take(g) {
+            let top = parts
+                .iter()
+                .filter(|p| p.l[h] != 0.0)
+                .fold(
+                    f32::NEG_INFINITY,
+                    |a, p| if p.m[h] > a { p.m[h] } else { a },
+                );
+            let mut l = 0f32;
+            oh.fill(0.0);
+            for p in parts.iter().filter(|p| p.l[h] != 0.0) {
+                // a NaN max gives a NaN factor
+                let w = (p.m[h] - top).exp();
+                l += p.l[h] * w;
+                for (o, a) in oh.iter_mut().zip(&p.acc[h * dv..(h + 1) * dv]) {
+                    *o += a * w;
+                }
+            }
+            let inv = if l != 0.0 { 1.0 / l } else { 0.0 };
+            for o in oh.iter_mut() {
+                *o *= inv;
+            }
+        }
+    }
+}
+
+/// Fewest keys per part when a decode step's keys are split between threads
+/// ([`key_parts`]): below this the split's merge and extra tasks cost more than the idle
+/// thread it saves.
+const PART_MIN: usize = 2 * CHUNK;
+
+/// Into how many parts each query unit's `keys` are split (1: not split) when `units` tasks of
+/// equal work would leave threads idle: fewer than four per thread and not a multiple of the
+/// thread count. SmolLM2's three kv heads on two threads keep one thread idle for a third of
+/// the attention; split in two, the six parts go three to each.
+fn key_parts(units: usize, threads: usize, keys: usize) -> usize {
+    if units == 0 || threads <= 1 || units.is_multiple_of(threads) || units >= 4 * threads {
+        return 1;
+    }
+    let gcd = |mut a: usize, mut b: usize| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    (threads / gcd(units, threads)).min(keys / PART_MIN).max(1)
+}
+
+/// Rows `lo..hi` of `parts` near-equal parts of `n` rows, part `p`: boundaries on multiples of
+/// [`CHUNK`] where the parts are long enough, so each part folds whole chunks but its last.
+fn part_rows(n: usize, parts: usize, p: usize) -> (usize, usize) {
+    let at = |i: usize| {
+        if i >= parts {
+            n
+        } else {
+            (n * i / parts) / CHUNK * CHUNK
+        }
+    };
+    (at(p), at(p + 1))
+}
+
 /// Folds keys `kc [c, d]` / values `vc [c, dv]` into the state of the prescaled queries
 /// `q [g, d]`. `scores` is scratch of at least `g * c`.
 #[inline(always)]
@@ -896,18 +992,22 @@ fn attend_causal<T: KeyElem>(
         .find(|&s| t * hkv * s >= threads)
         .unwrap_or(g);
     let hu = g / split;
-    // task u covers query heads u·hu.. of the flattened [t, hq]
-    out.par_chunks_mut(hu * dv).enumerate().for_each(|(u, o)| {
-        let (tok, h) = (u / (hkv * split), u % (hkv * split) / split);
-        let head = HeadRows {
+    // unit u covers query heads u·hu.. of the flattened [t, hq]
+    let units = t * hkv * split;
+    attend_units(
+        units,
+        |u| HeadRows {
             q: &q[u * hu * d..(u + 1) * hu * d],
-            k: k.head(h),
-            v: v.head(h),
+            k: k.head(u % (hkv * split) / split),
+            v: v.head(u % (hkv * split) / split),
             d,
             dv,
-        };
-        head.attend([(0, len - t + tok + 1)], scale, o);
-    });
+        },
+        |u| len - t + u / (hkv * split) + 1,
+        |_, lo, hi| std::iter::once((lo, hi - lo)),
+        scale,
+        out,
+    );
     Ok(())
 }
 
@@ -1225,14 +1325,16 @@ impl<T: KeyElem> HeadRows<'_, T> {
     /// order), folded CHUNK rows at a time by the online softmax of the selection kernel, all
     /// g query heads per chunk; a chunk takes its rows from as many runs (pages) as it needs.
     fn attend(&self, runs: impl IntoIterator<Item = (usize, usize)>, scale: f32, o: &mut [f32]) {
+        self.fold(runs, scale).finish(o)
+    }
+
+    /// [`Self::attend`]'s online-softmax state before the final division (for merging the
+    /// states of key parts folded apart).
+    fn fold(&self, runs: impl IntoIterator<Item = (usize, usize)>, scale: f32) -> Softmax {
         let (d, dv) = (self.d, self.dv);
         let g = self.q.len() / d;
         let qh: Vec<f32> = self.q.iter().map(|x| x * scale).collect();
-        let mut st = Softmax {
-            m: vec![f32::NEG_INFINITY; g],
-            l: vec![0.0; g],
-            acc: vec![0.0; g * dv],
-        };
+        let mut st = Softmax::new(g, dv);
         let mut scores = vec![0f32; g * CHUNK];
         let kernel = fold_kernel(d, dv);
         // rows read in place, a 16-bit cache's converted in the fold's loads
@@ -1262,17 +1364,48 @@ impl<T: KeyElem> HeadRows<'_, T> {
             fold(&rows[1 - cur], &rows[cur][..n], &mut st, &mut scores);
         }
         fold(&rows[cur][..n], &[], &mut st, &mut scores);
-        for ((o, a), &l) in o
-            .chunks_exact_mut(dv)
-            .zip(st.acc.chunks_exact(dv))
-            .zip(&st.l)
-        {
-            // l is 0 only without keys (zeros, as in the selection kernel); a NaN l stays NaN
-            let inv = if l != 0.0 { 1.0 / l } else { 0.0 };
-            for (o, a) in o.iter_mut().zip(a) {
-                *o = a * inv;
-            }
-        }
+        st
+    }
+}
+
+/// `units` decode queries (one token's G query heads of one kv head each) into `out [units,
+/// g·dv]`: `head(u)` is unit `u`'s queries and kv head, `keys(u)` how many rows it sees, and
+/// `runs(u, lo, hi)` where its rows `lo..hi` lie. One task per unit, or, where that would
+/// leave threads idle ([`key_parts`]), per part of a unit's keys, the parts' states merged.
+#[allow(clippy::too_many_arguments)]
+fn attend_units<'a, T, I>(
+    units: usize,
+    head: impl Fn(usize) -> HeadRows<'a, T> + Sync,
+    keys: impl Fn(usize) -> usize + Sync,
+    runs: impl Fn(usize, usize, usize) -> I + Sync,
+    scale: f32,
+    out: &mut [f32],
+) where
+    T: KeyElem + 'a,
+    I: Iterator<Item = (usize, usize)>,
+{
+    if units == 0 {
+        return;
+    }
+    let w = out.len() / units;
+    let most = (0..units).map(&keys).max().unwrap_or(0);
+    let parts = key_parts(units, rayon::current_num_threads(), most);
+    if parts == 1 {
+        out.par_chunks_mut(w).enumerate().for_each(|(u, o)| {
+            head(u).attend(runs(u, 0, keys(u)), scale, o);
+        });
+        return;
+    }
+    let states: Vec<Softmax> = (0..units * parts)
+        .into_par_iter()
+        .map(|i| {
+            let (u, p) = (i / parts, i % parts);
+            let (lo, hi) = part_rows(keys(u), parts, p);
+            head(u).fold(runs(u, lo, hi), scale)
+        })
+        .collect();
+    for (u, o) in out.chunks_exact_mut(w).enumerate() {
+        Softmax::finish_merged(&states[u * parts..(u + 1) * parts], o);
     }
 }
 
@@ -1374,6 +1507,27 @@ pub fn causal_attention_paged<T: KeyElem>(
     attention_paged(q, k, v, dims, page_size, seqs, scale, out, false)
 }
 
+/// The pool rows of a sequence's rows `lo..hi` (`lo <= hi`, within its pages), page by page:
+/// `(first pool row, rows)`.
+fn page_runs(
+    pages: &[usize],
+    page_size: usize,
+    lo: usize,
+    hi: usize,
+) -> impl Iterator<Item = (usize, usize)> + '_ {
+    let first = lo / page_size;
+    let end = if hi > lo {
+        hi.div_ceil(page_size)
+    } else {
+        first
+    };
+    pages[first..end].iter().enumerate().map(move |(i, &page)| {
+        let pi = first + i;
+        let (a, b) = (lo.max(pi * page_size), hi.min((pi + 1) * page_size));
+        (page * page_size + a - pi * page_size, b - a)
+    })
+}
+
 /// [`causal_attention_paged`]; `decode` ([`decode_attention_paged`]: one token each) also
 /// takes sequences of no rows, which give zeros.
 #[allow(clippy::too_many_arguments)]
@@ -1457,31 +1611,23 @@ fn attention_paged<T: KeyElem>(
         }
     }
     let g = hq / hkv;
-    // the pool rows of a sequence's first n rows, page by page
-    fn runs<'p>(
-        pages: &'p [usize],
-        page_size: usize,
-        n: usize,
-    ) -> impl Iterator<Item = (usize, usize)> + 'p {
-        pages[..n.div_ceil(page_size)]
-            .iter()
-            .enumerate()
-            .map(move |(pi, &page)| (page * page_size, page_size.min(n - pi * page_size)))
-    }
     if decode || seqs.iter().all(|s| s.new == 1) {
-        // one token each: one task per sequence and kv head, its G query heads together (as
-        // `decode_attention`), written in place
-        out.par_chunks_mut(g * dv).enumerate().for_each(|(i, o)| {
-            let (s, h) = (&seqs[i / hkv], i % hkv);
-            let head = HeadRows {
+        // one token each: one unit per sequence and kv head, its G query heads together (as
+        // `decode_attention`, split between threads alike), written in place
+        attend_units(
+            seqs.len() * hkv,
+            |i| HeadRows {
                 q: &q[i * g * d..(i + 1) * g * d],
-                k: k.head(h),
-                v: v.head(h),
+                k: k.head(i % hkv),
+                v: v.head(i % hkv),
                 d,
                 dv,
-            };
-            head.attend(runs(s.pages, page_size, s.len), scale, o);
-        });
+            },
+            |i| seqs[i / hkv].len,
+            |i, lo, hi| page_runs(seqs[i / hkv].pages, page_size, lo, hi),
+            scale,
+            out,
+        );
         return Ok(());
     }
     // tasks of a few tokens of one sequence and one kv head: blocked where it runs, else the
@@ -1522,7 +1668,7 @@ fn attention_paged<T: KeyElem>(
                     d,
                     dv,
                 };
-                head.attend(runs(s.pages, page_size, lim0 + i), scale, oi);
+                head.attend(page_runs(s.pages, page_size, 0, lim0 + i), scale, oi);
             }
             o
         })
@@ -1900,6 +2046,166 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// The decode step's keys split between threads (`key_parts`): three kv heads on pools of
+    /// 2 and 4 threads (parts of 2 and 4), contiguous and paged alike, against f64 and against
+    /// the unsplit fold (one thread); lengths at and past the split's minimum and across the
+    /// part boundaries; a NaN key in a later part makes its head NaN and only that head, an
+    /// empty paged sequence gives zeros.
+    #[test]
+    fn split_decode_matches_f64_and_the_unsplit_fold() {
+        use fp8nsa_test_support::{gaussian, rng};
+        let mut r = rng("split_decode_matches_f64_and_the_unsplit_fold");
+        assert_eq!(key_parts(3, 2, 544), 2);
+        assert_eq!(key_parts(3, 4, 544), 4);
+        assert_eq!(key_parts(3, 4, 300), 2); // parts of at least PART_MIN keys
+        assert_eq!(key_parts(3, 2, 255), 1);
+        assert_eq!(key_parts(6, 2, 5000), 1); // already even
+        assert_eq!(key_parts(9, 2, 5000), 1); // enough tasks
+        assert_eq!(part_rows(300, 2, 0), (0, 128));
+        assert_eq!(part_rows(300, 2, 1), (128, 300));
+        let (hq, hkv, d, dv) = (9, 3, 64, 48);
+        let dims = AttnDims::new(hq, hkv, d, dv).unwrap();
+        let pool = |n: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .unwrap()
+        };
+        for len in [255usize, 256, 300, 1000] {
+            let (ps, cap) = (16usize, len.next_multiple_of(16) + 32);
+            let k: Vec<f32> = gaussian(&mut r, hkv * cap * d);
+            let v: Vec<f32> = gaussian(&mut r, hkv * cap * dv);
+            let q: Vec<f32> = gaussian(&mut r, hq * d).iter().map(|x| x * 4.0).collect();
+            let kv = HeadMajor {
+                data: &k[..],
+                head_stride: cap * d,
+            };
+            let vv = HeadMajor {
+                data: &v[..],
+                head_stride: cap * dv,
+            };
+            // the sequence's logical rows in pool pages in reverse order
+            let pages: Vec<usize> = (0..cap / ps).rev().collect();
+            let seq = [PagedSeq { pages: &pages, len }];
+            let pooled = |src: &[f32], w: usize| -> Vec<f32> {
+                let mut o = vec![0f32; src.len()];
+                for h in 0..hkv {
+                    for j in 0..len {
+                        let row = pages[j / ps] * ps + j % ps;
+                        let (from, to) = (h * cap * w + j * w, h * cap * w + row * w);
+                        o[to..to + w].copy_from_slice(&src[from..from + w]);
+                    }
+                }
+                o
+            };
+            let (kp, vp) = (pooled(&k, d), pooled(&v, dv));
+            let kpv = HeadMajor {
+                data: &kp[..],
+                head_stride: cap * d,
+            };
+            let vpv = HeadMajor {
+                data: &vp[..],
+                head_stride: cap * dv,
+            };
+            let scale = 1.0 / 8.0;
+            let run = |threads: usize| {
+                pool(threads).install(|| {
+                    let mut a = vec![f32::NAN; hq * dv];
+                    decode_attention(&q, kv, vv, dims, len, scale, &mut a).unwrap();
+                    let mut b = vec![f32::NAN; hq * dv];
+                    decode_attention_paged(&q, kpv, vpv, dims, ps, &seq, scale, &mut b).unwrap();
+                    (a, b)
+                })
+            };
+            let (one, one_paged) = run(1);
+            assert_eq!(
+                one, one_paged,
+                "len {len}: paged against contiguous, one thread"
+            );
+            for threads in [2usize, 4] {
+                let (a, b) = run(threads);
+                assert_eq!(
+                    a, b,
+                    "len {len}, {threads} threads: paged against contiguous"
+                );
+                for h in 0..hq {
+                    let rows: Vec<usize> = (0..len).collect();
+                    let kvh = h / (hq / hkv);
+                    let want = f64_attention(
+                        &q[h * d..(h + 1) * d],
+                        &k,
+                        &v,
+                        (kvh * cap, dv),
+                        &rows,
+                        scale,
+                    );
+                    for (c, w) in want.iter().enumerate() {
+                        let (got, unsplit) = (a[h * dv + c], one[h * dv + c]);
+                        assert!(
+                            (got as f64 - w).abs() < 1e-5 && (got - unsplit).abs() < 1e-5,
+                            "len {len}, {threads} threads, head {h} col {c}: {got} vs {w} \
+                             (unsplit {unsplit})"
+                        );
+                    }
+                }
+            }
+        }
+        // a NaN key in the second half of kv head 1: its three query heads NaN, the rest not
+        let len = 600;
+        let cap = len;
+        let mut k: Vec<f32> = gaussian(&mut r, hkv * cap * d);
+        let v: Vec<f32> = gaussian(&mut r, hkv * cap * dv);
+        k[cap * d + 500 * d + 3] = f32::NAN;
+        let q: Vec<f32> = gaussian(&mut r, hq * d);
+        let kv = HeadMajor {
+            data: &k[..],
+            head_stride: cap * d,
+        };
+        let vv = HeadMajor {
+            data: &v[..],
+            head_stride: cap * dv,
+        };
+        let mut o = vec![0f32; hq * dv];
+        pool(2).install(|| decode_attention(&q, kv, vv, dims, len, 0.1, &mut o).unwrap());
+        for h in 0..hq {
+            let nan = o[h * dv..(h + 1) * dv].iter().all(|x| x.is_nan());
+            let finite = o[h * dv..(h + 1) * dv].iter().all(|x| x.is_finite());
+            assert!(if h / 3 == 1 { nan } else { finite }, "head {h}");
+        }
+        // an empty sequence beside a long one: zeros for it, the long one as alone
+        let pages: Vec<usize> = (0..cap / 8).collect();
+        let seqs = [
+            PagedSeq {
+                pages: &pages,
+                len: 0,
+            },
+            PagedSeq {
+                pages: &pages,
+                len: 400,
+            },
+        ];
+        let q2: Vec<f32> = gaussian(&mut r, 2 * hq * d);
+        let k2: Vec<f32> = gaussian(&mut r, hkv * cap * d);
+        let kv = HeadMajor {
+            data: &k2[..],
+            head_stride: cap * d,
+        };
+        let vv = HeadMajor {
+            data: &v[..],
+            head_stride: cap * dv,
+        };
+        let (mut both, mut alone) = (vec![f32::NAN; 2 * hq * dv], vec![f32::NAN; hq * dv]);
+        pool(4).install(|| {
+            decode_attention_paged(&q2, kv, vv, dims, 8, &seqs, 0.1, &mut both).unwrap();
+            decode_attention_paged(&q2[hq * d..], kv, vv, dims, 8, &seqs[1..], 0.1, &mut alone)
+                .unwrap();
+        });
+        assert!(both[..hq * dv].iter().all(|&x| x == 0.0));
+        for (a, b) in both[hq * dv..].iter().zip(&alone) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
         }
     }
 
