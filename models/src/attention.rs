@@ -258,29 +258,37 @@ impl KvBuf {
     /// up to them as `[B, Hkv, len + T, D]` views. The new positions count only after
     /// [`AttnCache::commit`].
     fn append(&mut self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (kt, vt) = (
-            k.transpose(1, 2)?.contiguous()?.to_dtype(self.dtype)?,
-            v.transpose(1, 2)?.contiguous()?.to_dtype(self.dtype)?,
-        );
-        let t = kt.dims()[2];
+        let (b, t, hkv, d) = k.dims4()?;
+        let dv = v.dims4()?.3;
         let need = self.len + t;
         let cap = self.kv.as_ref().map_or(0, |(k, _)| k.dims()[2]);
         if need > cap {
-            let mut dims = kt.dims().to_vec();
-            dims[2] = need.max(2 * cap).max(64);
-            let grow = |old: Option<&Tensor>, like: &Tensor| -> Result<Tensor> {
-                let buf = Tensor::zeros(dims.as_slice(), like.dtype(), like.device())?;
+            // twice what is needed: a prompt's first decode step does not grow it again
+            let rows = need.saturating_mul(2).max(64);
+            let grow = |old: Option<&Tensor>, w: usize| -> Result<Tensor> {
+                let buf = crate::paged::zeros_now((b, hkv, rows, w), self.dtype, k.device())?;
                 if let Some(old) = old {
                     buf.slice_set(&old.narrow(2, 0, self.len)?.contiguous()?, 2, 0)?;
                 }
                 Ok(buf)
             };
             let old = self.kv.as_ref();
-            self.kv = Some((grow(old.map(|p| &p.0), &kt)?, grow(old.map(|p| &p.1), &vt)?));
+            self.kv = Some((grow(old.map(|p| &p.0), d)?, grow(old.map(|p| &p.1), dv)?));
         }
         let (kb, vb) = self.kv.as_ref().expect("allocated above");
-        kb.slice_set(&kt, 2, self.len)?;
-        vb.slice_set(&vt, 2, self.len)?;
+        if b == 1 && k.dtype() == DType::F32 && v.dtype() == DType::F32 {
+            // the new rows written in place, rounded once for a 16-bit cache
+            let rows: Vec<usize> = (self.len..need).collect();
+            fp8nsa_ops::nsa::write_rows(kb, k, &rows)?;
+            fp8nsa_ops::nsa::write_rows(vb, v, &rows)?;
+        } else {
+            let (kt, vt) = (
+                k.transpose(1, 2)?.contiguous()?.to_dtype(self.dtype)?,
+                v.transpose(1, 2)?.contiguous()?.to_dtype(self.dtype)?,
+            );
+            kb.slice_set(&kt, 2, self.len)?;
+            vb.slice_set(&vt, 2, self.len)?;
+        }
         Ok((kb.narrow(2, 0, need)?, vb.narrow(2, 0, need)?))
     }
 }
@@ -462,17 +470,7 @@ impl Attention {
         {
             // every new token (a decode step's one, a prefill chunk's many) attends through one
             // paged kernel reading the pages in place, each over the rows up to its own
-            let mut off = 0;
-            for (&(pos, t), seq) in segs.iter().zip(seqs.iter_mut()) {
-                pool.write(
-                    layer,
-                    seq,
-                    pos,
-                    &k.narrow(1, off, t)?,
-                    &v.narrow(1, off, t)?,
-                )?;
-                off += t;
-            }
+            pool.write_all(layer, seqs, segs, &k, &v)?;
             let mut lists: Vec<&[usize]> = Vec::with_capacity(segs.len());
             let mut kv = None;
             for seq in seqs.iter() {

@@ -18,6 +18,16 @@ pub(crate) fn contiguous<'a, T>(arg: &'static str, v: &'a [T], l: &Layout) -> Re
     Ok(&v[a..b])
 }
 
+/// The elements of a contiguous layout over `v`, to write in place.
+pub(crate) fn contiguous_mut<'a, T>(
+    arg: &'static str,
+    v: &'a mut [T],
+    l: &Layout,
+) -> Result<&'a mut [T]> {
+    let (a, b) = offsets(arg, l)?;
+    Ok(&mut v[a..b])
+}
+
 /// The float tensor as f32, borrowed when it already is f32.
 pub(crate) fn f32_slice<'a>(
     arg: &'static str,

@@ -9,7 +9,7 @@
 //! `WEIGHTS` (default 1) distinct weights are cycled through: 1 keeps the weight in cache and
 //! times the arithmetic; enough of them to exceed the last-level cache (e.g. 100 of
 //! 1536 x 576) read each call's codes from memory, as a model's step does. Prints the best of
-//! five rounds of 40 calls.
+//! five rounds of 40 calls (`CALLS=n` for n, e.g. many more under `perf`).
 
 use std::time::Instant;
 
@@ -55,7 +55,7 @@ fn main() -> Res<()> {
         .map(|_| (rnd() % 1000) as f32 * 0.001 - 0.5)
         .collect();
     let mut y = vec![0f32; m * n];
-    let calls = 40;
+    let calls: usize = std::env::var("CALLS").map_or(Ok(40), |v| v.parse())?;
     let mut best = f64::MAX;
     for round in 0..5 {
         let t = Instant::now();

@@ -656,6 +656,10 @@ pub trait KeyElem: Copy + Into<f32> + Send + Sync + Lanes {
         dst.resize(n + src.len(), 0.0);
         Self::copy_f32(src, &mut dst[n..]);
     }
+
+    /// `src` rounded to this type (to nearest, ties to even: as Candle's `to_dtype`) into `dst`
+    /// (of the same length).
+    fn copy_from_f32(src: &[f32], dst: &mut [Self]);
 }
 
 impl KeyElem for f32 {
@@ -666,11 +670,20 @@ impl KeyElem for f32 {
     fn copy_f32(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
+
+    fn copy_from_f32(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
 }
 
 impl KeyElem for half::bf16 {
     fn as_f32(_: &[Self]) -> Option<&[f32]> {
         None
+    }
+
+    fn copy_from_f32(src: &[f32], dst: &mut [Self]) {
+        use half::slice::HalfFloatSliceExt;
+        dst.convert_from_f32_slice(src);
     }
 }
 
@@ -684,6 +697,63 @@ impl KeyElem for half::f16 {
         // the slice form converts 8 at a time with F16C where the CPU has it
         src.convert_to_f32_slice(dst);
     }
+
+    fn copy_from_f32(src: &[f32], dst: &mut [Self]) {
+        use half::slice::HalfFloatSliceExt;
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+/// Writes new tokens' keys (or values) into a head-major cache or page pool, in place, each
+/// rounded once to the pool's type: `src [t, h, w]` (token-major f32, as a projection gives
+/// them, `t = rows.len()`) goes to row `rows[i]` of every head of `dst` (head `hh` from
+/// `hh · head_stride`, row `r` at `r · w` within it), the layout [`HeadMajor`] reads. One
+/// pass, no transposed copy. A row past a head's `head_stride`, or a `dst` too short for the
+/// last head's rows, is [`Error::Invalid`] and nothing is written.
+///
+/// ```
+/// use fp8nsa_cpu::nsa::write_rows;
+///
+/// // a pool of 2 heads x 3 rows of width 2; one new token (2 heads) to row 1
+/// let mut pool = [0f32; 12];
+/// write_rows(&[1.0, 2.0, 3.0, 4.0], 2, 2, &[1], &mut pool, 6)?;
+/// assert_eq!(pool, [0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 3.0, 4.0, 0.0, 0.0]);
+/// assert!(write_rows(&[1.0; 4], 2, 2, &[3], &mut pool, 6).is_err()); // row 3 of 3
+/// # Ok::<(), fp8nsa_cpu::Error>(())
+/// ```
+pub fn write_rows<T: KeyElem>(
+    src: &[f32],
+    h: usize,
+    w: usize,
+    rows: &[usize],
+    dst: &mut [T],
+    head_stride: usize,
+) -> Result<()> {
+    check_positive("h", h)?;
+    check_positive("w", w)?;
+    check_len("src", src.len(), product("src", &[rows.len(), h, w])?)?;
+    let Some(&top) = rows.iter().max() else {
+        return Ok(());
+    };
+    let end = product("rows", &[top + 1, w])?;
+    let need = product("dst", &[h - 1, head_stride])?.checked_add(end);
+    if end > head_stride || need.is_none_or(|n| dst.len() < n) {
+        return Err(Error::Invalid {
+            arg: "rows",
+            msg: format!(
+                "row {top} of width {w} in {h} heads {head_stride} apart: {need:?} values, \
+                 the pool holds {}",
+                dst.len()
+            ),
+        });
+    }
+    for (&r, tok) in rows.iter().zip(src.chunks_exact(h * w)) {
+        for (hh, x) in tok.chunks_exact(w).enumerate() {
+            let at = hh * head_stride + r * w;
+            T::copy_from_f32(x, &mut dst[at..at + w]);
+        }
+    }
+    Ok(())
 }
 
 /// Query heads `heads` of one token; `o [heads, dv]`, `lse [heads]`.
@@ -2047,6 +2117,86 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Rows written in place, rounded as `half` rounds each value (to nearest, ties to even,
+    /// NaN and infinities kept), at scattered rows of a pool whose heads are further apart
+    /// than their rows; nothing else changes; a row past a head, or a pool too short for the
+    /// last head, is an error that writes nothing.
+    #[test]
+    fn write_rows_rounds_each_value_once_in_place() {
+        use fp8nsa_test_support::{gaussian, rng};
+        let mut r = rng("write_rows_rounds_each_value_once_in_place");
+        let (h, w, stride) = (3usize, 20usize, 7 * 20 + 5);
+        let rows = [6usize, 0, 2];
+        let mut src: Vec<f32> = gaussian(&mut r, rows.len() * h * w)
+            .iter()
+            .map(|x| x * 1e3)
+            .collect();
+        src[1] = f32::NAN;
+        src[2] = f32::INFINITY;
+        src[3] = 1e-8; // f16 subnormal
+        fn check<T: KeyElem + PartialEq + std::fmt::Debug>(
+            src: &[f32],
+            h: usize,
+            w: usize,
+            stride: usize,
+            rows: &[usize],
+            conv: fn(f32) -> T,
+            fill: T,
+        ) {
+            let mut pool = vec![fill; (h - 1) * stride + 7 * w];
+            write_rows(src, h, w, rows, &mut pool, stride).unwrap();
+            let mut want = vec![fill; pool.len()];
+            for (i, &row) in rows.iter().enumerate() {
+                for hh in 0..h {
+                    for c in 0..w {
+                        want[hh * stride + row * w + c] = conv(src[(i * h + hh) * w + c]);
+                    }
+                }
+            }
+            let same = |a: &T, b: &T| a == b || (a.into_f32().is_nan() && b.into_f32().is_nan());
+            assert!(pool.iter().zip(&want).all(|(a, b)| same(a, b)));
+            let before = pool.clone();
+            let e = write_rows(src, h, w, &[6, 0, 7], &mut pool, stride).unwrap_err();
+            assert!(matches!(e, Error::Invalid { arg: "rows", .. }), "{e:?}");
+            let short = pool.len() - 1;
+            let e = write_rows(src, h, w, rows, &mut pool[..short], stride).unwrap_err();
+            assert!(matches!(e, Error::Invalid { arg: "rows", .. }), "{e:?}");
+            let e = write_rows(&src[1..], h, w, rows, &mut pool, stride).unwrap_err();
+            assert!(matches!(e, Error::Shape { arg: "src", .. }), "{e:?}");
+            assert!(pool.iter().zip(&before).all(|(a, b)| same(a, b)));
+        }
+        trait IntoF32 {
+            fn into_f32(self) -> f32;
+        }
+        impl<T: Into<f32>> IntoF32 for &T
+        where
+            T: Copy,
+        {
+            fn into_f32(self) -> f32 {
+                (*self).into()
+            }
+        }
+        check(&src, h, w, stride, &rows, |x| x, -1f32);
+        check(
+            &src,
+            h,
+            w,
+            stride,
+            &rows,
+            half::f16::from_f32,
+            half::f16::from_f32(-1.0),
+        );
+        check(
+            &src,
+            h,
+            w,
+            stride,
+            &rows,
+            half::bf16::from_f32,
+            half::bf16::from_f32(-1.0),
+        );
     }
 
     /// The decode step's keys split between threads (`key_parts`): three kv heads on pools of

@@ -5,12 +5,12 @@
 //! computed, then discarded).
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp3, Device, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Device, InplaceOp2, Layout, Shape, Tensor};
 use fp8nsa_cpu::nsa::HeadMajor;
 use fp8nsa_types::AttnDims;
 
 use crate::error::{invalid, shape_err, Error, Result};
-use crate::storage::{contiguous, ParkedError};
+use crate::storage::{contiguous, contiguous_mut, ParkedError};
 
 /// `o [B, Hq, Dv] = softmax(scale · q kᵀ) v` for one query token per sequence, every key
 /// visible: `q [B, Hq, D]`, `k [B, Hkv, Tk, D]` and `v [B, Hkv, Tk, Dv]` CPU tensors (`q`
@@ -164,6 +164,149 @@ macro_rules! with_kv {
             }),
         }
     };
+}
+
+/// Writes new tokens' keys or values into a head-major cache or page pool in place, each
+/// rounded once to the pool's type: `src [T, Hkv, W]` (or `[1, T, Hkv, W]`; f32, token-major,
+/// as a projection gives them) goes to row `rows[i]` of every head of `dst [Hkv, R, W]` (or
+/// `[1, Hkv, R, W]`; f32, f16 or bf16, contiguous), the layout [`causal_attention`] and
+/// [`decode_attention_paged`] read. On the CPU one pass over the new rows
+/// (`fp8nsa_cpu::nsa::write_rows`) instead of a transposed, converted copy and a copy per run
+/// of rows; elsewhere those Candle copies. A row past `R` is [`Error::Invalid`] and nothing is
+/// written.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+/// use fp8nsa_ops::nsa::write_rows;
+///
+/// let dev = Device::Cpu;
+/// let pool = Tensor::zeros((2, 8, 4), DType::F16, &dev)?; // 2 kv heads, 8 rows of 4
+/// let k = Tensor::randn(0f32, 1.0, (3, 2, 4), &dev)?; // 3 new tokens
+/// write_rows(&pool, &k, &[5, 6, 1])?;
+/// // token 2, head 1 is row 1 of head 1, rounded to f16
+/// let got = pool.get(1)?.get(1)?.to_dtype(DType::F32)?;
+/// let want = k.get(2)?.get(1)?.to_dtype(DType::F16)?.to_dtype(DType::F32)?;
+/// assert_eq!(got.to_vec1::<f32>()?, want.to_vec1::<f32>()?);
+/// assert!(write_rows(&pool, &k, &[5, 6, 8]).is_err()); // row 8 of 8
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn write_rows(dst: &Tensor, src: &Tensor, rows: &[usize]) -> Result<()> {
+    let (h, r, w) = match *dst.dims() {
+        [h, r, w] | [1, h, r, w] => (h, r, w),
+        _ => {
+            return Err(shape_err(
+                "dst",
+                "[Hkv, R, W] or [1, Hkv, R, W]",
+                dst.dims(),
+            ))
+        }
+    };
+    let want = format!(
+        "[{}, {h}, {w}] (one row per token, dst's heads and width)",
+        rows.len()
+    );
+    let t = match *src.dims() {
+        [t, sh, sw] | [1, t, sh, sw] if (t, sh, sw) == (rows.len(), h, w) => t,
+        _ => return Err(shape_err("src", want, src.dims())),
+    };
+    if src.dtype() != DType::F32 {
+        return Err(Error::DType {
+            arg: "src",
+            expected: "f32",
+            got: src.dtype(),
+        });
+    }
+    if !matches!(dst.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        return Err(Error::DType {
+            arg: "dst",
+            expected: "f32, f16 or bf16",
+            got: dst.dtype(),
+        });
+    }
+    if let Some(&bad) = rows.iter().find(|&&x| x >= r) {
+        return Err(invalid("rows", format!("row {bad} of a pool of {r} rows")));
+    }
+    if t == 0 {
+        return Ok(());
+    }
+    if dst.device().is_cpu() && src.device().is_cpu() {
+        let op = WriteRowsOp {
+            h,
+            w,
+            rows,
+            err: ParkedError::new(),
+        };
+        return dst
+            .inplace_op2(&src.contiguous()?, &op)
+            .map_err(|e| op.err.or(e));
+    }
+    // [Hkv, T, W] in the pool's type, then one copy per run of consecutive rows
+    let pool = dst.reshape((h, r, w))?;
+    let st = src
+        .reshape((t, h, w))?
+        .transpose(0, 1)?
+        .to_dtype(dst.dtype())?
+        .contiguous()?;
+    let mut i = 0;
+    while i < t {
+        let mut j = i + 1;
+        while j < t && rows[j] == rows[j - 1] + 1 {
+            j += 1;
+        }
+        pool.slice_set(&st.narrow(1, i, j - i)?.contiguous()?, 1, rows[i])?;
+        i = j;
+    }
+    Ok(())
+}
+
+struct WriteRowsOp<'a> {
+    h: usize,
+    w: usize,
+    rows: &'a [usize],
+    err: ParkedError,
+}
+
+impl InplaceOp2 for WriteRowsOp<'_> {
+    fn name(&self) -> &'static str {
+        "fp8nsa-write-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        ds: &mut CpuStorage,
+        dl: &Layout,
+        ss: &CpuStorage,
+        sl: &Layout,
+    ) -> candle_core::Result<()> {
+        self.err.park((|| {
+            let src = contiguous("src", f32s("src", ss)?, sl)?;
+            // the pool's rows per head: its last two dims
+            let stride = dl.dims()[dl.dims().len() - 2] * self.w;
+            let (h, w, rows) = (self.h, self.w, self.rows);
+            match ds {
+                CpuStorage::F32(d) => {
+                    let d = contiguous_mut("dst", d, dl)?;
+                    fp8nsa_cpu::nsa::write_rows(src, h, w, rows, d, stride)?
+                }
+                CpuStorage::F16(d) => {
+                    let d = contiguous_mut("dst", d, dl)?;
+                    fp8nsa_cpu::nsa::write_rows(src, h, w, rows, d, stride)?
+                }
+                CpuStorage::BF16(d) => {
+                    let d = contiguous_mut("dst", d, dl)?;
+                    fp8nsa_cpu::nsa::write_rows(src, h, w, rows, d, stride)?
+                }
+                other => {
+                    return Err(Error::DType {
+                        arg: "dst",
+                        expected: "f32, f16 or bf16",
+                        got: other.dtype(),
+                    })
+                }
+            }
+            Ok(())
+        })())
+    }
 }
 
 /// The rows of `t`'s batch entries as [`HeadMajor`] views, checked to be dense per row.
@@ -505,6 +648,95 @@ impl PagedDecodeOp {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// New rows written in place equal Candle's transposed, converted copy of them (f32, f16,
+    /// bf16 pools; the `[1, ..]` forms; rows in any order across pages); the rest of the pool
+    /// is untouched; bad shapes, types and rows are typed errors that write nothing.
+    #[test]
+    fn write_rows_equals_candle_copies() {
+        let dev = Device::Cpu;
+        let (h, r, w, t) = (3usize, 40usize, 16usize, 5usize);
+        let rows = [17usize, 3, 4, 39, 0];
+        let src = Tensor::randn(0f32, 10.0, (t, h, w), &dev).unwrap();
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let base = Tensor::randn(0f32, 1.0, (h, r, w), &dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let pool = base.copy().unwrap();
+            write_rows(&pool, &src, &rows).unwrap();
+            // the same through Candle: each token's [H, 1, W] converted, set at its row
+            let want = base.copy().unwrap();
+            for (i, &row) in rows.iter().enumerate() {
+                let x = src.narrow(0, i, 1).unwrap().transpose(0, 1).unwrap();
+                want.slice_set(&x.to_dtype(dtype).unwrap().contiguous().unwrap(), 1, row)
+                    .unwrap();
+            }
+            let flat = |x: &Tensor| {
+                x.to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            };
+            assert_eq!(flat(&pool), flat(&want), "{dtype:?}");
+            // a [1, Hkv, R, W] pool and [1, T, Hkv, W] rows alike
+            let pool4 = base.unsqueeze(0).unwrap().copy().unwrap();
+            write_rows(&pool4, &src.unsqueeze(0).unwrap(), &rows).unwrap();
+            assert_eq!(flat(&pool4), flat(&want), "{dtype:?}, 4-d");
+            // errors, and nothing written
+            let before = flat(&pool);
+            let bad = [
+                write_rows(&pool, &src, &[1, 2, 3, 4, 40]),
+                write_rows(&pool, &src, &rows[..4]),
+                write_rows(&pool, &src.narrow(2, 0, 8).unwrap(), &rows),
+                write_rows(&pool.narrow(1, 0, 10).unwrap(), &src, &[1, 2, 3, 4, 5]),
+                write_rows(&pool, &src.to_dtype(DType::F16).unwrap(), &rows),
+                write_rows(
+                    &Tensor::zeros((h, r, w), DType::U32, &dev).unwrap(),
+                    &src,
+                    &rows,
+                ),
+            ];
+            assert!(
+                matches!(&bad[0], Err(Error::Invalid { arg: "rows", .. })),
+                "{:?}",
+                bad[0]
+            );
+            assert!(
+                matches!(&bad[1], Err(Error::Shape { arg: "src", .. })),
+                "{:?}",
+                bad[1]
+            );
+            assert!(
+                matches!(&bad[2], Err(Error::Shape { arg: "src", .. })),
+                "{:?}",
+                bad[2]
+            );
+            // a strided view of a pool is not written through
+            assert!(
+                matches!(&bad[3], Err(Error::Invalid { arg: "dst", .. })),
+                "{:?}",
+                bad[3]
+            );
+            assert!(
+                matches!(&bad[4], Err(Error::DType { arg: "src", .. })),
+                "{:?}",
+                bad[4]
+            );
+            assert!(
+                matches!(&bad[5], Err(Error::DType { arg: "dst", .. })),
+                "{:?}",
+                bad[5]
+            );
+            assert_eq!(
+                flat(&pool),
+                before,
+                "{dtype:?}: a failed write changed the pool"
+            );
+        }
+    }
 
     /// f16 and bf16 caches and pools give what f32 ones holding the same values give, bit for
     /// bit; k and v of different types, or an integer cache, are typed errors.

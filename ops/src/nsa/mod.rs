@@ -40,7 +40,7 @@ pub use attention::{
 pub use compress::{Compressor, MlpCompressor};
 pub use config::{CompressorKind, NsaConfig};
 pub use decode::{
-    causal_attention, causal_attention_paged, decode_attention, decode_attention_paged,
+    causal_attention, causal_attention_paged, decode_attention, decode_attention_paged, write_rows,
 };
 pub use dsa::index_scores;
 pub use layer::{AttnDims, Gates, NativeSparseAttention, NsaDims, NsaOutput};
