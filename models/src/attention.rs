@@ -104,21 +104,21 @@ impl Rope {
         Ok(((f.cos()? * attn_factor)?, (f.sin()? * attn_factor)?))
     }
 
-    /// `(cos, sin)` for positions `pos..pos + t`, growing the tables if needed.
-    fn rows(&self, pos: usize, t: usize) -> Result<(Tensor, Tensor)> {
-        let end = pos
-            .checked_add(t)
-            .filter(|&e| e <= self.max)
-            .ok_or_else(|| {
-                invalid(
-                    "position",
-                    format!("{pos} + {t} exceeds max_position_embeddings = {}", self.max),
-                )
-            })?;
+    /// The `(cos, sin)` tables, grown if needed to cover positions `0..end`.
+    fn tables(&self, end: usize) -> Result<(Tensor, Tensor)> {
+        if end > self.max {
+            return Err(invalid(
+                "position",
+                format!(
+                    "position {end} exceeds max_position_embeddings = {}",
+                    self.max
+                ),
+            ));
+        }
         {
             let (cos, sin) = &*self.tables.read().unwrap_or_else(|e| e.into_inner());
             if cos.dims()[0] >= end {
-                return Ok((cos.narrow(0, pos, t)?, sin.narrow(0, pos, t)?));
+                return Ok((cos.clone(), sin.clone()));
             }
         }
         let mut tables = self.tables.write().unwrap_or_else(|e| e.into_inner());
@@ -126,47 +126,39 @@ impl Rope {
             let len = end.max(2 * tables.0.dims()[0]).min(self.max);
             *tables = Self::build(&self.inv, self.attn_factor, len)?;
         }
-        Ok((tables.0.narrow(0, pos, t)?, tables.1.narrow(0, pos, t)?))
+        Ok(tables.clone())
     }
 
     /// Rotates `x [B, T, H, D]` for positions `pos..pos + T`.
     pub(crate) fn apply(&self, x: &Tensor, pos: usize) -> Result<Tensor> {
-        let (cos, sin) = self.rows(pos, x.dims()[1])?;
-        self.rotate(x, &cos, &sin)
+        let (b, t) = (x.dims()[0], x.dims()[1]);
+        let end = pos
+            .checked_add(t)
+            .ok_or_else(|| invalid("position", format!("{pos} + {t} overflows")))?;
+        let positions: Vec<usize> = (0..b).flat_map(|_| pos..end).collect();
+        self.rotate(x, &positions, end)
     }
 
     /// Rotates `x [1, M, H, D]` whose rows are runs of positions `segs` (`(pos, len)` per
     /// sequence of a ragged batch).
     pub(crate) fn apply_segments(&self, x: &Tensor, segs: &[(usize, usize)]) -> Result<Tensor> {
-        if let [(pos, _)] = segs {
-            return self.apply(x, *pos);
-        }
-        let (mut cs, mut ss) = (
-            Vec::with_capacity(segs.len()),
-            Vec::with_capacity(segs.len()),
-        );
+        let mut end = 0;
         for &(pos, t) in segs {
-            let (c, s) = self.rows(pos, t)?;
-            cs.push(c);
-            ss.push(s);
+            let e = pos
+                .checked_add(t)
+                .ok_or_else(|| invalid("position", format!("{pos} + {t} overflows")))?;
+            end = end.max(e);
         }
-        self.rotate(x, &Tensor::cat(&cs, 0)?, &Tensor::cat(&ss, 0)?)
+        let positions: Vec<usize> = segs.iter().flat_map(|&(p, t)| p..p + t).collect();
+        self.rotate(x, &positions, end)
     }
 
-    fn rotate(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        // the tables live on the host; a model on another device takes its rows there
-        let (cos, sin) = if x.device().same_device(cos.device()) {
-            (cos.clone(), sin.clone())
-        } else {
-            (cos.to_device(x.device())?, sin.to_device(x.device())?)
-        };
-        let (cos, sin) = (&cos, &sin);
-        let xh = x.transpose(1, 2)?.contiguous()?;
-        let y = match self.style {
-            RopeStyle::Half => candle_nn::rotary_emb::rope(&xh, cos, sin)?,
-            RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&xh, cos, sin)?,
-        };
-        Ok(y.transpose(1, 2)?.contiguous()?)
+    /// `x`'s tokens rotated at `positions` (all below `end`), in one op with no transposes on
+    /// the CPU (`fp8nsa_ops::rope`; the tables live on the host, and a model on another device
+    /// gets the rows it needs moved there).
+    fn rotate(&self, x: &Tensor, positions: &[usize], end: usize) -> Result<Tensor> {
+        let (cos, sin) = self.tables(end)?;
+        Ok(fp8nsa_ops::rope(x, &cos, &sin, positions, self.style)?)
     }
 }
 

@@ -6,14 +6,7 @@ use crate::linear::LinearKind;
 use crate::rope::RopeScaling;
 use crate::weights::Weights;
 
-/// How rotary embeddings pair the dimensions of a head: GGUF files store q/k permuted for
-/// interleaved pairs `(0, 1), (2, 3), ..`; Hugging Face checkpoints use halves `(i, i + D/2)`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum RopeStyle {
-    #[default]
-    Half,
-    Interleaved,
-}
+pub use fp8nsa_types::RopeStyle;
 
 /// The architecture of a Llama-family model (Hugging Face `config.json` field names).
 #[derive(Clone, Debug, PartialEq, Deserialize)]

@@ -22,6 +22,7 @@ mod error;
 pub mod fp8;
 pub mod nsa;
 pub mod reference;
+mod rope;
 mod storage;
 
 pub use act::{residual_add, silu_mul};
@@ -32,4 +33,5 @@ pub use fp8::{
     ActQuant, Fp8BlockWeight, Fp8Experts, Fp8Linear, Fp8Moe, Fp8Path, MoeRouter, Routing,
     ScaleDType,
 };
-pub use fp8nsa_types::{CudaFp8Kernel, CudaFp8Path, MmaTile, Settings, TpuKernel};
+pub use fp8nsa_types::{CudaFp8Kernel, CudaFp8Path, MmaTile, RopeStyle, Settings, TpuKernel};
+pub use rope::rope;

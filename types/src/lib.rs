@@ -22,6 +22,7 @@ mod act;
 mod error;
 mod kernel;
 mod python;
+mod rope;
 mod scale;
 mod selection;
 mod settings;
@@ -34,6 +35,7 @@ pub use kernel::{
     BackendKind, CpuFp8Kernel, CpuFp8Path, CudaFp8Kernel, CudaFp8Path, MmaTile, TpuKernel,
 };
 pub use python::{find_python_package_file, python_site_dirs, XLA_CPU_PLUGIN};
+pub use rope::RopeStyle;
 pub use scale::ScaleDType;
 pub use selection::{EntryIssue, Spans};
 pub use settings::{

@@ -29,6 +29,7 @@ pub mod linear;
 pub mod nsa;
 pub mod nsa_select;
 pub mod quant;
+pub mod rope;
 mod scratch;
 pub mod simd;
 #[cfg(target_arch = "x86_64")]
