@@ -508,18 +508,18 @@ impl Llama {
         let ids = Tensor::from_vec(tokens.to_vec(), (1, t), self.embed.embeddings().device())?;
         let mut x = self.embed.forward(&ids)?;
         let _span = tracing::debug_span!("fp8nsa::llama_forward", t, pos = cache.pos).entered();
-        for (b, c) in self.blocks.iter().zip(cache.layers.iter_mut()) {
-            let h = b
-                .attn
-                .forward(&b.ln1.forward(&x)?, cache.pos, &self.rope, c)?;
-            x = fp8nsa_ops::residual_add(&x, &h)?;
-            let m = b.mlp.forward(&b.ln2.forward(&x)?)?;
-            x = fp8nsa_ops::residual_add(&x, &m)?;
+        // each residual add runs with the norm after it: the next layer's, the last the model's
+        let mut normed = self.first_norm().forward(&x)?;
+        for (i, (b, c)) in self.blocks.iter().zip(cache.layers.iter_mut()).enumerate() {
+            let h = b.attn.forward(&normed, cache.pos, &self.rope, c)?;
+            let (x1, n2) = add_norm(&x, &h, &b.ln2)?;
+            let m = b.mlp.forward(&n2)?;
+            (x, normed) = add_norm(&x1, &m, self.norm_after(i))?;
         }
         if which == Logits::Last {
-            x = x.narrow(1, t - 1, 1)?;
+            normed = normed.narrow(1, t - 1, 1)?;
         }
-        let logits = self.lm_head.forward(&self.norm.forward(&x)?)?.squeeze(0)?;
+        let logits = self.lm_head.forward(&normed)?.squeeze(0)?;
         // the whole step succeeded: the positions each layer wrote now count
         for c in cache.layers.iter_mut() {
             c.commit(t);
@@ -527,6 +527,28 @@ impl Llama {
         cache.pos += t;
         Ok(logits)
     }
+}
+
+impl Llama {
+    /// The norm before layer 0's attention (the model's own without layers).
+    fn first_norm(&self) -> &RmsNorm {
+        self.blocks.first().map_or(&self.norm, |b| &b.ln1)
+    }
+
+    /// The norm after layer `i`'s residual stream: the next layer's first, the model's last.
+    fn norm_after(&self, i: usize) -> &RmsNorm {
+        self.blocks.get(i + 1).map_or(&self.norm, |b| &b.ln1)
+    }
+}
+
+/// `(x + h, norm(x + h))` in one op (`fp8nsa_ops::add_rms_norm`).
+fn add_norm(x: &Tensor, h: &Tensor, norm: &RmsNorm) -> Result<(Tensor, Tensor)> {
+    Ok(fp8nsa_ops::add_rms_norm(
+        x,
+        h,
+        norm.weight(),
+        norm.eps() as f32,
+    )?)
 }
 
 /// One sequence of a ragged batch step: its new tokens (a prefill chunk, or one decode token)
@@ -694,15 +716,16 @@ impl Llama {
             .forward(&Tensor::from_vec(ids, (1, m), device)?)?;
         let _span = tracing::debug_span!("fp8nsa::llama_batch", seqs = batch.len(), m).entered();
         let mut seqs: Vec<&mut SeqKv> = batch.iter_mut().map(|s| &mut *s.kv).collect();
+        let mut normed = self.first_norm().forward(&x)?;
         for (l, b) in self.blocks.iter().enumerate() {
-            let h =
-                b.attn
-                    .forward_batch(&b.ln1.forward(&x)?, &segs, &self.rope, l, pool, &mut seqs)?;
-            x = fp8nsa_ops::residual_add(&x, &h)?;
-            let m = b.mlp.forward(&b.ln2.forward(&x)?)?;
-            x = fp8nsa_ops::residual_add(&x, &m)?;
+            let h = b
+                .attn
+                .forward_batch(&normed, &segs, &self.rope, l, pool, &mut seqs)?;
+            let (x1, n2) = add_norm(&x, &h, &b.ln2)?;
+            let m = b.mlp.forward(&n2)?;
+            (x, normed) = add_norm(&x1, &m, self.norm_after(l))?;
         }
-        let x = self.norm.forward(&x)?;
+        let x = normed;
         match logits {
             Logits::Last => {
                 let mut end = 0u32;

@@ -64,6 +64,107 @@ pub fn residual_add(x: &Tensor, h: &Tensor) -> Result<Tensor> {
     op.apply(x, h, || Ok((x + h)?))
 }
 
+/// A decoder layer's residual add and the RMSNorm that follows it (vLLM's
+/// `fused_add_rms_norm`): `(x + h, rms_norm(x + h) · weight)`, for `x` and `h` of one shape
+/// `[.., D]` and `weight [D]`. f32 on the CPU runs `fp8nsa_cpu::act::add_rms_norm` (one pass,
+/// one op), elsewhere [`residual_add`] then `candle_nn::ops::rms_norm`. The same bits either
+/// way.
+///
+/// ```
+/// use candle_core::{Device, Tensor};
+///
+/// let dev = Device::Cpu;
+/// let x = Tensor::randn(0f32, 1.0, (1, 3, 64), &dev)?;
+/// let h = Tensor::randn(0f32, 1.0, (1, 3, 64), &dev)?;
+/// let w = Tensor::randn(0f32, 1.0, 64, &dev)?;
+/// let (sum, normed) = fp8nsa_ops::add_rms_norm(&x, &h, &w, 1e-5)?;
+/// let want = (&x + &h)?;
+/// let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+/// assert_eq!(flat(&sum)?, flat(&want)?);
+/// assert_eq!(flat(&normed)?, flat(&candle_nn::ops::rms_norm(&want, &w, 1e-5)?)?);
+/// assert!(fp8nsa_ops::add_rms_norm(&x, &h, &w.narrow(0, 0, 8)?, 1e-5).is_err());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn add_rms_norm(x: &Tensor, h: &Tensor, weight: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    if x.dims() != h.dims() {
+        return Err(Error::Shape {
+            arg: "h",
+            expected: format!("{:?}, the shape of x", x.dims()),
+            got: h.dims().to_vec(),
+        });
+    }
+    let d = x.dims().last().copied().unwrap_or(0);
+    if weight.dims() != [d] {
+        return Err(Error::Shape {
+            arg: "weight",
+            expected: format!("[{d}], x's last dimension"),
+            got: weight.dims().to_vec(),
+        });
+    }
+    let fused = [x, h, weight]
+        .iter()
+        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32);
+    if !fused || x.elem_count() == 0 {
+        let sum = residual_add(x, h)?;
+        let normed = candle_nn::ops::rms_norm(&sum.contiguous()?, weight, eps)?;
+        return Ok((sum, normed));
+    }
+    let op = AddRmsNorm {
+        eps,
+        err: ParkedError::new(),
+    };
+    // both results in one buffer: [sum | normed], each half a contiguous view
+    let both = x
+        .contiguous()?
+        .apply_op3_no_bwd(&h.contiguous()?, &weight.contiguous()?, &op)
+        .map_err(|e| op.err.or(e))?;
+    Ok((
+        both.narrow(0, 0, 1)?.reshape(x.dims())?,
+        both.narrow(0, 1, 1)?.reshape(x.dims())?,
+    ))
+}
+
+struct AddRmsNorm {
+    eps: f32,
+    err: ParkedError,
+}
+
+impl candle_core::CustomOp3 for AddRmsNorm {
+    fn name(&self) -> &'static str {
+        "fp8nsa-add-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        hs: &CpuStorage,
+        hl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.err.park((|| {
+            let (CpuStorage::F32(xd), CpuStorage::F32(hd), CpuStorage::F32(wd)) = (xs, hs, ws)
+            else {
+                return Err(Error::DType {
+                    arg: "x",
+                    expected: "f32 x, h and weight",
+                    got: xs.dtype(),
+                });
+            };
+            let (x, h, w) = (
+                contiguous("x", xd, xl)?,
+                contiguous("h", hd, hl)?,
+                contiguous("weight", wd, wl)?,
+            );
+            let mut both = vec![0f32; 2 * x.len()];
+            let (sum, normed) = both.split_at_mut(x.len());
+            fp8nsa_cpu::act::add_rms_norm(x, h, w, self.eps, sum, normed)?;
+            Ok((CpuStorage::F32(both), Shape::from((2, x.len()))))
+        })())
+    }
+}
+
 /// A CPU backend kernel of two equal-length inputs into an output of their length.
 type SliceKernel = fn(&[f32], &[f32], &mut [f32]) -> fp8nsa_cpu::Result<()>;
 
@@ -133,5 +234,36 @@ impl CustomOp2 for Elementwise {
             (self.kernel)(a, b, &mut y)?;
             Ok((CpuStorage::F32(y), al.shape().clone()))
         })())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// The fused op equals the residual add then Candle's RMSNorm, bit for bit, for a decode
+    /// row and for a prefill's rows (both sides' parallel paths); the results are the input's
+    /// shape; mismatched shapes are typed errors.
+    #[test]
+    fn add_rms_norm_equals_add_then_norm() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, 576, &dev).unwrap();
+        for rows in [1usize, 100] {
+            let x = Tensor::randn(0f32, 3.0, (1, rows, 576), &dev).unwrap();
+            let h = Tensor::randn(0f32, 3.0, (1, rows, 576), &dev).unwrap();
+            let (sum, normed) = add_rms_norm(&x, &h, &w, 1e-5).unwrap();
+            assert_eq!((sum.dims(), normed.dims()), (x.dims(), x.dims()));
+            let want = residual_add(&x, &h).unwrap();
+            let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(flat(&sum), flat(&want), "{rows} rows: sum");
+            let wn = candle_nn::ops::rms_norm(&want, &w, 1e-5).unwrap();
+            assert_eq!(flat(&normed), flat(&wn), "{rows} rows: norm");
+        }
+        let x = Tensor::zeros((2, 576), DType::F32, &dev).unwrap();
+        let e = add_rms_norm(&x, &x.narrow(0, 0, 1).unwrap(), &w, 1e-5).unwrap_err();
+        assert!(matches!(e, Error::Shape { arg: "h", .. }), "{e:?}");
+        let e = add_rms_norm(&x, &x, &w.narrow(0, 0, 5).unwrap(), 1e-5).unwrap_err();
+        assert!(matches!(e, Error::Shape { arg: "weight", .. }), "{e:?}");
     }
 }

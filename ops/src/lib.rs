@@ -25,7 +25,7 @@ pub mod reference;
 mod rope;
 mod storage;
 
-pub use act::{residual_add, silu_mul};
+pub use act::{add_rms_norm, residual_add, silu_mul};
 pub use backend::{Backend, PjrtRuntime};
 pub use dense::dense_linear;
 pub use error::{Error, Result};

@@ -64,6 +64,70 @@ pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) -> Result<()> {
     Ok(())
 }
 
+/// A decoder layer's residual add and the RMSNorm that reads its result, in one pass per row:
+/// `sum = x + h` (exactly IEEE f32 addition, as [`add`]) and `normed = sum / sqrt(mean(sum²) +
+/// eps) · alpha` row by row (rows of `alpha.len()`), with Candle's `rms_norm` arithmetic (the
+/// squares summed in order, then `s / m · alpha`): the same bits as [`add`] followed by Candle's
+/// `rms_norm`, in one call instead of two ops and their hand-offs.
+///
+/// ```
+/// use fp8nsa_cpu::act::add_rms_norm;
+///
+/// let (mut sum, mut normed) = ([0f32; 2], [0f32; 2]);
+/// add_rms_norm(&[1.0, 2.0], &[2.0, 2.0], &[1.0, 0.5], 0.0, &mut sum, &mut normed)?;
+/// assert_eq!(sum, [3.0, 4.0]);
+/// let m = (12.5f32).sqrt(); // mean of 9 and 16
+/// assert_eq!(normed, [3.0 / m * 1.0, 4.0 / m * 0.5]);
+/// assert!(add_rms_norm(&[1.0; 3], &[1.0; 3], &[1.0; 2], 0.0, &mut [0.0; 3], &mut [0.0; 3]).is_err());
+/// # Ok::<(), fp8nsa_cpu::Error>(())
+/// ```
+pub fn add_rms_norm(
+    x: &[f32],
+    h: &[f32],
+    alpha: &[f32],
+    eps: f32,
+    sum: &mut [f32],
+    normed: &mut [f32],
+) -> Result<()> {
+    let n = alpha.len();
+    check_len("h", h.len(), x.len())?;
+    check_len("sum", sum.len(), x.len())?;
+    check_len("normed", normed.len(), x.len())?;
+    if n == 0 || !x.len().is_multiple_of(n) {
+        return Err(crate::Error::Invalid {
+            arg: "alpha",
+            msg: format!("rows of {n} do not tile {} values", x.len()),
+        });
+    }
+    /// One row's inputs and outputs, as the zipped chunks give them.
+    type Row<'a> = (((&'a [f32], &'a [f32]), &'a mut [f32]), &'a mut [f32]);
+    let row = |(((x, h), s), o): Row<'_>| {
+        for ((s, &x), &h) in s.iter_mut().zip(x).zip(h) {
+            *s = x + h;
+        }
+        let sum2 = s.iter().map(|&v| v * v).sum::<f32>();
+        let m = (sum2 / n as f32 + eps).sqrt();
+        for ((o, &v), &a) in o.iter_mut().zip(s.iter()).zip(alpha) {
+            *o = v / m * a;
+        }
+    };
+    if x.len() < TASK {
+        x.chunks_exact(n)
+            .zip(h.chunks_exact(n))
+            .zip(sum.chunks_exact_mut(n))
+            .zip(normed.chunks_exact_mut(n))
+            .for_each(row);
+    } else {
+        x.par_chunks_exact(n)
+            .zip(h.par_chunks_exact(n))
+            .zip(sum.par_chunks_exact_mut(n))
+            .zip(normed.par_chunks_exact_mut(n))
+            .with_min_len(TASK / n)
+            .for_each(row);
+    }
+    Ok(())
+}
+
 simd_dispatch!(fn silu_mul_chunk => silu_mul_impl(g: &[f32], u: &[f32], o: &mut [f32]));
 
 #[inline(always)]
@@ -84,6 +148,76 @@ fn silu_mul_impl<A: Arith>(g: &[f32], u: &[f32], o: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Against f64 row by row (one row, a few, and enough for the parallel split; magnitudes
+    /// over 1e-3..1e3 per row), the sum exact; a NaN in a row makes that row's norm NaN only;
+    /// rows that do not tile, or buffers of the wrong length, are typed errors.
+    #[test]
+    fn add_rms_norm_matches_f64() {
+        use fp8nsa_test_support::{gaussian, rng};
+        let mut r = rng("add_rms_norm_matches_f64");
+        let n = 576;
+        for rows in [1usize, 3, TASK / n + 5] {
+            let scale = |v: Vec<f32>| -> Vec<f32> {
+                v.iter()
+                    .enumerate()
+                    .map(|(i, x)| x * 10f32.powi(((i / n) % 7) as i32 - 3))
+                    .collect()
+            };
+            let (mut x, h) = (
+                scale(gaussian(&mut r, rows * n)),
+                scale(gaussian(&mut r, rows * n)),
+            );
+            let alpha = gaussian(&mut r, n);
+            x[n / 2] = f32::NAN; // row 0 only
+            let (mut sum, mut normed) = (vec![0f32; rows * n], vec![0f32; rows * n]);
+            add_rms_norm(&x, &h, &alpha, 1e-5, &mut sum, &mut normed).unwrap();
+            for row in 0..rows {
+                let s: Vec<f64> = (0..n)
+                    .map(|j| x[row * n + j] as f64 + h[row * n + j] as f64)
+                    .collect();
+                let m = (s.iter().map(|v| v * v).sum::<f64>() / n as f64 + 1e-5).sqrt();
+                for j in 0..n {
+                    let i = row * n + j;
+                    assert_eq!(sum[i].to_bits(), (x[i] + h[i]).to_bits());
+                    if row == 0 {
+                        assert!(normed[i].is_nan(), "row 0 holds a NaN");
+                        continue;
+                    }
+                    let want = s[j] / m * alpha[j] as f64;
+                    assert!(
+                        (normed[i] as f64 - want).abs()
+                            <= 1e-5 * (want.abs() + alpha[j].abs() as f64),
+                        "rows {rows} row {row} col {j}: {} vs {want}",
+                        normed[i]
+                    );
+                }
+            }
+        }
+        let mut o = [0f32; 4];
+        let e = add_rms_norm(&[1.0; 4], &[1.0; 4], &[1.0; 3], 0.0, &mut [0.0; 4], &mut o);
+        assert!(
+            matches!(e, Err(crate::Error::Invalid { arg: "alpha", .. })),
+            "{e:?}"
+        );
+        let e = add_rms_norm(&[1.0; 4], &[1.0; 3], &[1.0; 2], 0.0, &mut [0.0; 4], &mut o);
+        assert!(
+            matches!(e, Err(crate::Error::Shape { arg: "h", .. })),
+            "{e:?}"
+        );
+        let e = add_rms_norm(
+            &[1.0; 4],
+            &[1.0; 4],
+            &[1.0; 2],
+            0.0,
+            &mut [0.0; 4],
+            &mut o[..2],
+        );
+        assert!(
+            matches!(e, Err(crate::Error::Shape { arg: "normed", .. })),
+            "{e:?}"
+        );
+    }
 
     /// Against f64 over gates to about ±160 (through the exponential's underflow), around 0,
     /// and the special values; lengths across the parallel split and the SIMD tail.
