@@ -44,7 +44,12 @@ impl Linear {
                 let q = Fp8BlockWeight::quantize(&weight, block)?;
                 Ok(Linear::Fp8(Fp8Linear::new(q, bias, act)?))
             }
-            _ => Ok(Linear::Dense(candle_nn::Linear::new(weight, bias))),
+            _ => {
+                // every decode step streams a dense weight once: on huge pages where the
+                // kernel allows (fp8 weights do this when they are made)
+                fp8nsa_ops::advise_huge_pages(&weight);
+                Ok(Linear::Dense(candle_nn::Linear::new(weight, bias)))
+            }
         }
     }
 }

@@ -150,3 +150,36 @@ impl ParkedError {
         self.0.take().unwrap_or(Error::Candle(e))
     }
 }
+
+/// Backs a CPU tensor's storage with transparent huge pages where the kernel allows
+/// (`fp8nsa_cpu::mem::advise_huge_pages`): for weights, which every decode step streams once.
+/// Returns whether it took; always `false` off the CPU or for a buffer under 2 MiB. Contents
+/// and layout are unchanged.
+///
+/// ```
+/// use candle_core::{DType, Device, Tensor};
+///
+/// let w = Tensor::ones((2048, 1024), DType::F32, &Device::Cpu)?; // 8 MiB
+/// let _ = fp8nsa_ops::advise_huge_pages(&w); // whether it took depends on the kernel
+/// assert_eq!(w.sum_all()?.to_scalar::<f32>()?, (2048 * 1024) as f32);
+/// assert!(!fp8nsa_ops::advise_huge_pages(&Tensor::ones(8, DType::F32, &Device::Cpu)?));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn advise_huge_pages(t: &candle_core::Tensor) -> bool {
+    use fp8nsa_cpu::mem::advise_huge_pages as advise;
+    if !t.device().is_cpu() {
+        return false;
+    }
+    let (storage, _) = t.storage_and_layout();
+    let candle_core::Storage::Cpu(cs) = &*storage else {
+        return false;
+    };
+    match cs {
+        CpuStorage::U8(v) => advise(v),
+        CpuStorage::F32(v) => advise(v),
+        CpuStorage::F16(v) => advise(v),
+        CpuStorage::BF16(v) => advise(v),
+        CpuStorage::F64(v) => advise(v),
+        _ => false,
+    }
+}

@@ -26,6 +26,7 @@ mod error;
 pub mod experts;
 pub mod fp8;
 pub mod linear;
+pub mod mem;
 pub mod nsa;
 pub mod nsa_select;
 pub mod quant;

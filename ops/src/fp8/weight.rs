@@ -123,9 +123,11 @@ impl Fp8BlockWeight {
         let (codes, scales) =
             fp8nsa_cpu::quant::quantize_weight_as(&host, n, k, block[0], block[1], scale_dtype)?;
         let dev = w.device();
+        let data = Tensor::from_vec(codes, (n, k), dev)?;
+        crate::storage::advise_huge_pages(&data);
         Ok(Self {
             nan_free: std::sync::OnceLock::new(),
-            data: Tensor::from_vec(codes, (n, k), dev)?,
+            data,
             scales: Tensor::from_vec(scales, (n.div_ceil(block[0]), k.div_ceil(block[1])), dev)?,
             block,
         })
@@ -199,6 +201,8 @@ impl Fp8BlockWeight {
                 })
             }
         };
+        // every decode step streams the codes once: on huge pages where the kernel allows
+        crate::storage::advise_huge_pages(&data);
         Ok(Self {
             nan_free: std::sync::OnceLock::new(),
             data,
