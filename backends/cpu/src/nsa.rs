@@ -2097,17 +2097,10 @@ mod tests {
             );
             let mut out = vec![f32::NAN; hq * dv];
             decode_attention(&q, kv, vv, dims, len, scale, &mut out).unwrap();
-            for h in 0..hq {
-                let rows: Vec<usize> = (0..len).collect();
-                let kvh = h / (hq / hkv);
-                let want = f64_attention(
-                    &q[h * d..(h + 1) * d],
-                    &k,
-                    &v,
-                    (kvh * cap, dv),
-                    &rows,
-                    scale,
-                );
+            for (h, want) in f64_decode(&q, &k, &v, (hq, hkv, dv), cap, len, scale)
+                .iter()
+                .enumerate()
+            {
                 for (c, w) in want.iter().enumerate() {
                     let got = out[h * dv + c] as f64;
                     assert!(
@@ -2199,6 +2192,27 @@ mod tests {
         );
     }
 
+    /// The f64 decode attention of every query head over rows `0..len` of head-major `k` / `v`
+    /// whose heads are `cap` rows apart (`want[h]`: query head h's output).
+    fn f64_decode(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        (hq, hkv, dv): (usize, usize, usize),
+        cap: usize,
+        len: usize,
+        scale: f32,
+    ) -> Vec<Vec<f64>> {
+        let d = q.len() / hq;
+        let rows: Vec<usize> = (0..len).collect();
+        (0..hq)
+            .map(|h| {
+                let base = h / (hq / hkv) * cap;
+                f64_attention(&q[h * d..(h + 1) * d], k, v, (base, dv), &rows, scale)
+            })
+            .collect()
+    }
+
     /// The decode step's keys split between threads (`key_parts`): three kv heads on pools of
     /// 2 and 4 threads (parts of 2 and 4), contiguous and paged alike, against f64 and against
     /// the unsplit fold (one thread); lengths at and past the split's minimum and across the
@@ -2281,17 +2295,10 @@ mod tests {
                     a, b,
                     "len {len}, {threads} threads: paged against contiguous"
                 );
-                for h in 0..hq {
-                    let rows: Vec<usize> = (0..len).collect();
-                    let kvh = h / (hq / hkv);
-                    let want = f64_attention(
-                        &q[h * d..(h + 1) * d],
-                        &k,
-                        &v,
-                        (kvh * cap, dv),
-                        &rows,
-                        scale,
-                    );
+                for (h, want) in f64_decode(&q, &k, &v, (hq, hkv, dv), cap, len, scale)
+                    .iter()
+                    .enumerate()
+                {
                     for (c, w) in want.iter().enumerate() {
                         let (got, unsplit) = (a[h * dv + c], one[h * dv + c]);
                         assert!(
