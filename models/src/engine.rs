@@ -20,7 +20,8 @@ use crate::paged::{KvPool, SeqKv};
 /// Sizes of the engine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EngineConfig {
-    /// KV pages (per layer).
+    /// KV pages (per layer). On the CPU the pool's memory is committed when the engine is
+    /// made (written once, as llama.cpp clears its cache), not page by page while serving.
     pub kv_pages: usize,
     /// Tokens per page.
     pub page_size: usize,

@@ -577,7 +577,8 @@ impl Llama {
     /// magnitudes up to 65504, beyond which a key or value becomes inf and its heads NaN:
     /// bf16 keeps f32's range at 8 bits of precision). A server
     /// sizes this once; sequences take pages from it with [`KvPool::new_seq`] and give them
-    /// back when dropped.
+    /// back when dropped. On the CPU its memory is written (committed) here, so no decode step
+    /// takes the first-touch page faults of fresh pages.
     pub fn new_kv_pool(&self, pages: usize, page_size: usize, dtype: DType) -> Result<KvPool> {
         let layers = self
             .blocks
