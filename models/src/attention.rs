@@ -462,7 +462,7 @@ impl Attention {
         {
             // every new token (a decode step's one, a prefill chunk's many) attends through one
             // paged kernel reading the pages in place, each over the rows up to its own
-            pool.write_all(layer, seqs, segs, &k, &v)?;
+            pool.write_all(layer, seqs.iter().map(|s| &**s), segs, &k, &v)?;
             let mut lists: Vec<&[usize]> = Vec::with_capacity(segs.len());
             let mut kv = None;
             for seq in seqs.iter() {

@@ -258,18 +258,12 @@ impl KvPool {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<()> {
-        let ((kp, vp), pages) = self.dense(layer, seq)?;
-        let runs = self.runs(pages, pos, pos + k.dims()[1])?;
         if k.dtype() == DType::F32 && v.dtype() == DType::F32 {
             // each new row to its page in one pass, rounded once for a 16-bit pool
-            let rows: Vec<usize> = runs
-                .iter()
-                .flat_map(|&(_, row, run)| row..row + run)
-                .collect();
-            fp8nsa_ops::nsa::write_rows(kp, k, &rows)?;
-            fp8nsa_ops::nsa::write_rows(vp, v, &rows)?;
-            return Ok(());
+            return self.write_all(layer, [seq], &[(pos, k.dims()[1])], k, v);
         }
+        let ((kp, vp), pages) = self.dense(layer, seq)?;
+        let runs = self.runs(pages, pos, pos + k.dims()[1])?;
         // [1, T, Hkv, D] -> [Hkv, T, D] in the pages' type (rounded once, here, for a 16-bit
         // pool), then one copy per run of rows within a page
         let (kt, vt) = (
@@ -292,17 +286,17 @@ impl KvPool {
     /// [`Self::write`] for a batch step's sequences at once: `k`, `v [1, M, Hkv, D]` f32 hold
     /// sequence `i`'s `segs[i] = (pos, len)` rows in turn, written at its positions `pos..pos +
     /// len` (pages reserved): one pass per pool, not a few Candle copies per sequence.
-    pub(crate) fn write_all(
+    pub(crate) fn write_all<'s>(
         &self,
         layer: usize,
-        seqs: &[&mut SeqKv],
+        seqs: impl IntoIterator<Item = &'s SeqKv>,
         segs: &[(usize, usize)],
         k: &Tensor,
         v: &Tensor,
     ) -> Result<()> {
         let mut rows = Vec::with_capacity(k.dims()[1]);
         let mut kv = None;
-        for (seq, &(pos, t)) in seqs.iter().zip(segs) {
+        for (seq, &(pos, t)) in seqs.into_iter().zip(segs) {
             let (pools, pages) = self.dense(layer, seq)?;
             kv = Some(pools);
             for (_, row, run) in self.runs(pages, pos, pos + t)? {

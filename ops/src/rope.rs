@@ -1,12 +1,11 @@
 //! Rotary position embeddings of a decoder's queries and keys, on the token-major rows a
 //! projection gives, each token at its own position. The decision is made here, once per call.
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Shape, Tensor};
 use fp8nsa_types::RopeStyle;
 
-use crate::error::{invalid, shape_err, Error, Result};
-use crate::storage::{contiguous, ParkedError};
+use crate::error::{invalid, shape_err, Result};
+use crate::storage::{contiguous, f32s, ParkedError};
 
 /// `x [.., H, D]` (token-major, as a projection gives it: `[B, T, H, D]` or `[T, H, D]`) with
 /// token `i` of its flattened leading dims rotated by the angles of position `positions[i]`,
@@ -125,16 +124,6 @@ impl CustomOp3 for RopeOp<'_> {
         sl: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         self.err.park((|| {
-            fn f32s<'s>(arg: &'static str, s: &'s CpuStorage) -> Result<&'s [f32]> {
-                match s {
-                    CpuStorage::F32(v) => Ok(v),
-                    other => Err(Error::DType {
-                        arg,
-                        expected: "f32",
-                        got: other.dtype(),
-                    }),
-                }
-            }
             let x = contiguous("x", f32s("x", xs)?, xl)?;
             let cos = contiguous("cos", f32s("cos", cs)?, cl)?;
             let sin = contiguous("sin", f32s("sin", ss)?, sl)?;
@@ -157,6 +146,7 @@ impl CustomOp3 for RopeOp<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
     use candle_core::Device;
 
     /// Both pairings against Candle's `rope` / `rope_i` over the transposed heads, bit for bit,

@@ -18,6 +18,18 @@ pub(crate) fn contiguous<'a, T>(arg: &'static str, v: &'a [T], l: &Layout) -> Re
     Ok(&v[a..b])
 }
 
+/// The storage's f32 elements, or [`Error::DType`] naming `arg`.
+pub(crate) fn f32s<'a>(arg: &'static str, s: &'a CpuStorage) -> Result<&'a [f32]> {
+    match s {
+        CpuStorage::F32(x) => Ok(x),
+        _ => Err(Error::DType {
+            arg,
+            expected: "f32",
+            got: s.dtype(),
+        }),
+    }
+}
+
 /// The elements of a contiguous layout over `v`, to write in place.
 pub(crate) fn contiguous_mut<'a, T>(
     arg: &'static str,

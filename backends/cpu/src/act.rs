@@ -7,7 +7,7 @@ use crate::simd::{exp_nonpos, simd_dispatch, Arith};
 
 /// Elements per parallel task: a decode step's row (1536 for SmolLM2) stays on the calling
 /// thread, a prefill's rows split over all of them.
-const TASK: usize = 16 * 1024;
+pub(crate) const TASK: usize = 16 * 1024;
 
 /// `out = silu(gate) · up` element-wise: SwiGLU's product, `silu(x) = x / (1 + e^-x)`, in one
 /// pass with a vectorized exponential (Candle's `silu` then `*` makes two passes, a temporary
@@ -99,32 +99,25 @@ pub fn add_rms_norm(
             msg: format!("rows of {n} do not tile {} values", x.len()),
         });
     }
-    /// One row's inputs and outputs, as the zipped chunks give them.
-    type Row<'a> = (((&'a [f32], &'a [f32]), &'a mut [f32]), &'a mut [f32]);
-    let row = |(((x, h), s), o): Row<'_>| {
-        for ((s, &x), &h) in s.iter_mut().zip(x).zip(h) {
-            *s = x + h;
-        }
-        let sum2 = s.iter().map(|&v| v * v).sum::<f32>();
-        let m = (sum2 / n as f32 + eps).sqrt();
-        for ((o, &v), &a) in o.iter_mut().zip(s.iter()).zip(alpha) {
-            *o = v / m * a;
-        }
-    };
-    if x.len() < TASK {
-        x.chunks_exact(n)
-            .zip(h.chunks_exact(n))
-            .zip(sum.chunks_exact_mut(n))
-            .zip(normed.chunks_exact_mut(n))
-            .for_each(row);
-    } else {
-        x.par_chunks_exact(n)
-            .zip(h.par_chunks_exact(n))
-            .zip(sum.par_chunks_exact_mut(n))
-            .zip(normed.par_chunks_exact_mut(n))
-            .with_min_len(TASK / n)
-            .for_each(row);
-    }
+    // whole rows per task: a decode step's row stays on the calling thread
+    let per = n * (TASK / n).max(1);
+    x.par_chunks(per)
+        .zip(h.par_chunks(per))
+        .zip(sum.par_chunks_mut(per).zip(normed.par_chunks_mut(per)))
+        .for_each(|((x, h), (sum, normed))| {
+            let rows = x.chunks_exact(n).zip(h.chunks_exact(n));
+            let outs = sum.chunks_exact_mut(n).zip(normed.chunks_exact_mut(n));
+            for ((x, h), (s, o)) in rows.zip(outs) {
+                for ((s, &x), &h) in s.iter_mut().zip(x).zip(h) {
+                    *s = x + h;
+                }
+                let sum2 = s.iter().map(|&v| v * v).sum::<f32>();
+                let m = (sum2 / n as f32 + eps).sqrt();
+                for ((o, &v), &a) in o.iter_mut().zip(s.iter()).zip(alpha) {
+                    *o = v / m * a;
+                }
+            }
+        });
     Ok(())
 }
 

@@ -2119,77 +2119,47 @@ mod tests {
     #[test]
     fn write_rows_rounds_each_value_once_in_place() {
         use fp8nsa_test_support::{gaussian, rng};
+        // 3 heads of rows of 20, heads 7 rows and 5 values apart; three tokens to rows 6, 0, 2
+        const H: usize = 3;
+        const W: usize = 20;
+        const STRIDE: usize = 7 * W + 5;
+        const ROWS: [usize; 3] = [6, 0, 2];
         let mut r = rng("write_rows_rounds_each_value_once_in_place");
-        let (h, w, stride) = (3usize, 20usize, 7 * 20 + 5);
-        let rows = [6usize, 0, 2];
-        let mut src: Vec<f32> = gaussian(&mut r, rows.len() * h * w)
+        let mut src: Vec<f32> = gaussian(&mut r, ROWS.len() * H * W)
             .iter()
             .map(|x| x * 1e3)
             .collect();
         src[1] = f32::NAN;
         src[2] = f32::INFINITY;
         src[3] = 1e-8; // f16 subnormal
-        fn check<T: KeyElem + PartialEq + std::fmt::Debug>(
-            src: &[f32],
-            h: usize,
-            w: usize,
-            stride: usize,
-            rows: &[usize],
-            conv: fn(f32) -> T,
-            fill: T,
-        ) {
-            let mut pool = vec![fill; (h - 1) * stride + 7 * w];
-            write_rows(src, h, w, rows, &mut pool, stride).unwrap();
+        fn check<T: KeyElem + PartialEq + std::fmt::Debug>(src: &[f32], conv: fn(f32) -> T) {
+            let fill = conv(-1.0);
+            let mut pool = vec![fill; (H - 1) * STRIDE + 7 * W];
+            write_rows(src, H, W, &ROWS, &mut pool, STRIDE).unwrap();
             let mut want = vec![fill; pool.len()];
-            for (i, &row) in rows.iter().enumerate() {
-                for hh in 0..h {
-                    for c in 0..w {
-                        want[hh * stride + row * w + c] = conv(src[(i * h + hh) * w + c]);
+            for (i, &row) in ROWS.iter().enumerate() {
+                for hh in 0..H {
+                    for c in 0..W {
+                        want[hh * STRIDE + row * W + c] = conv(src[(i * H + hh) * W + c]);
                     }
                 }
             }
-            let same = |a: &T, b: &T| a == b || (a.into_f32().is_nan() && b.into_f32().is_nan());
+            let nan = |x: &T| Into::<f32>::into(*x).is_nan();
+            let same = |a: &T, b: &T| a == b || (nan(a) && nan(b));
             assert!(pool.iter().zip(&want).all(|(a, b)| same(a, b)));
             let before = pool.clone();
-            let e = write_rows(src, h, w, &[6, 0, 7], &mut pool, stride).unwrap_err();
+            let e = write_rows(src, H, W, &[6, 0, 7], &mut pool, STRIDE).unwrap_err();
             assert!(matches!(e, Error::Invalid { arg: "rows", .. }), "{e:?}");
             let short = pool.len() - 1;
-            let e = write_rows(src, h, w, rows, &mut pool[..short], stride).unwrap_err();
+            let e = write_rows(src, H, W, &ROWS, &mut pool[..short], STRIDE).unwrap_err();
             assert!(matches!(e, Error::Invalid { arg: "rows", .. }), "{e:?}");
-            let e = write_rows(&src[1..], h, w, rows, &mut pool, stride).unwrap_err();
+            let e = write_rows(&src[1..], H, W, &ROWS, &mut pool, STRIDE).unwrap_err();
             assert!(matches!(e, Error::Shape { arg: "src", .. }), "{e:?}");
             assert!(pool.iter().zip(&before).all(|(a, b)| same(a, b)));
         }
-        trait IntoF32 {
-            fn into_f32(self) -> f32;
-        }
-        impl<T: Into<f32>> IntoF32 for &T
-        where
-            T: Copy,
-        {
-            fn into_f32(self) -> f32 {
-                (*self).into()
-            }
-        }
-        check(&src, h, w, stride, &rows, |x| x, -1f32);
-        check(
-            &src,
-            h,
-            w,
-            stride,
-            &rows,
-            half::f16::from_f32,
-            half::f16::from_f32(-1.0),
-        );
-        check(
-            &src,
-            h,
-            w,
-            stride,
-            &rows,
-            half::bf16::from_f32,
-            half::bf16::from_f32(-1.0),
-        );
+        check(&src, |x| x);
+        check(&src, half::f16::from_f32);
+        check(&src, half::bf16::from_f32);
     }
 
     /// The f64 decode attention of every query head over rows `0..len` of head-major `k` / `v`

@@ -3,11 +3,8 @@
 use fp8nsa_types::RopeStyle;
 use rayon::prelude::*;
 
+use crate::act::TASK;
 use crate::error::{check_len, check_positive, Error, Result};
-
-/// Values per parallel task: a decode step's rows stay on the calling thread, a prefill's
-/// split over all of them.
-const TASK: usize = 16 * 1024;
 
 /// `out [t, h, d]` = `x [t, h, d]` (token-major, as a projection gives it) with each head of
 /// token `i` rotated by the angles of position `pos[i]`: `cos` / `sin` are `[positions, d/2]`
@@ -67,47 +64,49 @@ pub fn rope(
             msg: format!("position {p} is past the tables' {rows} positions"),
         });
     }
-    let token = |(i, (x, o)): (usize, (&[f32], &mut [f32]))| {
-        let (c, s) = (
-            &cos[pos[i] * half..(pos[i] + 1) * half],
-            &sin[pos[i] * half..(pos[i] + 1) * half],
-        );
-        for (x, o) in x.chunks_exact(d).zip(o.chunks_exact_mut(d)) {
-            // zipped iterators, no indexing: the loops vectorize
-            match style {
-                RopeStyle::Half => {
-                    let (x1, x2) = x.split_at(half);
-                    let (o1, o2) = o.split_at_mut(half);
-                    let pairs = o1.iter_mut().zip(o2.iter_mut()).zip(x1.iter().zip(x2));
-                    for (((o1, o2), (&a, &b)), (&c, &s)) in pairs.zip(c.iter().zip(s)) {
-                        *o1 = a * c - b * s;
-                        *o2 = a * s + b * c;
-                    }
-                }
-                RopeStyle::Interleaved => {
-                    let pairs = o.chunks_exact_mut(2).zip(x.chunks_exact(2));
-                    for ((o, x), (&c, &s)) in pairs.zip(c.iter().zip(s)) {
-                        let (a, b) = (x[0], x[1]);
-                        o[0] = a * c - b * s;
-                        o[1] = a * s + b * c;
-                    }
+    // whole tokens per task: a decode step's rows stay on the calling thread
+    let tokens = (TASK / row).max(1);
+    let per = tokens * row;
+    x.par_chunks(per)
+        .zip(out.par_chunks_mut(per))
+        .enumerate()
+        .for_each(|(t, (x, o))| {
+            for (i, (x, o)) in x.chunks_exact(row).zip(o.chunks_exact_mut(row)).enumerate() {
+                let p = pos[t * tokens + i];
+                let (c, s) = (
+                    &cos[p * half..(p + 1) * half],
+                    &sin[p * half..(p + 1) * half],
+                );
+                for (x, o) in x.chunks_exact(d).zip(o.chunks_exact_mut(d)) {
+                    rotate_head(x, c, s, style, o);
                 }
             }
-        }
-    };
-    if x.len() < TASK {
-        x.chunks_exact(row)
-            .zip(out.chunks_exact_mut(row))
-            .enumerate()
-            .for_each(token);
-    } else {
-        x.par_chunks_exact(row)
-            .zip(out.par_chunks_exact_mut(row))
-            .enumerate()
-            .with_min_len(TASK / row)
-            .for_each(token);
-    }
+        });
     Ok(())
+}
+
+/// One head's `o = x` rotated by the angles whose cosines and sines are `c` / `s` (`d / 2`
+/// each), pairs as `style` says. Zipped iterators, no indexing: the loops vectorize.
+fn rotate_head(x: &[f32], c: &[f32], s: &[f32], style: RopeStyle, o: &mut [f32]) {
+    match style {
+        RopeStyle::Half => {
+            let (x1, x2) = x.split_at(c.len());
+            let (o1, o2) = o.split_at_mut(c.len());
+            let pairs = o1.iter_mut().zip(o2.iter_mut()).zip(x1.iter().zip(x2));
+            for (((o1, o2), (&a, &b)), (&c, &s)) in pairs.zip(c.iter().zip(s)) {
+                *o1 = a * c - b * s;
+                *o2 = a * s + b * c;
+            }
+        }
+        RopeStyle::Interleaved => {
+            let pairs = o.chunks_exact_mut(2).zip(x.chunks_exact(2));
+            for ((o, x), (&c, &s)) in pairs.zip(c.iter().zip(s)) {
+                let (a, b) = (x[0], x[1]);
+                o[0] = a * c - b * s;
+                o[1] = a * s + b * c;
+            }
+        }
+    }
 }
 
 #[cfg(test)]

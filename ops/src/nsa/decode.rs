@@ -10,7 +10,7 @@ use fp8nsa_cpu::nsa::HeadMajor;
 use fp8nsa_types::AttnDims;
 
 use crate::error::{invalid, shape_err, Error, Result};
-use crate::storage::{contiguous, contiguous_mut, ParkedError};
+use crate::storage::{contiguous, contiguous_mut, f32s, ParkedError};
 
 /// `o [B, Hq, Dv] = softmax(scale · q kᵀ) v` for one query token per sequence, every key
 /// visible: `q [B, Hq, D]`, `k [B, Hkv, Tk, D]` and `v [B, Hkv, Tk, Dv]` CPU tensors (`q`
@@ -535,17 +535,6 @@ fn paged(
     Ok(o)
 }
 
-fn f32s<'a>(arg: &'static str, s: &'a CpuStorage) -> Result<&'a [f32]> {
-    match s {
-        CpuStorage::F32(x) => Ok(x),
-        _ => Err(Error::DType {
-            arg,
-            expected: "f32",
-            got: s.dtype(),
-        }),
-    }
-}
-
 /// A contiguous head-major pool `[Hkv, rows, w]`.
 fn pool<'a, T>(arg: &'static str, data: &'a [T], l: &Layout, w: usize) -> Result<HeadMajor<'a, T>> {
     Ok(HeadMajor {
@@ -687,49 +676,49 @@ mod tests {
             assert_eq!(flat(&pool4), flat(&want), "{dtype:?}, 4-d");
             // errors, and nothing written
             let before = flat(&pool);
+            // (the call, the variant and argument its error must name); a strided view of a
+            // pool is not written through
             let bad = [
-                write_rows(&pool, &src, &[1, 2, 3, 4, 40]),
-                write_rows(&pool, &src, &rows[..4]),
-                write_rows(&pool, &src.narrow(2, 0, 8).unwrap(), &rows),
-                write_rows(&pool.narrow(1, 0, 10).unwrap(), &src, &[1, 2, 3, 4, 5]),
-                write_rows(&pool, &src.to_dtype(DType::F16).unwrap(), &rows),
-                write_rows(
-                    &Tensor::zeros((h, r, w), DType::U32, &dev).unwrap(),
-                    &src,
-                    &rows,
+                (
+                    write_rows(&pool, &src, &[1, 2, 3, 4, 40]),
+                    "Invalid",
+                    "rows",
+                ),
+                (write_rows(&pool, &src, &rows[..4]), "Shape", "src"),
+                (
+                    write_rows(&pool, &src.narrow(2, 0, 8).unwrap(), &rows),
+                    "Shape",
+                    "src",
+                ),
+                (
+                    write_rows(&pool.narrow(1, 0, 10).unwrap(), &src, &[1, 2, 3, 4, 5]),
+                    "Invalid",
+                    "dst",
+                ),
+                (
+                    write_rows(&pool, &src.to_dtype(DType::F16).unwrap(), &rows),
+                    "DType",
+                    "src",
+                ),
+                (
+                    write_rows(
+                        &Tensor::zeros((h, r, w), DType::U32, &dev).unwrap(),
+                        &src,
+                        &rows,
+                    ),
+                    "DType",
+                    "dst",
                 ),
             ];
-            assert!(
-                matches!(&bad[0], Err(Error::Invalid { arg: "rows", .. })),
-                "{:?}",
-                bad[0]
-            );
-            assert!(
-                matches!(&bad[1], Err(Error::Shape { arg: "src", .. })),
-                "{:?}",
-                bad[1]
-            );
-            assert!(
-                matches!(&bad[2], Err(Error::Shape { arg: "src", .. })),
-                "{:?}",
-                bad[2]
-            );
-            // a strided view of a pool is not written through
-            assert!(
-                matches!(&bad[3], Err(Error::Invalid { arg: "dst", .. })),
-                "{:?}",
-                bad[3]
-            );
-            assert!(
-                matches!(&bad[4], Err(Error::DType { arg: "src", .. })),
-                "{:?}",
-                bad[4]
-            );
-            assert!(
-                matches!(&bad[5], Err(Error::DType { arg: "dst", .. })),
-                "{:?}",
-                bad[5]
-            );
+            for (got, variant, arg) in &bad {
+                let named = match got {
+                    Err(Error::Invalid { arg, .. }) => ("Invalid", *arg),
+                    Err(Error::Shape { arg, .. }) => ("Shape", *arg),
+                    Err(Error::DType { arg, .. }) => ("DType", *arg),
+                    _ => ("", ""),
+                };
+                assert_eq!(named, (*variant, *arg), "{dtype:?}: {got:?}");
+            }
             assert_eq!(
                 flat(&pool),
                 before,
