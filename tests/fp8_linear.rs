@@ -195,6 +195,77 @@ fn batched_input_keeps_leading_dims() {
     assert!(rel_frobenius(&yt, &want) < 1e-3);
 }
 
+/// `Fp8Linear::forward_swiglu` is `silu_mul` of the two layers' outputs, bit for bit: gate and
+/// up with different blockings (a bias on up), K = 3884, M = 1, odd M, around the GEMV / panel
+/// boundary and past the GEMV, leading dims kept; bf16 input too (the unfused path); the f64
+/// reference within the contract's tolerance; a width mismatch is `Error::Shape` naming `up`.
+#[test]
+fn swiglu_is_silu_of_gate_times_up() {
+    let mut rng = rng("swiglu_is_silu_of_gate_times_up");
+    let (n, k) = (576, 3884);
+    let layer = |rng: &mut StdRng, block: [usize; 2], bias: bool| {
+        let w = tensor(hetero(rng, n, k, block[0], block[1]), &[n, k]);
+        let b = bias.then(|| tensor(gaussian(rng, n), &[n]));
+        Fp8Linear::new(
+            Fp8BlockWeight::quantize(&w, block).unwrap(),
+            b,
+            ActQuant::Group,
+        )
+        .unwrap()
+    };
+    let (gate, up) = (
+        layer(&mut rng, [128, 128], false),
+        layer(&mut rng, [64, 128], true),
+    );
+    let bits = |t: &Tensor| {
+        t.flatten_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f32::to_bits)
+            .collect::<Vec<_>>()
+    };
+    for m in [1usize, 3, 7, 12, GEMV_MAX_M, GEMV_MAX_M + 1] {
+        for dtype in [DType::F32, DType::BF16] {
+            let x = tensor(hetero(&mut rng, m, k, 1, 128), &[1, m, k])
+                .to_dtype(dtype)
+                .unwrap();
+            let y = Fp8Linear::forward_swiglu(&gate, &up, &x).unwrap();
+            assert_eq!((y.dims(), y.dtype()), (&[1, m, n][..], dtype));
+            let want =
+                fp8nsa::silu_mul(&gate.forward(&x).unwrap(), &up.forward(&x).unwrap()).unwrap();
+            assert_eq!(bits(&y), bits(&want), "m {m} {dtype:?}");
+            if dtype == DType::F32 && m == 3 {
+                let r = |l: &Fp8Linear| {
+                    reference::fp8_linear(
+                        &x.squeeze(0).unwrap(),
+                        l.weight(),
+                        l.bias(),
+                        ActQuant::Group,
+                    )
+                    .unwrap()
+                };
+                let want = (candle_nn::ops::silu(&r(&gate)).unwrap() * r(&up)).unwrap();
+                let err = rel_frobenius(&y.squeeze(0).unwrap(), &want);
+                assert!(err < tol(dtype), "m {m}: rel err {err:e}");
+            }
+        }
+    }
+    let narrow = Fp8Linear::new(
+        Fp8BlockWeight::quantize(&tensor(gaussian(&mut rng, 64 * k), &[64, k]), [128, 128])
+            .unwrap(),
+        None,
+        ActQuant::Group,
+    )
+    .unwrap();
+    let x = tensor(gaussian(&mut rng, k), &[1, k]);
+    let e = err_of(Fp8Linear::forward_swiglu(&gate, &narrow, &x));
+    assert!(matches!(e, Error::Shape { arg: "up", .. }), "{e:?}");
+}
+
 /// Weights straight from random codes and scales (what a checkpoint holds), not from
 /// `quantize`: every finite code, scales spread over 1e-3..1e3 per block.
 #[test]

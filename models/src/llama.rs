@@ -5,7 +5,7 @@ use crate::attention::{Attention, AttnCache, Rope};
 use crate::config::{LlamaConfig, ModelOptions};
 use crate::deepseek::{Mla, MlaCache};
 use crate::error::{invalid, Result};
-use crate::linear::{forward_all, Linear, LinearKind};
+use crate::linear::{swiglu, Linear, LinearKind};
 use crate::paged::{KvPool, LayerKv, SeqKv, Store};
 use crate::weights::Weights;
 use fp8nsa_ops::{Fp8BlockWeight, Fp8Experts, Fp8Moe, MoeRouter};
@@ -110,10 +110,7 @@ pub(crate) enum Mlp {
 impl Mlp {
     fn forward(&self, y: &Tensor) -> Result<Tensor> {
         Ok(match self {
-            Mlp::Dense { gate, up, down } => {
-                let [g, u] = forward_all([gate, up], y)?;
-                down.forward(&fp8nsa_ops::silu_mul(&g, &u)?)?
-            }
+            Mlp::Dense { gate, up, down } => down.forward(&swiglu(gate, up, y)?)?,
             Mlp::Moe(moe) => moe.forward(y)?,
             Mlp::Shared { routed, shared } => (routed.forward(y)? + shared.forward(y)?)?,
             Mlp::MoeLoop { router, experts } => {

@@ -72,7 +72,7 @@ fn main() -> Res<()> {
         best = best.min(t.elapsed().as_secs_f64() / calls as f64);
     }
     println!(
-        "M {m} N {n} K {k}, {nw} weights, {:?}: {:.3} ms, {:.1} GB/s of codes, {:.0} GFLOP/s",
+        "M {m} N {n} K {k}, {nw} weights, {:?}: {:.4} ms, {:.1} GB/s of codes, {:.0} GFLOP/s",
         p.path(),
         best * 1e3,
         (n * k) as f64 / best / 1e9,

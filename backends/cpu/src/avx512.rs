@@ -164,7 +164,12 @@ pub(crate) unsafe fn dot4_blocks<const CHECK_NAN: bool>(
         k0 = k1;
         kb += 1;
     }
-    let mut out = tot.map(|t| _mm512_reduce_add_ps(t) * DECODE_SHIFT);
+    // a loop, not `tot.map(..)`: a closure does not inherit the function's target features, so
+    // the reduction in it would not be inlined
+    let mut out = [0f32; 4];
+    for (o, t) in out.iter_mut().zip(tot) {
+        *o = _mm512_reduce_add_ps(t) * DECODE_SHIFT;
+    }
     if CHECK_NAN {
         let nan = _mm256_cmpeq_epi8_mask(seen, _mm256_set1_epi8(0xfe_u8 as i8));
         if nan != 0 {

@@ -84,7 +84,7 @@ fn bf16_bits(v: f32) -> u16 {
 }
 
 /// The bf16 patterns of activation rows `x` (rows of `k` e4m3 values, exact in bf16), one row
-/// after the other, laid out for [`dot4_blocks`]: in each row, K-block `kb` at word
+/// after the other, laid out for [`dot_blocks`]: in each row, K-block `kb` at word
 /// `kb · block_words(bk)`, each of its steps permuted as the decode permutes codes, zeros past
 /// the block's end. NaN stays NaN. The rows are laid out in parallel.
 pub(crate) fn act_layout(x: &[f32], k: usize, bk: usize) -> Vec<u16> {
@@ -132,67 +132,85 @@ unsafe fn decode64(c: __m512i, lo_t: [__m512i; 2], hi_t: [__m512i; 2]) -> (__m51
     )
 }
 
-/// `Σ_kb scale_r[kb] · Σ_{k in kb} x[k] · decode(w_r[k])` for four weight rows of `k` codes over
-/// the same activations, given in [`act_layout`] (`xb`, built with the same `bk`). A row with
-/// a NaN code (or NaN activations) gives NaN. `ahead` is prefetched as in `x86::dot4_blocks`
-/// (256 bytes per 64 codes).
+/// `out[i][r] = Σ_kb sx_i[kb] · sw_r[kb] · Σ_{k in kb} x_i[k] · decode(w_r[k])` for `M`
+/// activation rows, given in [`act_layout`] (built with the same `bk`), and `R` weight rows of
+/// `k` codes, decoded in registers once per step for all `M` rows. Each (activation row, weight
+/// row) pair has its own accumulators, and the same operations in the same order whatever `R`
+/// and `M` are, so a row of a batch gets the bits it gets alone (`M = 1`). A row with a NaN code
+/// (or NaN activations) gives NaN. `ahead` is prefetched as in `x86::dot4_blocks`, `R` lines per
+/// step: the start of the rows `PREFETCH_ROWS` further on, contiguous with these.
 ///
 /// # Safety
-/// The CPU must have AVX-512 F / BW / VL / VBMI / BF16. `xb` must hold `k.div_ceil(bk)` blocks
-/// of [`block_words`]`(bk)` words and every row at least `k` codes (checked, panicking).
+/// The CPU must have AVX-512 F / BW / VL / VBMI / BF16. Every `xb` row must hold
+/// `k.div_ceil(bk)` blocks of [`block_words`]`(bk)` words, every weight row at least `k` codes
+/// and every scale row `k.div_ceil(bk)` entries (checked, panicking).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")]
 #[inline]
-// `kb` indexes the codes, the layout and four scale rows alike
+// `kb`, `x` and `r` index codes, layouts, scales and accumulators alike
 #[allow(clippy::needless_range_loop)]
-pub(crate) unsafe fn dot4_blocks(
-    xb: &[u16],
-    w: [&[u8]; 4],
+pub(crate) unsafe fn dot_blocks<const R: usize, const M: usize>(
+    xb: [&[u16]; M],
+    w: [&[u8]; R],
     k: usize,
     bk: usize,
-    scales: [&[f32]; 4],
+    sx: [&[f32]; M],
+    sw: [&[f32]; R],
     ahead: *const u8,
-) -> [f32; 4] {
+) -> [[f32; R]; M] {
     let bw = block_words(bk);
     let kbs = k.div_ceil(bk);
-    assert!(xb.len() >= kbs * bw && w.iter().all(|r| r.len() >= k));
-    assert!(scales.iter().all(|s| s.len() >= kbs));
+    assert!(xb.iter().all(|x| x.len() >= kbs * bw) && w.iter().all(|r| r.len() >= k));
+    assert!(sx.iter().chain(&sw).all(|s| s.len() >= kbs));
     let (lo_t, hi_t) = (tables(&LO), tables(&HI));
-    let wp = w.map(|r| r.as_ptr());
-    let mut tot = [_mm512_setzero_ps(); 4];
+    let mut tot = [[_mm512_setzero_ps(); R]; M];
     for kb in 0..kbs {
         let (k0, len) = (kb * bk, bk.min(k - kb * bk));
-        let xp = xb.as_ptr().add(kb * bw);
-        let mut acc = [_mm512_setzero_ps(); 8];
+        // two accumulators per pair, for the two halves of a step, summed at the block's end
+        let mut acc = [[[_mm512_setzero_ps(); 2]; R]; M];
         let mut i = 0;
         while i < len {
-            // SAFETY: `i + 64 <= bw`, so both 32-word loads lie in this block of `xb`.
-            let (xa, xc) = (load_bh(xp.add(i)), load_bh(xp.add(i + 32)));
             let m = lanes64(len - i);
-            let pf = ahead.wrapping_add(4 * (k0 + i));
-            for j in 0..4 {
+            let pf = ahead.wrapping_add(R * (k0 + i));
+            for j in 0..R {
                 _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(64 * j).cast());
             }
-            for r in 0..4 {
+            for r in 0..R {
                 // SAFETY: the mask covers bytes k0 + i .. k0 + min(len, i + 64) <= k of the
                 // row; masked-off bytes are not read and load as the zero code (0.0).
-                let c = _mm512_maskz_loadu_epi8(m, wp[r].add(k0 + i).cast());
+                let c = _mm512_maskz_loadu_epi8(m, w[r].as_ptr().add(k0 + i).cast());
                 let (a, b) = decode64(c, lo_t, hi_t);
-                acc[2 * r] = _mm512_dpbf16_ps(acc[2 * r], a, xa);
-                acc[2 * r + 1] = _mm512_dpbf16_ps(acc[2 * r + 1], b, xc);
+                for x in 0..M {
+                    // SAFETY: `i + 64 <= bw`, so both 32-word loads lie in this block of the
+                    // row's layout.
+                    let xp = xb[x].as_ptr().add(kb * bw + i);
+                    acc[x][r][0] = _mm512_dpbf16_ps(acc[x][r][0], a, load_bh(xp));
+                    acc[x][r][1] = _mm512_dpbf16_ps(acc[x][r][1], b, load_bh(xp.add(32)));
+                }
             }
             i += STEP;
         }
-        for r in 0..4 {
-            let s = _mm512_set1_ps(scales[r][kb]);
-            tot[r] = _mm512_fmadd_ps(_mm512_add_ps(acc[2 * r], acc[2 * r + 1]), s, tot[r]);
+        for x in 0..M {
+            for r in 0..R {
+                let s = _mm512_set1_ps(sx[x][kb] * sw[r][kb]);
+                let a = _mm512_add_ps(acc[x][r][0], acc[x][r][1]);
+                tot[x][r] = _mm512_fmadd_ps(a, s, tot[x][r]);
+            }
         }
     }
-    tot.map(|t| _mm512_reduce_add_ps(t))
+    // loops, not `map` closures: a closure does not inherit the function's target features, so
+    // the reduction in it would not be inlined (measured: a third of a call's time)
+    let mut out = [[0f32; R]; M];
+    for x in 0..M {
+        for r in 0..R {
+            out[x][r] = _mm512_reduce_add_ps(tot[x][r]);
+        }
+    }
+    out
 }
 
 /// Weight row `w [k]` decoded into `dst` (`k.div_ceil(bk)` blocks of [`block_words`]`(bk)`
-/// words) in [`act_layout`]'s order, zeros past each block's end: decoded once, then multiplied
-/// with every activation row of a small batch by [`dot_4x2_blocks`].
+/// words) in [`act_layout`]'s order, zeros past each block's end: the panel GEMM decodes each
+/// weight row once into its tile, then multiplies it with every activation row.
 ///
 /// # Safety
 /// The CPU must have AVX-512 F / BW / VL / VBMI / BF16. `w` must hold at least `k` codes and
@@ -241,53 +259,6 @@ unsafe fn tables(t: &[u8; 128]) -> [__m512i; 2] {
         _mm512_loadu_si512(t.as_ptr().cast()),
         _mm512_loadu_si512(t.as_ptr().add(64).cast()),
     ]
-}
-
-/// `out[i][j] = Σ_kb sx_i[kb] · sw_j[kb] · Σ_{k in kb} x_i[k] · w_j[k]` for four activation
-/// rows and two weight rows, both in [`act_layout`]'s order (the weights from [`decode_row`]),
-/// over `kbs` blocks of `bw` words. The scale of each (row, block) pair is `sx · sw`, rounded
-/// as at M = 1.
-///
-/// # Safety
-/// The CPU must have AVX-512 F / BW / VL / VBMI / BF16. Every row must hold `kbs · bw` words
-/// and every scale row `kbs` entries (checked, panicking).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")]
-#[inline]
-pub(crate) unsafe fn dot_4x2_blocks(
-    x: [&[u16]; 4],
-    w: [&[u16]; 2],
-    kbs: usize,
-    bw: usize,
-    sx: [&[f32]; 4],
-    sw: [&[f32]; 2],
-) -> [[f32; 2]; 4] {
-    assert!(x.iter().chain(&w).all(|r| r.len() >= kbs * bw) && bw.is_multiple_of(STEP));
-    assert!(sx.iter().chain(&sw).all(|s| s.len() >= kbs));
-    let (xp, wp) = (x.map(|r| r.as_ptr()), w.map(|r| r.as_ptr()));
-    let mut tot = [[_mm512_setzero_ps(); 2]; 4];
-    for kb in 0..kbs {
-        let mut acc = [[_mm512_setzero_ps(); 2]; 4];
-        let mut o = kb * bw;
-        while o < (kb + 1) * bw {
-            for h in [0, 32] {
-                // SAFETY (of the loads): o + h + 32 <= kbs · bw, the length of every row.
-                let wv = [load_bh(wp[0].add(o + h)), load_bh(wp[1].add(o + h))];
-                for i in 0..4 {
-                    let xv = load_bh(xp[i].add(o + h));
-                    acc[i][0] = _mm512_dpbf16_ps(acc[i][0], wv[0], xv);
-                    acc[i][1] = _mm512_dpbf16_ps(acc[i][1], wv[1], xv);
-                }
-            }
-            o += STEP;
-        }
-        for i in 0..4 {
-            for j in 0..2 {
-                let s = _mm512_set1_ps(sx[i][kb] * sw[j][kb]);
-                tot[i][j] = _mm512_fmadd_ps(acc[i][j], s, tot[i][j]);
-            }
-        }
-    }
-    tot.map(|t| t.map(|v| _mm512_reduce_add_ps(v)))
 }
 
 /// Activation rows already in [`act_layout`] (`xb`: `m` rows of equal length) as
@@ -584,74 +555,34 @@ mod tests {
         ok
     }
 
+    /// `decode_row` writes each code's exact value at the slot `act_layout` gives its position,
+    /// and zeros past each block's end over whatever the buffer held.
     #[test]
-    fn decoded_rows_times_activation_rows_match_f64() {
+    fn decoded_row_is_in_the_activation_layout() {
         if !bf16() {
             return;
         }
         for (n, bk) in [(1usize, 128usize), (65, 64), (3884, 128), (300, 200)] {
-            let code = |r: usize, i: usize| {
-                let c = ((i * 53 + r * 29 + 5) % 254) as u8;
-                if c & 0x7f == 0x7f {
-                    0x7e
-                } else {
-                    c
-                }
-            };
-            let kbs = n.div_ceil(bk);
-            let rw = kbs * block_words(bk);
-            let xs: Vec<Vec<f32>> = (0..4)
-                .map(|r| (0..n).map(|i| e4m3_to_f32(code(r + 10, i))).collect())
+            let w: Vec<u8> = (0..n)
+                .map(|i| match ((i * 53 + 5) % 256) as u8 {
+                    c if c & 0x7f == 0x7f => 0x7e,
+                    c => c,
+                })
                 .collect();
-            let ws: Vec<Vec<u8>> = (0..2)
-                .map(|r| (0..n).map(|i| code(r, i)).collect())
-                .collect();
-            let scale = |r: usize| -> Vec<f32> {
-                (0..kbs)
-                    .map(|b| 10f32.powi((b * 3 + r) as i32 % 7 - 3))
-                    .collect()
-            };
-            let (sx, sw): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
-                ((0..4).map(scale).collect(), (4..6).map(scale).collect());
-            let xl: Vec<Vec<u16>> = xs.iter().map(|x| act_layout(x, n, bk)).collect();
-            // garbage first: decode_row must write every word, zeros past each block's end
-            let mut wd = vec![vec![0xffffu16; rw]; 2];
-            for (w, d) in ws.iter().zip(&mut wd) {
-                // SAFETY: the tier was checked above; the buffers have the stated sizes.
-                unsafe { decode_row(w, n, bk, d) };
-            }
-            // SAFETY: as above.
-            let got = unsafe {
-                dot_4x2_blocks(
-                    [&xl[0][..], &xl[1], &xl[2], &xl[3]],
-                    [&wd[0][..], &wd[1]],
-                    kbs,
-                    block_words(bk),
-                    [&sx[0][..], &sx[1], &sx[2], &sx[3]],
-                    [&sw[0][..], &sw[1]],
-                )
-            };
-            for i in 0..4 {
-                for j in 0..2 {
-                    let term = |k: usize| {
-                        xs[i][k] as f64
-                            * e4m3_to_f32(ws[j][k]) as f64
-                            * (sx[i][k / bk] * sw[j][k / bk]) as f64
-                    };
-                    let want: f64 = (0..n).map(term).sum();
-                    let mag: f64 = (0..n).map(|k| term(k).abs()).sum();
-                    assert!(
-                        (got[i][j] as f64 - want).abs() <= 1e-6 * mag.max(1e-30),
-                        "n {n} bk {bk} [{i}][{j}]: {} vs {want}",
-                        got[i][j]
-                    );
-                }
-            }
+            let mut d = vec![0xffffu16; n.div_ceil(bk) * block_words(bk)];
+            // SAFETY: the tier was checked above; the buffers have the stated sizes.
+            unsafe { decode_row(&w, n, bk, &mut d) };
+            let values: Vec<f32> = w.iter().map(|&c| e4m3_to_f32(c)).collect();
+            assert_eq!(d, act_layout(&values, n, bk), "n {n} bk {bk}");
         }
     }
 
+    /// `dot_blocks` against f64 for four weight rows and one activation row at a time (every
+    /// code but NaN, heterogeneous scales, K not a multiple of the block or step); the same rows
+    /// as a batch (`M` = 2, 3, 4 with `R` = 2 or 4) give every pair the bits it gets alone; a
+    /// NaN code makes its row NaN and no other.
     #[test]
-    fn dot4_blocks_matches_f64_and_propagates_nan() {
+    fn dot_blocks_matches_f64_batches_match_rows_and_nan_propagates() {
         if !bf16() {
             return;
         }
@@ -677,40 +608,98 @@ mod tests {
                     .map(|r| (0..n).map(|i| code(r, i)).collect())
                     .collect();
                 // activations: e4m3 values, as the quantizer produces them
-                let x: Vec<f32> = (0..n).map(|i| e4m3_to_f32(code(7, i))).collect();
+                let xs: Vec<Vec<f32>> = (0..4)
+                    .map(|a| (0..n).map(|i| e4m3_to_f32(code(7 + a, i))).collect())
+                    .collect();
                 let kbs = n.div_ceil(bk);
-                let sc: Vec<Vec<f32>> = (0..4)
-                    .map(|r| {
-                        (0..kbs)
-                            .map(|b| 10f32.powi((b + r) as i32 % 7 - 3))
-                            .collect()
+                let scale = |r: usize| -> Vec<f32> {
+                    (0..kbs)
+                        .map(|b| 10f32.powi((b * 3 + r) as i32 % 7 - 3))
+                        .collect()
+                };
+                let (sx, sw): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
+                    ((0..4).map(scale).collect(), (4..8).map(scale).collect());
+                let xb: Vec<Vec<u16>> = xs.iter().map(|x| act_layout(x, n, bk)).collect();
+                let wr = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
+                let swr = [&sw[0][..], &sw[1], &sw[2], &sw[3]];
+                let alone: Vec<[f32; 4]> = (0..4)
+                    .map(|a| {
+                        // SAFETY: the tier was checked above; the buffers have the stated sizes.
+                        let [d] = unsafe {
+                            dot_blocks::<4, 1>([&xb[a]], wr, n, bk, [&sx[a]], swr, wr[0].as_ptr())
+                        };
+                        d
                     })
                     .collect();
-                let scales = [&sc[0][..], &sc[1], &sc[2], &sc[3]];
-                let xb = act_layout(&x, n, bk);
-                let wr = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
-                // SAFETY: the tier was checked above; the buffers have the stated sizes.
-                let got = unsafe { dot4_blocks(&xb, wr, n, bk, scales, wr[0].as_ptr()) };
-                for r in 0..4 {
-                    let term = |i: usize| {
-                        x[i] as f64 * e4m3_to_f32(rows[r][i]) as f64 * sc[r][i / bk] as f64
-                    };
-                    let want: f64 = (0..n).map(term).sum();
-                    let mag: f64 = (0..n).map(|i| term(i).abs()).sum();
-                    assert!(
-                        (got[r] as f64 - want).abs() <= 1e-6 * mag.max(1e-30),
-                        "n {n} bk {bk} row {r}: {} vs {want}",
-                        got[r]
+                for (a, got) in alone.iter().enumerate() {
+                    for r in 0..4 {
+                        let term = |i: usize| {
+                            xs[a][i] as f64
+                                * e4m3_to_f32(rows[r][i]) as f64
+                                * (sx[a][i / bk] * sw[r][i / bk]) as f64
+                        };
+                        let want: f64 = (0..n).map(term).sum();
+                        let mag: f64 = (0..n).map(|i| term(i).abs()).sum();
+                        assert!(
+                            (got[r] as f64 - want).abs() <= 1e-6 * mag.max(1e-30),
+                            "n {n} bk {bk} [{a}][{r}]: {} vs {want}",
+                            got[r]
+                        );
+                    }
+                }
+                let (xr, sxr) = (
+                    [&xb[0][..], &xb[1], &xb[2], &xb[3]],
+                    [&sx[0][..], &sx[1], &sx[2], &sx[3]],
+                );
+                let p = wr[0].as_ptr();
+                // SAFETY (of the batched calls): as above.
+                let b42 = unsafe {
+                    dot_blocks::<2, 4>(xr, [wr[1], wr[3]], n, bk, sxr, [swr[1], swr[3]], p)
+                };
+                let b23 = unsafe {
+                    dot_blocks::<2, 3>(
+                        [xr[3], xr[0], xr[2]],
+                        [wr[2], wr[0]],
+                        n,
+                        bk,
+                        [sxr[3], sxr[0], sxr[2]],
+                        [swr[2], swr[0]],
+                        p,
+                    )
+                };
+                let b24 = unsafe {
+                    dot_blocks::<4, 2>([xr[2], xr[1]], wr, n, bk, [sxr[2], sxr[1]], swr, p)
+                };
+                let bits = |v: f32| v.to_bits();
+                for a in 0..4 {
+                    assert_eq!(
+                        [bits(b42[a][0]), bits(b42[a][1])],
+                        [bits(alone[a][1]), bits(alone[a][3])],
+                        "n {n} bk {bk}"
                     );
+                }
+                for (j, a) in [3, 0, 2].into_iter().enumerate() {
+                    assert_eq!(
+                        [bits(b23[j][0]), bits(b23[j][1])],
+                        [bits(alone[a][2]), bits(alone[a][0])],
+                        "n {n} bk {bk}"
+                    );
+                }
+                for (j, a) in [2, 1].into_iter().enumerate() {
+                    assert_eq!(b24[j].map(bits), alone[a].map(bits), "n {n} bk {bk}");
                 }
                 if n >= 2 {
                     rows[2][0] = 0xff;
                     rows[3][n - 1] = 0x7f;
                     let wr = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
                     // SAFETY: as above.
-                    let got = unsafe { dot4_blocks(&xb, wr, n, bk, scales, wr[0].as_ptr()) };
-                    assert!(!got[0].is_nan() && !got[1].is_nan(), "n {n}: {got:?}");
-                    assert!(got[2].is_nan() && got[3].is_nan(), "n {n}: {got:?}");
+                    let got = unsafe {
+                        dot_blocks::<4, 2>([xr[0], xr[1]], wr, n, bk, [sxr[0], sxr[1]], swr, p)
+                    };
+                    for g in got {
+                        assert!(!g[0].is_nan() && !g[1].is_nan(), "n {n}: {got:?}");
+                        assert!(g[2].is_nan() && g[3].is_nan(), "n {n}: {got:?}");
+                    }
                 }
             }
         }

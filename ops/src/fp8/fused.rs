@@ -1,7 +1,8 @@
 //! Several `Fp8Linear`s over the same input in one call: q, k and v of an attention layer, gate
 //! and up of a SwiGLU MLP (vLLM's `QKVParallelLinear` / `MergedColumnParallelLinear` without
 //! concatenating the weights: each keeps its own blocks and scales, as loaded from the
-//! checkpoint's separate tensors, so each output is exactly what the layer gives alone).
+//! checkpoint's separate tensors, so each output is exactly what the layer gives alone), and
+//! gate and up with SwiGLU's `silu(gate) · up` as the epilogue.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
@@ -44,6 +45,7 @@ impl Fp8Linear {
                 let op = FusedOp {
                     layers,
                     plans: &plans,
+                    swiglu: false,
                     err: ParkedError::new(),
                 };
                 let (m, k) = (plans[0].shape().m(), plans[0].shape().k());
@@ -66,6 +68,61 @@ impl Fp8Linear {
                     .collect()
             }
             None => layers.iter().map(|l| l.forward_t(x)).collect(),
+        }
+    }
+
+    /// `silu(gate(x)) · up(x)`, the first half of a SwiGLU MLP, for `gate` and `up` of one
+    /// output width. On the CPU with f32 `x` and layers that fuse as in [`Self::forward_fused`],
+    /// one call (`fp8nsa_cpu::linear::run_swiglu`): at decode each GEMV task computes the same
+    /// rows of gate and up and writes their product, so the two outputs are never made;
+    /// everywhere else [`crate::silu_mul`] of the two forwards. The same bits either way.
+    ///
+    /// ```
+    /// use candle_core::{Device, Tensor};
+    /// use fp8nsa_ops::{ActQuant, Fp8BlockWeight, Fp8Linear};
+    ///
+    /// let dev = Device::Cpu;
+    /// let layer = |n| -> Result<Fp8Linear, Box<dyn std::error::Error>> {
+    ///     let w = Tensor::randn(0f32, 1.0, (n, 256), &dev)?;
+    ///     Ok(Fp8Linear::new(Fp8BlockWeight::quantize(&w, [128, 128])?, None, ActQuant::Group)?)
+    /// };
+    /// let (gate, up) = (layer(1536)?, layer(1536)?);
+    /// let x = Tensor::randn(0f32, 1.0, (1, 1, 256), &dev)?;
+    /// let y = Fp8Linear::forward_swiglu(&gate, &up, &x)?;
+    /// let want = fp8nsa_ops::silu_mul(&gate.forward_t(&x)?, &up.forward_t(&x)?)?;
+    /// assert_eq!((y - want)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+    /// assert!(Fp8Linear::forward_swiglu(&gate, &layer(576)?, &x).is_err()); // widths differ
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn forward_swiglu(gate: &Fp8Linear, up: &Fp8Linear, x: &Tensor) -> Result<Tensor> {
+        let n = gate.weight().shape()[0];
+        if up.weight().shape()[0] != n {
+            return Err(shape_err(
+                "up",
+                format!("gate's {n} output features"),
+                &up.weight().shape(),
+            ));
+        }
+        let layers = [gate, up];
+        match fused_plans(&layers, x)? {
+            Some(plans) if x.dtype() == DType::F32 => {
+                let op = FusedOp {
+                    layers: &layers,
+                    plans: &plans,
+                    swiglu: true,
+                    err: ParkedError::new(),
+                };
+                let (m, k) = (plans[0].shape().m(), plans[0].shape().k());
+                let flat = x
+                    .reshape((m, k))?
+                    .contiguous()?
+                    .apply_op1_no_bwd(&op)
+                    .map_err(|e| op.err.or(e))?;
+                let mut dims = x.dims().to_vec();
+                *dims.last_mut().expect("x was checked to have a last dim") = n;
+                Ok(flat.reshape(dims)?)
+            }
+            _ => crate::silu_mul(&gate.forward_t(x)?, &up.forward_t(x)?),
         }
     }
 }
@@ -114,6 +171,9 @@ fn fused_plans(layers: &[&Fp8Linear], x: &Tensor) -> Result<Option<Vec<LinearPla
 struct FusedOp<'a> {
     layers: &'a [&'a Fp8Linear],
     plans: &'a [LinearPlan],
+    /// Two layers, gate and up: the op's output is `silu(gate) · up` (`run_swiglu`) instead
+    /// of every layer's output one after another.
+    swiglu: bool,
     err: ParkedError,
 }
 
@@ -151,6 +211,12 @@ impl CustomOp1 for FusedOp<'_> {
                     bias: l.bias_host(),
                 })
                 .collect();
+            if let (true, [gate, up]) = (self.swiglu, &parts[..]) {
+                let mut out = vec![0f32; gate.plan.shape().m() * gate.plan.shape().n()];
+                fp8nsa_cpu::linear::run_swiglu(&x, *gate, *up, &mut out)?;
+                let len = out.len();
+                return Ok((from_f32(out, xs.dtype()), Shape::from(len)));
+            }
             let sizes: Vec<usize> = self
                 .plans
                 .iter()

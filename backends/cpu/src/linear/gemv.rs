@@ -200,10 +200,10 @@ fn scale_products(
 }
 
 /// [`gemv_rows`] on the AVX512-BF16 tier, with the activations in that tier's layout (`xb`,
-/// from [`gemv_bf16_act`]; `yt` is `[rows, m]`). At M = 1 four weight rows per pass are decoded
-/// by table lookup in registers; for M > 1 two weight rows at a time are decoded into a buffer
-/// once, then multiplied with four activation rows at a time, and each (row, row, K-block)
-/// partial is scaled by `sx · sw` as at M = 1.
+/// from [`gemv_bf16_act`]; `yt` is `[rows, m]`): weight rows decoded by table lookup in
+/// registers (`avx512bf16::dot_blocks`), four per pass at M = 1, two per pass for up to four
+/// activation rows at a time above it, each (row, row, K-block) partial scaled by `sx · sw`. A
+/// row of a batch gets the bits it gets at M = 1.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gemv_rows_bf16(
     tier: Tier,
@@ -216,67 +216,85 @@ pub(super) fn gemv_rows_bf16(
     yt: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if tier >= Tier::Avx512Bf16 && s.m() > 1 {
-        use crate::avx512bf16::{block_words, decode_row, dot_4x2_blocks};
-        let (m, k, kbs) = (s.m(), s.k(), s.k_blocks());
-        let rw = kbs * block_words(s.bk());
+    if tier >= Tier::Avx512Bf16 {
+        use crate::avx512bf16::{block_words, dot_blocks};
+        let (m, k, bk, kbs) = (s.m(), s.k(), s.bk(), s.k_blocks());
+        let rw = kbs * block_words(bk);
         let rows = yt.len() / m;
-        let mut wd = vec![0u16; 2 * rw];
-        let sx_row = |i: usize| {
-            let r = i / xq.rows_per_scale;
-            &xq.scales[r * kbs..(r + 1) * kbs]
-        };
-        for g0 in (0..rows).step_by(2) {
-            // a short last pair repeats its last row rather than branching per row
-            let n: [usize; 2] = lanes(|j| n0 + (g0 + j).min(rows - 1));
-            for (j, dst) in wd.chunks_exact_mut(rw).enumerate() {
-                // SAFETY: as below; the row holds k codes and `dst` its blocks.
-                unsafe { decode_row(&w[n[j] * k..(n[j] + 1) * k], k, s.bk(), dst) };
-            }
-            let wr = [&wd[..rw], &wd[rw..]];
-            let swr = lanes(|j| &sw[(n[j] / s.bn()) * kbs..(n[j] / s.bn() + 1) * kbs]);
-            for i0 in (0..m).step_by(4) {
-                let xi: [usize; 4] = lanes(|i| (i0 + i).min(m - 1));
-                let xr = lanes(|j| &xb[xi[j] * rw..(xi[j] + 1) * rw]);
+        let x_row = |i: usize| &xb[i * rw..(i + 1) * rw];
+        let sx_row = |i: usize| &xq.scales[(i / xq.rows_per_scale) * kbs..][..kbs];
+        let sw_row = |n: usize| &sw[(n / s.bn()) * kbs..][..kbs];
+        let w_row = |n: usize| &w[n * k..(n + 1) * k];
+        if m == 1 {
+            for r0 in (0..rows).step_by(4) {
+                // a short last group repeats its last row rather than branching per row
+                let n: [usize; 4] = lanes(|i| n0 + (r0 + i).min(rows - 1));
+                let ahead = w.as_ptr().wrapping_add((n0 + r0 + PREFETCH_ROWS) * k);
                 // SAFETY: `tier` came from `Tier::current()`, never above the detected tier,
-                // and that tier is only detected with AVX-512 F/BW/VL/VBMI/BF16; every row
-                // holds kbs blocks of block_words(bk) words, every scale row kbs entries.
+                // and that tier is only detected with AVX-512 F/BW/VL/VBMI/BF16; `xb` was laid
+                // out for this shape by `gemv_bf16_act`, every row holds `k` codes and every
+                // scale row `kbs` entries.
                 let d = unsafe {
-                    dot_4x2_blocks(
-                        xr,
-                        wr,
-                        kbs,
-                        block_words(s.bk()),
-                        lanes(|j| sx_row(xi[j])),
-                        swr,
+                    dot_blocks::<4, 1>(
+                        [x_row(0)],
+                        lanes(|i| w_row(n[i])),
+                        k,
+                        bk,
+                        [sx_row(0)],
+                        lanes(|i| sw_row(n[i])),
+                        ahead,
                     )
                 };
-                for j in 0..(rows - g0).min(2) {
-                    for (i, row) in d.iter().enumerate().take(m - i0) {
-                        yt[(g0 + j) * m + i0 + i] = row[j];
+                let take = (rows - r0).min(4);
+                yt[r0..r0 + take].copy_from_slice(&d[0][..take]);
+            }
+            return;
+        }
+        // the results of weight rows r0, r0 + 1 (those that exist) for activation rows i0..
+        let put = |d: &[[f32; 2]], r0: usize, i0: usize, yt: &mut [f32]| {
+            for (x, d) in d.iter().enumerate() {
+                for (j, &v) in d.iter().enumerate().take(rows - r0) {
+                    yt[(r0 + j) * m + i0 + x] = v;
+                }
+            }
+        };
+        for r0 in (0..rows).step_by(2) {
+            let n: [usize; 2] = lanes(|j| n0 + (r0 + j).min(rows - 1));
+            let (wr, swr) = (lanes(|j| w_row(n[j])), lanes(|j| sw_row(n[j])));
+            let ahead = w.as_ptr().wrapping_add((n0 + r0 + PREFETCH_ROWS) * k);
+            for i0 in (0..m).step_by(4) {
+                let xr = |x: usize| x_row(i0 + x);
+                let sxr = |x: usize| sx_row(i0 + x);
+                // SAFETY: as above.
+                unsafe {
+                    match m - i0 {
+                        1 => put(
+                            &dot_blocks::<2, 1>(lanes(xr), wr, k, bk, lanes(sxr), swr, ahead),
+                            r0,
+                            i0,
+                            yt,
+                        ),
+                        2 => put(
+                            &dot_blocks::<2, 2>(lanes(xr), wr, k, bk, lanes(sxr), swr, ahead),
+                            r0,
+                            i0,
+                            yt,
+                        ),
+                        3 => put(
+                            &dot_blocks::<2, 3>(lanes(xr), wr, k, bk, lanes(sxr), swr, ahead),
+                            r0,
+                            i0,
+                            yt,
+                        ),
+                        _ => put(
+                            &dot_blocks::<2, 4>(lanes(xr), wr, k, bk, lanes(sxr), swr, ahead),
+                            r0,
+                            i0,
+                            yt,
+                        ),
                     }
                 }
             }
-        }
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if tier >= Tier::Avx512Bf16 {
-        let (k, kbs) = (s.k(), s.k_blocks());
-        let rows = yt.len();
-        let (prod, nb0) = scale_products(xq, sw, s, n0, rows);
-        for r0 in (0..rows).step_by(4) {
-            // a short last group repeats its last row rather than branching per row
-            let n: [usize; 4] = lanes(|i| n0 + (r0 + i).min(rows - 1));
-            let wr = lanes(|i| &w[n[i] * k..(n[i] + 1) * k]);
-            let sc = lanes(|i| &prod[(n[i] / s.bn() - nb0) * kbs..(n[i] / s.bn() - nb0 + 1) * kbs]);
-            let ahead = w.as_ptr().wrapping_add((n0 + r0 + PREFETCH_ROWS) * k);
-            // SAFETY: `tier` came from `Tier::current()`, never above the detected tier, and
-            // that tier is only detected with AVX-512 F/BW/VL/VBMI/BF16; `xb` was laid out for
-            // this shape by `gemv_bf16_act` and every row holds `k` codes.
-            let acc = unsafe { crate::avx512bf16::dot4_blocks(xb, wr, k, s.bk(), sc, ahead) };
-            let take = (rows - r0).min(4);
-            yt[r0..r0 + take].copy_from_slice(&acc[..take]);
         }
         return;
     }

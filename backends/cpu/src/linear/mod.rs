@@ -14,14 +14,14 @@
 //! On CPUs with AVX512-BF16 and VBMI (`Tier::Avx512Bf16`), W8A8 calls of both kernels multiply
 //! bf16 pairs instead (`avx512bf16`): the e4m3 weights and activations are exact in bf16, the
 //! products exact in f32, and each (row, row, K-block) partial is scaled by `sx · sw`. There calls
-//! of 10..=16 rows (5..=16 for rows of at most 1536 codes: [`bf16_tile_min_m`]) are planned as
-//! the panel GEMM (its micro-kernel on a single tile of rows).
+//! from 7 to 13 rows up to 16 (by the row length: [`bf16_tile_min_m`]) are planned as the panel
+//! GEMM (its micro-kernel on a single tile of rows).
 //! [`plan`] decides kernel and tier once; the path it reports is the one [`LinearPlan::run`]
 //! runs.
 
 use rayon::prelude::*;
 
-use crate::error::{check_len, check_positive, Result};
+use crate::error::{check_len, check_positive, Error, Result};
 use crate::fp8::{decode_scaled, e4m3_to_f32};
 use crate::quant::{quantize_act_in, QuantizedAct};
 use crate::scratch::{with_buf, with_f32};
@@ -234,16 +234,7 @@ pub fn run_fused(x: &[f32], parts: &[FusedPart<'_>], outs: &mut [&mut [f32]]) ->
     let Some(first) = parts.first() else {
         return Ok(());
     };
-    let (s0, act, tier) = (first.plan.shape, first.plan.act, first.plan.tier);
-    let kernel = first.plan.kernel;
-    let fusable = parts.iter().all(|p| {
-        let s = p.plan.shape;
-        p.plan.kernel == kernel
-            && p.plan.act == act
-            && p.plan.tier == tier
-            && (s.m(), s.k(), s.bk()) == (s0.m(), s0.k(), s0.bk())
-    });
-    if !fusable {
+    if !fusable(parts) {
         for (p, out) in parts.iter().zip(outs.iter_mut()) {
             p.plan.run(x, p.w, p.sw, p.bias, out)?;
         }
@@ -252,11 +243,70 @@ pub fn run_fused(x: &[f32], parts: &[FusedPart<'_>], outs: &mut [&mut [f32]]) ->
     for (p, out) in parts.iter().zip(outs.iter()) {
         p.check(x, out)?;
     }
-    if kernel == CpuFp8Kernel::Gemv {
+    if first.plan.kernel == CpuFp8Kernel::Gemv {
         gemv_parts(x, parts, outs)
     } else {
         panel_parts(x, parts, outs)
     }
+}
+
+/// Whether `parts` (at least one) share a kernel, activation scheme, tier, M and K blocking, so
+/// that one quantization of the input serves them all.
+fn fusable(parts: &[FusedPart<'_>]) -> bool {
+    let first = parts[0].plan;
+    let s0 = first.shape;
+    parts.iter().all(|p| {
+        let s = p.plan.shape;
+        p.plan.kernel == first.kernel
+            && p.plan.act == first.act
+            && p.plan.tier == first.tier
+            && (s.m(), s.k(), s.bk()) == (s0.m(), s0.k(), s0.bk())
+    })
+}
+
+/// A SwiGLU MLP's first half: `out [m, n] = silu(gate(x)) · up(x)` for `gate` and `up` of one
+/// shape (M, N and K; each its own blocks, scales and bias), the bits of [`LinearPlan::run`]
+/// on each followed by [`crate::act::silu_mul`]: both run as [`run_fused`] runs them (one
+/// quantization of `x`, at decode one parallel region) into a reused scratch buffer, and one
+/// pass writes the product. (Computing the product in each GEMV task, from the same rows of
+/// gate and up, measured slower at M = 1 on Zen 4: each thread then reads two weight streams
+/// in turn instead of one, 0.70-0.97x of this with the codes from memory.)
+///
+/// ```
+/// use fp8nsa_cpu::linear::{plan, run_swiglu, FusedPart};
+/// use fp8nsa_types::{ActQuant, LinearShape};
+///
+/// let p = plan(LinearShape::new(1, 1, 2, 128, 128)?, ActQuant::None)?;
+/// let gate = FusedPart { plan: p, w: &[0x38, 0x38], sw: &[1.0], bias: None }; // e4m3 1.0
+/// let up = FusedPart { plan: p, w: &[0x40, 0x40], sw: &[1.0], bias: None }; // e4m3 2.0
+/// let mut out = [0f32];
+/// run_swiglu(&[1.0, 2.0], gate, up, &mut out)?;
+/// let (g, u) = (3.0f32, 6.0f32); // gate · x, up · x
+/// assert!((out[0] - g / (1.0 + (-g).exp()) * u).abs() < 1e-5);
+/// assert!(run_swiglu(&[1.0, 2.0], gate, up, &mut [0.0; 2]).is_err()); // out is [1, 1]
+/// # Ok::<(), fp8nsa_cpu::Error>(())
+/// ```
+pub fn run_swiglu(
+    x: &[f32],
+    gate: FusedPart<'_>,
+    up: FusedPart<'_>,
+    out: &mut [f32],
+) -> Result<()> {
+    let (sg, su) = (gate.plan.shape, up.plan.shape);
+    if (su.m(), su.n(), su.k()) != (sg.m(), sg.n(), sg.k()) {
+        return Err(Error::Shape {
+            arg: "up",
+            expected: format!("gate's [m, n, k] = [{}, {}, {}]", sg.m(), sg.n(), sg.k()),
+            got: format!("[{}, {}, {}]", su.m(), su.n(), su.k()),
+        });
+    }
+    check_len("out", out.len(), sg.m() * sg.n())?;
+    let len = out.len();
+    with_f32(2 * len, |buf| {
+        let (g, u) = buf.split_at_mut(len);
+        run_fused(x, &[gate, up], &mut [g, u])?;
+        crate::act::silu_mul(g, u, out)
+    })
 }
 
 /// The GEMV of `parts` (checked: the same M, K blocking, activation scheme and tier, every
@@ -453,25 +503,29 @@ pub fn fp8_linear(
 
 /// From how many rows on a W8A8 call of at most [`GEMV_MAX_M`] rows, with rows of `k` codes,
 /// runs [`panel_gemm_bf16`] on the AVX512-BF16 tier (one tile of 16 rows, the missing ones
-/// zeros) instead of [`gemv_rows_bf16`]'s four-by-two register blocks: from 10 rows, and from 5
-/// for rows of at most 1536 codes, where the GEMV's costs per output (a horizontal sum per
-/// row pair and K-block, a task per 12 weight rows) outweigh the panel's padding. Zen 4,
-/// `linear_time` medians, GEMV against panel: N = K = 4096 1.69 against 2.25 ms at M = 8,
-/// 2.16 against 2.69 at M = 12 (an earlier build); 2048 x 2048 0.64 against 0.71 ms at M = 6;
-/// 1536 x 576 (from memory) 0.153 against 0.149 ms at M = 4, 0.210 against 0.132 at M = 5,
-/// 0.258 against 0.157 at M = 8; 576 x 1536 0.180 against 0.148 ms at M = 6.
+/// zeros) instead of [`gemv_rows_bf16`] (each weight row decoded in registers once per four
+/// activation rows): from 7 rows for `k` up to 1024, 9 up to 1536, 13 up to 2048, 11 past that,
+/// where the GEMV's decoding of each weight row once per four activation rows, and its
+/// products, outweigh the panel's padding to 16 rows. Zen 4, `linear_time` (weights from
+/// memory, three runs), GEMV against panel, ms: 1536 x 576 0.14 against 0.20 at M = 6, a tie at
+/// 7, 0.12-0.17 against 0.13-0.15 at 8; 576 x 1536 0.15 against 0.16 at 8, a tie at 9 and 10;
+/// 5632 x 2048 1.66-1.87 against 1.92-2.00 at 12, a tie at 13; 2048 x 5632 1.47-1.52 against
+/// 1.57-1.58 at 10, 1.69-1.74 against 1.59-1.68 at 12; N = K = 4096 1.96 against 2.37 at 10, a
+/// tie at 12.
 ///
 /// ```
 /// use fp8nsa_cpu::linear::bf16_tile_min_m;
 ///
-/// assert_eq!(bf16_tile_min_m(576), 5); // SmolLM2's projections
-/// assert_eq!(bf16_tile_min_m(4096), 10);
+/// assert_eq!(bf16_tile_min_m(576), 7); // SmolLM2's projections
+/// assert_eq!(bf16_tile_min_m(2048), 13);
+/// assert_eq!(bf16_tile_min_m(4096), 11);
 /// ```
 pub fn bf16_tile_min_m(k: usize) -> usize {
-    if k <= 1536 {
-        5
-    } else {
-        10
+    match k {
+        0..=1024 => 7,
+        1025..=1536 => 9,
+        1537..=2048 => 13,
+        _ => 11,
     }
 }
 
@@ -546,6 +600,89 @@ mod tests {
             bias: None,
         };
         assert!(run_fused(&vec![1.0; k], &[part], &mut []).is_err());
+    }
+
+    /// `run_swiglu` gives the bits of the two calls and `act::silu_mul`: gate and up with
+    /// different blockings (the bias on one), N not a multiple of a task's rows, M = 1, odd M,
+    /// the GEMV's largest M and past it, both activation schemes, heterogeneous block scales;
+    /// plans that do not fuse (different schemes) take the unfused path with the same bits;
+    /// mismatched shapes and buffers are `Error::Shape` naming the argument.
+    #[test]
+    fn swiglu_equals_silu_of_separate_calls() {
+        use fp8nsa_test_support::{gaussian, rng};
+        let mut r = rng("swiglu_equals_silu_of_separate_calls");
+        let (n, k) = (300, 388);
+        let mut weight = |bn: usize| {
+            let w: Vec<f32> = gaussian(&mut r, n * k)
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v * 10f32.powi(((i / k / bn + i % k / 128) % 7) as i32 - 3))
+                .collect();
+            quantize_weight(&w, n, k, bn, 128).unwrap()
+        };
+        let ((wg, sg), (wu, su)) = (weight(16), weight(128));
+        let bias = gaussian(&mut r, n);
+        let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for m in [1usize, 3, GEMV_MAX_M, GEMV_MAX_M + 3, 67] {
+            let x = gaussian(&mut r, m * k);
+            for (ag, au) in [
+                (ActQuant::Group, ActQuant::Group),
+                (ActQuant::None, ActQuant::None),
+                (ActQuant::Group, ActQuant::None),
+            ] {
+                let part = |w, sw, bn, act, bias| FusedPart {
+                    plan: plan(LinearShape::new(m, n, k, bn, 128).unwrap(), act)
+                        .unwrap()
+                        .assume_nan_free(true),
+                    w,
+                    sw,
+                    bias,
+                };
+                let gate = part(&wg[..], &sg[..], 16, ag, None);
+                let up = part(&wu[..], &su[..], 128, au, Some(&bias[..]));
+                let (mut g, mut u, mut want) =
+                    (vec![0f32; m * n], vec![0f32; m * n], vec![0f32; m * n]);
+                gate.plan
+                    .run(&x, gate.w, gate.sw, gate.bias, &mut g)
+                    .unwrap();
+                up.plan.run(&x, up.w, up.sw, up.bias, &mut u).unwrap();
+                crate::act::silu_mul(&g, &u, &mut want).unwrap();
+                let mut got = vec![f32::NAN; m * n];
+                run_swiglu(&x, gate, up, &mut got).unwrap();
+                assert_eq!(bits(&got), bits(&want), "m {m} acts {ag:?} {au:?}");
+            }
+        }
+        let p = |n| {
+            plan(
+                LinearShape::new(2, n, k, 128, 128).unwrap(),
+                ActQuant::Group,
+            )
+            .unwrap()
+        };
+        let x = vec![1f32; 2 * k];
+        let gate = FusedPart {
+            plan: p(n),
+            w: &wu,
+            sw: &su,
+            bias: None,
+        };
+        let narrow = FusedPart {
+            plan: p(n - 1),
+            w: &wu[..(n - 1) * k],
+            sw: &su,
+            bias: None,
+        };
+        for (g, u, out_len, arg) in [
+            (gate, narrow, 2 * n, "up"),
+            (narrow, gate, 2 * (n - 1), "up"),
+            (gate, gate, 2 * n - 1, "out"),
+        ] {
+            let err = run_swiglu(&x, g, u, &mut vec![0f32; out_len]).unwrap_err();
+            assert!(
+                matches!(err, Error::Shape { arg: a, .. } if a == arg),
+                "{arg}: {err:?}"
+            );
+        }
     }
 
     /// The kernels write through reused scratch buffers and into the caller's `out`: whatever
