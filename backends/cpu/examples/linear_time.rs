@@ -9,12 +9,13 @@
 //! `WEIGHTS` (default 1) distinct weights are cycled through: 1 keeps the weight in cache and
 //! times the arithmetic; enough of them to exceed the last-level cache (e.g. 100 of
 //! 1536 x 576) read each call's codes from memory, as a model's step does. Prints the best of
-//! five rounds of 40 calls (`CALLS=n` for n, e.g. many more under `perf`).
+//! five rounds of 40 calls (`CALLS=n` for n, e.g. many more under `perf`). `TIER=avx2` (or
+//! `avx512`, `portable`) caps the SIMD tier, to time a lower tier's kernels on this CPU.
 
 use std::time::Instant;
 
 use fp8nsa_cpu::linear::plan;
-use fp8nsa_types::{ActQuant, LinearShape};
+use fp8nsa_types::{ActQuant, LinearShape, Tier};
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
 
@@ -30,6 +31,15 @@ fn main() -> Res<()> {
     };
     if nw == 0 {
         return Err("WEIGHTS must be at least 1".into());
+    }
+    if let Ok(t) = std::env::var("TIER") {
+        let tier = match t.as_str() {
+            "portable" => Tier::Portable,
+            "avx2" => Tier::Avx2,
+            "avx512" => Tier::Avx512,
+            _ => return Err(format!("TIER={t}: portable, avx2 or avx512").into()),
+        };
+        Tier::cap(tier);
     }
     let p = plan(LinearShape::new(m, n, k, 128, 128)?, ActQuant::Group)?;
     let mut x = 0x9e37_79b9u32;

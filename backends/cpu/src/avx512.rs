@@ -263,8 +263,11 @@ pub(crate) unsafe fn fold_chunk16<E: crate::x86::Lanes, const G: usize>(
         }
     }
     // SAFETY: head gi's scores start at gi · cp, cp = c rounded up to 8, inside `scores`.
-    let alpha: [f32; G] =
-        std::array::from_fn(|gi| softmax8(sp.add(gi * cp), c, run_max[gi], &mut m[gi], &mut l[gi]));
+    // a loop, not `array::from_fn`: its closure was compiled out of line, a call per head
+    let mut alpha = [0f32; G];
+    for gi in 0..G {
+        alpha[gi] = softmax8(sp.add(gi * cp), c, run_max[gi], &mut m[gi], &mut l[gi]);
+    }
     let ap = acc.as_mut_ptr();
     // 64 output lanes of every head at a time (4·G registers), then 16 at a time
     let mut c0 = 0;
