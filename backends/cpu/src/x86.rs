@@ -197,24 +197,25 @@ pub(crate) unsafe fn dot4_blocks<const CHECK_NAN: bool>(
     out
 }
 
-/// `out[i][j] = Σ x_i[k] · w_j[k]` for four activation rows and three weight rows, all f32
-/// (the weight rows already decoded and scaled), over the common length: twelve accumulators,
-/// each activation load shared by three rows and each weight load by four.
+/// `out[i][j] = Σ x_i[k] · w_j[k]` for `M` (up to four) activation rows and three weight rows,
+/// all f32 (the weight rows already decoded and scaled), over the common length: one
+/// accumulator per pair, each activation load shared by three rows and each weight load by
+/// `M`; a pair's result does not depend on `M`.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(crate) unsafe fn dot_4x3(x: [&[f32]; 4], w: [&[f32]; 3]) -> [[f32; 3]; 4] {
+pub(crate) unsafe fn dot_mx3<const M: usize>(x: [&[f32]; M], w: [&[f32]; 3]) -> [[f32; 3]; M] {
     let n = x
         .iter()
         .map(|r| r.len())
         .chain(w.iter().map(|r| r.len()))
         .min()
         .unwrap_or(0);
-    let xp: [_; 4] = crate::simd::lanes(|i| x[i].as_ptr());
+    let xp: [_; M] = crate::simd::lanes(|i| x[i].as_ptr());
     let wp: [_; 3] = crate::simd::lanes(|i| w[i].as_ptr());
-    let mut acc = [[_mm256_setzero_ps(); 3]; 4];
+    let mut acc = [[_mm256_setzero_ps(); 3]; M];
     let mut k = 0;
     while k + 8 <= n {
         // SAFETY: k + 8 <= n <= every length; unaligned loads.
@@ -223,7 +224,7 @@ pub(crate) unsafe fn dot_4x3(x: [&[f32]; 4], w: [&[f32]; 3]) -> [[f32; 3]; 4] {
             _mm256_loadu_ps(wp[1].add(k)),
             _mm256_loadu_ps(wp[2].add(k)),
         ];
-        for i in 0..4 {
+        for i in 0..M {
             let xv = _mm256_loadu_ps(xp[i].add(k));
             for j in 0..3 {
                 acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
@@ -231,8 +232,8 @@ pub(crate) unsafe fn dot_4x3(x: [&[f32]; 4], w: [&[f32]; 3]) -> [[f32; 3]; 4] {
         }
         k += 8;
     }
-    let mut out = [[0f32; 3]; 4];
-    for i in 0..4 {
+    let mut out = [[0f32; 3]; M];
+    for i in 0..M {
         for j in 0..3 {
             let mut tail = 0f32;
             for t in k..n {
@@ -879,7 +880,7 @@ mod tests {
     }
 
     #[test]
-    fn dot_4x3_matches_f64() {
+    fn dot_mx3_matches_f64_whatever_m() {
         if !avx2() {
             return;
         }
@@ -891,9 +892,25 @@ mod tests {
             };
             let xs: Vec<Vec<f32>> = (0..4).map(row).collect();
             let ws: Vec<Vec<f32>> = (4..7).map(row).collect();
-            // SAFETY: AVX2 + FMA + F16C checked above.
-            let got =
-                unsafe { dot_4x3([&xs[0], &xs[1], &xs[2], &xs[3]], [&ws[0], &ws[1], &ws[2]]) };
+            let w = [&ws[0][..], &ws[1], &ws[2]];
+            // SAFETY (of the calls): AVX2 + FMA + F16C checked above.
+            let got = unsafe { dot_mx3([&xs[0][..], &xs[1], &xs[2], &xs[3]], w) };
+            let bits = |r: [f32; 3]| r.map(f32::to_bits);
+            // fewer activation rows: each pair the same bits
+            let one = unsafe { dot_mx3([&xs[2][..]], w) };
+            let two = unsafe { dot_mx3([&xs[3][..], &xs[0]], w) };
+            let three = unsafe { dot_mx3([&xs[1][..], &xs[2], &xs[3]], w) };
+            assert_eq!(bits(one[0]), bits(got[2]), "n {n}");
+            assert_eq!(
+                [bits(two[0]), bits(two[1])],
+                [bits(got[3]), bits(got[0])],
+                "n {n}"
+            );
+            assert_eq!(
+                three.map(bits),
+                [bits(got[1]), bits(got[2]), bits(got[3])],
+                "n {n}"
+            );
             for i in 0..4 {
                 for j in 0..3 {
                     let want: f64 = xs[i]
