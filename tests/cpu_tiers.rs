@@ -30,6 +30,9 @@ fn fp8_sweep(rng: &mut StdRng, tier: Tier) {
             for (m, dtype) in [
                 (1, DType::F32),
                 (1, DType::BF16),
+                // 2..4: the GEMVs that decode each weight row in registers for a few rows
+                (2, DType::F32),
+                (3, DType::F32),
                 (4, DType::F32),
                 // 7: the GEMV for K = 3884, the panel GEMM's tile (9 rows of padding) for K = 300
                 (7, DType::F32),

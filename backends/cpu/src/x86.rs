@@ -123,12 +123,7 @@ pub(crate) unsafe fn decode_scaled_nan_free(src: &[u8], scale: f32, dst: &mut [f
 }
 
 /// `Σ_kb scale_r[kb] · Σ_{k in kb} x[k] · decode(w_r[k])` for four weight rows over the same
-/// `x` (each activation load shared by the four rows), K-blocks of `bk` codes: the per-block
-/// scale is applied to the vector partial sums, so each row is reduced to a scalar once. A row
-/// with a NaN code gives NaN, as the scalar decoder would, when `CHECK_NAN`; without it the
-/// caller guarantees the rows hold no NaN code (the scan was ~15% of this loop). `ahead` is
-/// prefetched as a stream of 64 bytes per 16 codes (`ahead + 4·i`); any address will do, as a
-/// prefetch never faults.
+/// `x`: [`dot_blocks`] at one activation row, with the scales given per row and K-block.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
@@ -141,56 +136,99 @@ pub(crate) unsafe fn dot4_blocks<const CHECK_NAN: bool>(
     scales: [&[f32]; 4],
     ahead: *const u8,
 ) -> [f32; 4] {
-    let n = w.iter().fold(x.len(), |n, r| n.min(r.len()));
-    let xp = x.as_ptr();
-    let wp: [_; 4] = crate::simd::lanes(|i| w[i].as_ptr());
-    let mut tot = [_mm256_setzero_ps(); 4];
-    let mut tail = [0f32; 4];
+    let [out] = dot_blocks::<4, 1, CHECK_NAN>([x], w, bk, |_, r, kb| scales[r][kb], ahead);
+    out
+}
+
+/// `out[a][r] = Σ_kb scale(a, r, kb) · Σ_{k in kb} x_a[k] · decode(w_r[k])` for `M` activation
+/// rows and `R` weight rows (each activation load shared by the `R` rows, each decoded code by
+/// the `M`), K-blocks of `bk` codes: the per-block scale is applied to the vector partial sums,
+/// so each pair is reduced to a scalar once. Every pair has its own two accumulators and the
+/// same operations in the same order whatever `R` and `M` are, so a row of a batch gets the
+/// bits it gets alone. A weight row with a NaN code gives NaN in all its pairs, as the scalar
+/// decoder would, when `CHECK_NAN`; without it the caller guarantees the rows hold no NaN code
+/// (the scan was ~15% of this loop). `ahead` is prefetched as a stream of `R` bytes per code
+/// (`ahead + R·i`, a line per 64 bytes); any address will do, as a prefetch never faults.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+// `a`, `r` index the rows, accumulators and results alike
+#[allow(clippy::needless_range_loop)]
+pub(crate) unsafe fn dot_blocks<const R: usize, const M: usize, const CHECK_NAN: bool>(
+    x: [&[f32]; M],
+    w: [&[u8]; R],
+    bk: usize,
+    scale: impl Fn(usize, usize, usize) -> f32,
+    ahead: *const u8,
+) -> [[f32; R]; M] {
+    let n = w
+        .iter()
+        .map(|r| r.len())
+        .chain(x.iter().map(|r| r.len()))
+        .min()
+        .unwrap_or(0);
+    let mut tot = [[_mm256_setzero_ps(); R]; M];
+    let mut tail = [[0f32; R]; M];
     let mut seen = _mm_setzero_si128();
     let mut k0 = 0;
     let mut kb = 0;
     while k0 < n {
         let k1 = (k0 + bk).min(n);
-        let mut acc = [_mm256_setzero_ps(); 8];
+        let mut acc = [[[_mm256_setzero_ps(); 2]; R]; M];
         let mut i = k0;
         while i + 16 <= k1 {
-            // SAFETY: i + 16 <= k1 <= n <= every length; unaligned loads.
-            let (x0, x1) = (_mm256_loadu_ps(xp.add(i)), _mm256_loadu_ps(xp.add(i + 8)));
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(4 * i).cast());
-            for r in 0..4 {
-                let b = _mm_loadu_si128(wp[r].add(i).cast());
+            // once per line of the stream: every step from four rows up, else where a step
+            // reaches a new line
+            if R * 16 >= 64 || (R * i) / 64 != (R * (i + 16)) / 64 {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(R * i).cast());
+            }
+            for r in 0..R {
+                // SAFETY: i + 16 <= k1 <= n <= every length; unaligned loads.
+                let b = _mm_loadu_si128(w[r].as_ptr().add(i).cast());
                 if CHECK_NAN {
                     seen = nan_fold(seen, b);
                 }
                 let (lo, hi) = decode16(b);
-                acc[2 * r] = _mm256_fmadd_ps(x0, lo, acc[2 * r]);
-                acc[2 * r + 1] = _mm256_fmadd_ps(x1, hi, acc[2 * r + 1]);
+                for a in 0..M {
+                    let xp = x[a].as_ptr().add(i);
+                    acc[a][r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xp), lo, acc[a][r][0]);
+                    acc[a][r][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(8)), hi, acc[a][r][1]);
+                }
             }
             i += 16;
         }
-        for r in 0..4 {
-            let sc = scales[r][kb];
-            let mut t = 0f32;
-            for j in i..k1 {
-                t = x[j].mul_add(e4m3_to_f32(w[r][j]), t);
+        for a in 0..M {
+            for r in 0..R {
+                let sc = scale(a, r, kb);
+                let mut t = 0f32;
+                for j in i..k1 {
+                    t = x[a][j].mul_add(e4m3_to_f32(w[r][j]), t);
+                }
+                tail[a][r] = t.mul_add(sc, tail[a][r]);
+                // the 2^8 of the decode is applied once at the end, so no scale can overflow
+                let s = _mm256_set1_ps(sc);
+                let sum = _mm256_add_ps(acc[a][r][0], acc[a][r][1]);
+                tot[a][r] = _mm256_fmadd_ps(sum, s, tot[a][r]);
             }
-            tail[r] = t.mul_add(sc, tail[r]);
-            // the 2^8 of the decode is applied once at the end, so no scale can overflow here
-            let s = _mm256_set1_ps(sc);
-            tot[r] = _mm256_fmadd_ps(_mm256_add_ps(acc[2 * r], acc[2 * r + 1]), s, tot[r]);
         }
         k0 = k1;
         kb += 1;
     }
-    let mut out = [0f32; 4];
-    for (r, o) in out.iter_mut().enumerate() {
-        *o = hsum(tot[r]).mul_add(DECODE_SHIFT, tail[r]);
+    let mut out = [[0f32; R]; M];
+    for a in 0..M {
+        for r in 0..R {
+            out[a][r] = hsum(tot[a][r]).mul_add(DECODE_SHIFT, tail[a][r]);
+        }
     }
     if CHECK_NAN && nan_seen(seen) {
         // rare: say which rows hold a NaN code (the tails already gave NaN by themselves)
-        for (r, o) in out.iter_mut().enumerate() {
+        for r in 0..R {
             if w[r][..n].iter().any(|&c| c & 0x7f == 0x7f) {
-                *o = f32::NAN;
+                for o in out.iter_mut() {
+                    o[r] = f32::NAN;
+                }
             }
         }
     }
@@ -876,6 +914,97 @@ mod tests {
         if avx2() {
             // SAFETY: as above.
             unsafe { checks::dot4_blocks_against_f64(dot4_blocks::<true>, dot4_blocks::<false>) };
+        }
+    }
+
+    /// `dot_blocks` over a batch of activation rows (one or two weight rows, 1..4 activation
+    /// rows, with and without the NaN scan) gives every pair the bits `dot4_blocks` gives it
+    /// alone, tails and partial blocks included; a NaN code makes its weight row NaN in every
+    /// activation row.
+    #[test]
+    fn dot_blocks_batch_rows_get_their_single_row_bits() {
+        if !avx2() {
+            return;
+        }
+        for (n, bk) in [(17usize, 16usize), (300, 128), (300, 40), (3884, 128)] {
+            let xs: Vec<Vec<f32>> = (0..4)
+                .map(|a| {
+                    (0..n)
+                        .map(|i| ((i * 37 + a * 11) % 17) as f32 * 0.25 - 2.0)
+                        .collect()
+                })
+                .collect();
+            let mut rows: Vec<Vec<u8>> = (0..4)
+                .map(|r| {
+                    (0..n)
+                        .map(|i| ((i * 11 + r * 53) % 256) as u8)
+                        .map(|c| if c & 0x7f == 0x7f { 0x7e } else { c })
+                        .collect()
+                })
+                .collect();
+            let kbs = n.div_ceil(bk);
+            let sx: Vec<Vec<f32>> = (0..4)
+                .map(|a| {
+                    (0..kbs)
+                        .map(|b| 10f32.powi(((a + b * 3) % 7) as i32 - 3))
+                        .collect()
+                })
+                .collect();
+            let sw: Vec<Vec<f32>> = (0..4)
+                .map(|r| {
+                    (0..kbs)
+                        .map(|b| 10f32.powi(((r * 5 + b) % 7) as i32 - 3))
+                        .collect()
+                })
+                .collect();
+            for nan in [false, true] {
+                if nan {
+                    rows[1][n / 2] = 0xff;
+                }
+                let wr = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
+                let p = xs[0].as_ptr().cast();
+                // SAFETY (of the calls): AVX2 + FMA + F16C checked above.
+                let alone: Vec<[f32; 4]> = (0..4)
+                    .map(|a| {
+                        let prod: Vec<Vec<f32>> = (0..4)
+                            .map(|r| (0..kbs).map(|b| sx[a][b] * sw[r][b]).collect())
+                            .collect();
+                        let sc = [&prod[0][..], &prod[1], &prod[2], &prod[3]];
+                        unsafe { dot4_blocks::<true>(&xs[a], wr, bk, sc, p) }
+                    })
+                    .collect();
+                let bits = |v: f32| v.to_bits();
+                let scale = |a0: usize, r0: usize| {
+                    let (sx, sw) = (&sx, &sw);
+                    move |a: usize, r: usize, kb: usize| sx[a0 + a][kb] * sw[r0 + r][kb]
+                };
+                let x = [&xs[0][..], &xs[1], &xs[2], &xs[3]];
+                let b14 = unsafe { dot_blocks::<1, 4, true>(x, [wr[1]], bk, scale(0, 1), p) };
+                let b13 = unsafe {
+                    dot_blocks::<1, 3, false>([x[1], x[2], x[3]], [wr[2]], bk, scale(1, 2), p)
+                };
+                let b22 = unsafe {
+                    dot_blocks::<2, 2, true>([x[2], x[3]], [wr[0], wr[1]], bk, scale(2, 0), p)
+                };
+                for a in 0..4 {
+                    assert_eq!(
+                        bits(b14[a][0]),
+                        bits(alone[a][1]),
+                        "n {n} bk {bk} nan {nan}"
+                    );
+                }
+                for a in 0..3 {
+                    assert_eq!(bits(b13[a][0]), bits(alone[a + 1][2]), "n {n} bk {bk}");
+                }
+                for a in 0..2 {
+                    assert_eq!(
+                        b22[a].map(bits),
+                        [bits(alone[a + 2][0]), bits(alone[a + 2][1])]
+                    );
+                }
+                assert_eq!(nan, alone.iter().all(|o| o[1].is_nan()), "n {n}");
+                assert!(alone.iter().all(|o| !o[0].is_nan() && !o[2].is_nan()));
+            }
         }
     }
 

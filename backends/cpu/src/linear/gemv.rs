@@ -303,6 +303,99 @@ pub(super) fn gemv_rows_bf16(
     unreachable!("the bf16 layout exists only on the AVX512-BF16 tier")
 }
 
+/// [`gemv_rows`] for 2..=[`super::GEMV_REG_MAX_M`] rows on the AVX2 tier and up, with the
+/// activations as their e4m3 values and scales (`yt` is `[rows, m]`): each weight row decoded
+/// in registers once per four activation rows (`x86::dot_blocks`, as the M = 1 kernel decodes
+/// it), each (row, row, K-block) partial scaled by `sx · sw`, so on the AVX2 tier a row of a
+/// batch gets the bits it gets at M = 1. Past a few rows, decoding once into a buffer
+/// ([`gemv_small_rows`]) costs less than decoding once per four rows.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemv_rows_regs(
+    tier: Tier,
+    xq: &QuantizedAct<'_>,
+    w: &[u8],
+    sw: &[f32],
+    s: LinearShape,
+    n0: usize,
+    yt: &mut [f32],
+    nan_free: bool,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        fn run<const CHECK_NAN: bool>(
+            xq: &QuantizedAct<'_>,
+            w: &[u8],
+            sw: &[f32],
+            s: LinearShape,
+            n0: usize,
+            yt: &mut [f32],
+        ) {
+            use crate::x86::dot_blocks;
+            let (m, k, bk, kbs) = (s.m(), s.k(), s.bk(), s.k_blocks());
+            let rows = yt.len() / m;
+            for r in 0..rows {
+                let n = n0 + r;
+                let wr = [&w[n * k..(n + 1) * k]];
+                let swr = &sw[(n / s.bn()) * kbs..][..kbs];
+                let ahead = w.as_ptr().wrapping_add((n + PREFETCH_ROWS) * k);
+                for i0 in (0..m).step_by(4) {
+                    let xr = |a: usize| &xq.values[(i0 + a) * k..(i0 + a + 1) * k];
+                    let scale = |a: usize, _: usize, kb: usize| xq.scale(i0 + a, kb) * swr[kb];
+                    let out = &mut yt[r * m + i0..];
+                    let put = |d: &[[f32; 1]], out: &mut [f32]| {
+                        for (o, d) in out.iter_mut().zip(d) {
+                            *o = d[0];
+                        }
+                    };
+                    // SAFETY (of the calls): this function is compiled for AVX2 + FMA + F16C,
+                    // which the caller checked the CPU has.
+                    match m - i0 {
+                        1 => put(
+                            &unsafe {
+                                dot_blocks::<1, 1, CHECK_NAN>(lanes(xr), wr, bk, scale, ahead)
+                            },
+                            out,
+                        ),
+                        2 => put(
+                            &unsafe {
+                                dot_blocks::<1, 2, CHECK_NAN>(lanes(xr), wr, bk, scale, ahead)
+                            },
+                            out,
+                        ),
+                        3 => put(
+                            &unsafe {
+                                dot_blocks::<1, 3, CHECK_NAN>(lanes(xr), wr, bk, scale, ahead)
+                            },
+                            out,
+                        ),
+                        _ => put(
+                            &unsafe {
+                                dot_blocks::<1, 4, CHECK_NAN>(lanes(xr), wr, bk, scale, ahead)
+                            },
+                            out,
+                        ),
+                    }
+                }
+            }
+        }
+        if tier >= Tier::Avx2 {
+            // SAFETY: `tier` came from `Tier::current()`, which is never above the detected
+            // tier, and the AVX2 tier is only detected with AVX2, FMA and F16C present.
+            return unsafe {
+                if nan_free {
+                    run::<false>(xq, w, sw, s, n0, yt)
+                } else {
+                    run::<true>(xq, w, sw, s, n0, yt)
+                }
+            };
+        }
+    }
+    // callers take this path only with an AVX2 `tier`, the value passed here
+    let _ = (tier, xq, w, sw, s, n0, yt, nan_free);
+    unreachable!("gemv_rows_regs runs on the AVX2 tier only")
+}
+
 /// [`gemv_rows`] for `m > 1` on the AVX2 tier and up (`yt` is `[rows, m]`, `xd` the activations
 /// already multiplied by their scales): three weight rows at a time are decoded with their
 /// block scales into `buf`, then multiplied with four activation rows at a time in registers.

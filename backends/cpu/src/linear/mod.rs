@@ -34,7 +34,7 @@ mod panel;
 
 pub use dense::gemv_f32;
 
-use gemv::{gemv1_rows, gemv_rows, gemv_rows_bf16, gemv_small_rows};
+use gemv::{gemv1_rows, gemv_rows, gemv_rows_bf16, gemv_rows_regs, gemv_small_rows};
 use panel::{panel_gemm, panel_gemm_bf16};
 
 /// Largest `m` served by the GEMV kernel.
@@ -419,10 +419,19 @@ pub(crate) fn gemv_task_rows(tier: Tier, m: usize) -> usize {
     }
 }
 
+/// Up to how many rows the f32 GEMV of the AVX2 and AVX-512 tiers decodes each weight row in
+/// registers per four activation rows ([`gemv::gemv_rows_regs`]); past it, once into a buffer
+/// ([`gemv::gemv_small_rows`]). `linear_time M 1536 576 100` on the AVX2 tier (capped on Zen
+/// 4, medians of 7 / 5 runs), buffer against registers, ms: M = 2 0.103 against 0.061, 3 0.108
+/// against 0.088, 4 0.136 against 0.096; 5 0.18 against 0.21 (two groups of activation rows,
+/// each weight row decoded twice), 8 0.23 against 0.24.
+pub(crate) const GEMV_REG_MAX_M: usize = 4;
+
 /// Whether [`gemv_task`] takes the activations already multiplied by their scales
-/// (`quantize_act(.., dequantize = true)`) for this tier, `m` and scheme.
+/// (`quantize_act(.., dequantize = true)`) for this tier, `m` and scheme: the f32 GEMV that
+/// decodes weight rows into a buffer does.
 pub(crate) fn gemv_wants_scaled_act(tier: Tier, m: usize, act: ActQuant) -> bool {
-    tier >= Tier::Avx2 && m > 1 && !uses_bf16(tier, act)
+    tier >= Tier::Avx2 && m > GEMV_REG_MAX_M && !uses_bf16(tier, act)
 }
 
 /// The activations of a GEMV call: quantized as [`gemv_wants_scaled_act`] says, and in the
@@ -473,11 +482,13 @@ pub(crate) fn gemv_task(
     let xq = xa.q;
     if let Some(xb) = xa.bf16 {
         gemv_rows_bf16(tier, xq, xb, w, sw, s, n0, yt)
-    } else if tier >= Tier::Avx2 && s.m() > 1 {
+    } else if tier >= Tier::Avx2 && s.m() > GEMV_REG_MAX_M {
         // scaled activations (`gemv_wants_scaled_act`; W8A16's are their own values)
         with_f32(3 * s.k(), |buf| {
             gemv_small_rows(tier, &xq.values, w, sw, s, n0, yt, buf, nan_free)
         })
+    } else if tier >= Tier::Avx2 && s.m() > 1 {
+        gemv_rows_regs(tier, xq, w, sw, s, n0, yt, nan_free)
     } else if tier >= Tier::Avx2 {
         gemv1_rows(tier, xq, w, sw, s, n0, yt, nan_free)
     } else {
