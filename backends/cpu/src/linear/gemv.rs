@@ -137,8 +137,11 @@ pub(super) fn gemv1_rows(
                         (false, false) => crate::x86::dot4_blocks::<true>(x, wr, s.bk(), sc, ahead),
                     }
                 };
-                let take = (rows - r0).min(4);
-                yt[r0..r0 + take].copy_from_slice(&acc[..take]);
+                // element by element: a `copy_from_slice` of a run-time length (at most 4) was
+                // a `memmove` call per four rows
+                for (y, &v) in yt[r0..].iter_mut().zip(&acc) {
+                    *y = v;
+                }
             }
         }
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -245,8 +248,10 @@ pub(super) fn gemv_rows_bf16(
                         ahead,
                     )
                 };
-                let take = (rows - r0).min(4);
-                yt[r0..r0 + take].copy_from_slice(&d[0][..take]);
+                // element by element, as in `gemv1_rows`
+                for (y, &v) in yt[r0..].iter_mut().zip(&d[0]) {
+                    *y = v;
+                }
             }
             return;
         }
