@@ -42,18 +42,8 @@ impl Fp8Linear {
     pub fn forward_fused(layers: &[&Fp8Linear], x: &Tensor) -> Result<Vec<Tensor>> {
         match fused_plans(layers, x)? {
             Some(plans) => {
-                let op = FusedOp {
-                    layers,
-                    plans: &plans,
-                    swiglu: false,
-                    err: ParkedError::new(),
-                };
-                let (m, k) = (plans[0].shape().m(), plans[0].shape().k());
-                let flat = x
-                    .reshape((m, k))?
-                    .contiguous()?
-                    .apply_op1_no_bwd(&op)
-                    .map_err(|e| op.err.or(e))?;
+                let m = plans[0].shape().m();
+                let flat = run_op(layers, &plans, false, x)?;
                 let mut off = 0;
                 plans
                     .iter()
@@ -106,18 +96,7 @@ impl Fp8Linear {
         let layers = [gate, up];
         match fused_plans(&layers, x)? {
             Some(plans) if x.dtype() == DType::F32 => {
-                let op = FusedOp {
-                    layers: &layers,
-                    plans: &plans,
-                    swiglu: true,
-                    err: ParkedError::new(),
-                };
-                let (m, k) = (plans[0].shape().m(), plans[0].shape().k());
-                let flat = x
-                    .reshape((m, k))?
-                    .contiguous()?
-                    .apply_op1_no_bwd(&op)
-                    .map_err(|e| op.err.or(e))?;
+                let flat = run_op(&layers, &plans, true, x)?;
                 let mut dims = x.dims().to_vec();
                 *dims.last_mut().expect("x was checked to have a last dim") = n;
                 Ok(flat.reshape(dims)?)
@@ -125,6 +104,22 @@ impl Fp8Linear {
             _ => crate::silu_mul(&gate.forward_t(x)?, &up.forward_t(x)?),
         }
     }
+}
+
+/// The fused CPU op over `x` viewed as `[m, k]` (`plans` from [`fused_plans`]): every layer's
+/// output one after another, or with `swiglu` the product of the two, flat.
+fn run_op(layers: &[&Fp8Linear], plans: &[LinearPlan], swiglu: bool, x: &Tensor) -> Result<Tensor> {
+    let op = FusedOp {
+        layers,
+        plans,
+        swiglu,
+        err: ParkedError::new(),
+    };
+    let (m, k) = (plans[0].shape().m(), plans[0].shape().k());
+    x.reshape((m, k))?
+        .contiguous()?
+        .apply_op1_no_bwd(&op)
+        .map_err(|e| op.err.or(e))
 }
 
 /// The CPU plans of a fused call, or `None` where the layers run one by one.
