@@ -87,9 +87,8 @@ pub(crate) fn forward_all<const N: usize>(ls: [&Linear; N], x: &Tensor) -> Resul
         .unwrap_or_else(|_| unreachable!("one output per projection")))
 }
 
-/// `silu(gate(x)) · up(x)`: when both are fp8, one call with the product as the GEMV's epilogue
-/// (`Fp8Linear::forward_swiglu`), otherwise the two projections (fused where they can be) and
-/// `fp8nsa_ops::silu_mul`; the same bits either way.
+/// `silu(gate(x)) · up(x)`: when both are fp8, one op (`Fp8Linear::forward_swiglu`), otherwise
+/// the two projections and `fp8nsa_ops::silu_mul`; the same bits either way.
 pub(crate) fn swiglu(gate: &Linear, up: &Linear, x: &Tensor) -> Result<Tensor> {
     if let (Linear::Fp8(g), Linear::Fp8(u)) = (gate, up) {
         return Ok(Fp8Linear::forward_swiglu(g, u, x)?);

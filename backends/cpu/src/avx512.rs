@@ -1,7 +1,7 @@
 //! AVX-512 forms of the e4m3 kernels in `x86` (the decode and the M = 1 row kernel): the same
 //! arithmetic on 16-lane vectors; and the attention's decode fold for up to three query heads
-//! per pass ([`fold_chunk16`]). The f32 `dot_4x3` of M = 2..16 has none: a 16-lane form
-//! measured slower (see `linear::gemv_small_rows`).
+//! per pass ([`fold_chunk16`]). The f32 GEMVs of M = 2..16 (`x86::dot_blocks`, `dot_mx3`) have
+//! none: a 16-lane form of the buffered one measured slower (see `linear::gemv_small_rows`).
 //!
 //! The e4m3 decode is the F16C trick described in `x86` (a code moved into a half's bit pattern
 //! is its value times 2^-8), with two changes:

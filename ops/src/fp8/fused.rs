@@ -2,7 +2,7 @@
 //! and up of a SwiGLU MLP (vLLM's `QKVParallelLinear` / `MergedColumnParallelLinear` without
 //! concatenating the weights: each keeps its own blocks and scales, as loaded from the
 //! checkpoint's separate tensors, so each output is exactly what the layer gives alone), and
-//! gate and up with SwiGLU's `silu(gate) · up` as the epilogue.
+//! gate and up with SwiGLU's `silu(gate) · up` in the same op.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
@@ -63,9 +63,10 @@ impl Fp8Linear {
 
     /// `silu(gate(x)) · up(x)`, the first half of a SwiGLU MLP, for `gate` and `up` of one
     /// output width. On the CPU with f32 `x` and layers that fuse as in [`Self::forward_fused`],
-    /// one call (`fp8nsa_cpu::linear::run_swiglu`): at decode each GEMV task computes the same
-    /// rows of gate and up and writes their product, so the two outputs are never made;
-    /// everywhere else [`crate::silu_mul`] of the two forwards. The same bits either way.
+    /// one op (`fp8nsa_cpu::linear::run_swiglu`: gate and up as [`Self::forward_fused`] runs
+    /// them, into a reused buffer, then the product, so no tensor is made for either);
+    /// everywhere else [`crate::silu_mul`] of [`Self::forward_fused`]'s two outputs. The same
+    /// bits either way.
     ///
     /// ```
     /// use candle_core::{Device, Tensor};
@@ -101,7 +102,10 @@ impl Fp8Linear {
                 *dims.last_mut().expect("x was checked to have a last dim") = n;
                 Ok(flat.reshape(dims)?)
             }
-            _ => crate::silu_mul(&gate.forward_t(x)?, &up.forward_t(x)?),
+            _ => match &Self::forward_fused(&layers, x)?[..] {
+                [g, u] => crate::silu_mul(g, u),
+                _ => unreachable!("forward_fused gives one output per layer"),
+            },
         }
     }
 }

@@ -401,14 +401,14 @@ pub(super) fn gemv_rows_regs(
     unreachable!("gemv_rows_regs runs on the AVX2 tier only")
 }
 
-/// [`gemv_rows`] for `m > 1` on the AVX2 tier and up (`yt` is `[rows, m]`, `xd` the activations
-/// already multiplied by their scales): three weight rows at a time are decoded with their
-/// block scales into `buf`, then multiplied with four activation rows at a time in registers.
-/// Scaling each factor by its own block scale before the product is the contract's per-K-block
-/// scaling, distributed over the sum, as in the panel GEMM. The AVX-512 tier runs the same
-/// 256-bit code, decode included: on an Ice Lake-class Xeon a 16-lane `dot_4x3` measured
-/// 10-25% slower, and the 16-lane row decode alone ~10% slower at M = 16 (not profiled
-/// further; a lower clock under 512-bit instructions would explain it).
+/// [`gemv_rows`] for `m > GEMV_REG_MAX_M` on the AVX2 tier and up (`yt` is `[rows, m]`, `xd`
+/// the activations already multiplied by their scales): three weight rows at a time are decoded
+/// with their block scales into `buf`, then multiplied with four activation rows at a time in
+/// registers. Scaling each factor by its own block scale before the product is the contract's
+/// per-K-block scaling, distributed over the sum, as in the panel GEMM. The AVX-512 tier runs
+/// the same 256-bit code, decode included: on an Ice Lake-class Xeon a 16-lane `dot_4x3` (now
+/// `dot_mx3`) measured 10-25% slower, and the 16-lane row decode alone ~10% slower at M = 16
+/// (not profiled further; a lower clock under 512-bit instructions would explain it).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gemv_small_rows(
     tier: Tier,

@@ -1,7 +1,8 @@
 //! `y = x · Wᵀ` with fp8 block-scaled weights, two kernels:
 //! - [`CpuFp8Kernel::Gemv`] for `m <= GEMV_MAX_M` (decode): streams each weight byte once. At
 //!   M = 1 it decodes in registers and applies `sx · sw` per K-block to the f32 partial dot
-//!   product (four weight rows per pass on the AVX2 tier). For M > 1 on the AVX2 tier it
+//!   product (four weight rows per pass on the AVX2 tier). For 2..=4 rows on the AVX2 tier it
+//!   decodes each weight row in registers the same way once for all of them; from 5 rows it
 //!   decodes three weight rows at a time with their block scales into a small buffer and
 //!   multiplies them with activations already multiplied by theirs (the panel GEMM's
 //!   distribution of the scaling, below), four activation rows at a time in registers; the
