@@ -255,14 +255,6 @@ pub(super) fn gemv_rows_bf16(
             }
             return;
         }
-        // the results of weight rows r0, r0 + 1 (those that exist) for activation rows i0..
-        let put = |d: &[[f32; 2]], r0: usize, i0: usize, yt: &mut [f32]| {
-            for (x, d) in d.iter().enumerate() {
-                for (j, &v) in d.iter().enumerate().take(rows - r0) {
-                    yt[(r0 + j) * m + i0 + x] = v;
-                }
-            }
-        };
         for r0 in (0..rows).step_by(2) {
             let n: [usize; 2] = lanes(|j| n0 + (r0 + j).min(rows - 1));
             let (wr, swr) = (lanes(|j| w_row(n[j])), lanes(|j| sw_row(n[j])));
@@ -270,34 +262,25 @@ pub(super) fn gemv_rows_bf16(
             for i0 in (0..m).step_by(4) {
                 let xr = |x: usize| x_row(i0 + x);
                 let sxr = |x: usize| sx_row(i0 + x);
-                // SAFETY: as above.
-                unsafe {
-                    match m - i0 {
-                        1 => put(
-                            &dot_blocks::<2, 1>(lanes(xr), wr, k, bk, lanes(sxr), swr, ahead),
-                            r0,
-                            i0,
-                            yt,
-                        ),
-                        2 => put(
-                            &dot_blocks::<2, 2>(lanes(xr), wr, k, bk, lanes(sxr), swr, ahead),
-                            r0,
-                            i0,
-                            yt,
-                        ),
-                        3 => put(
-                            &dot_blocks::<2, 3>(lanes(xr), wr, k, bk, lanes(sxr), swr, ahead),
-                            r0,
-                            i0,
-                            yt,
-                        ),
-                        _ => put(
-                            &dot_blocks::<2, 4>(lanes(xr), wr, k, bk, lanes(sxr), swr, ahead),
-                            r0,
-                            i0,
-                            yt,
-                        ),
-                    }
+                // weight rows r0, r0 + 1 (those that exist) times activation rows i0..i0 + $g
+                macro_rules! group {
+                    ($g:literal) => {{
+                        // SAFETY: as above.
+                        let d = unsafe {
+                            dot_blocks::<2, $g>(lanes(xr), wr, k, bk, lanes(sxr), swr, ahead)
+                        };
+                        for (x, d) in d.iter().enumerate() {
+                            for (j, &v) in d.iter().enumerate().take(rows - r0) {
+                                yt[(r0 + j) * m + i0 + x] = v;
+                            }
+                        }
+                    }};
+                }
+                match m - i0 {
+                    1 => group!(1),
+                    2 => group!(2),
+                    3 => group!(3),
+                    _ => group!(4),
                 }
             }
         }
@@ -344,43 +327,27 @@ pub(super) fn gemv_rows_regs(
                 let wr = [&w[n * k..(n + 1) * k]];
                 let swr = &sw[(n / s.bn()) * kbs..][..kbs];
                 let ahead = w.as_ptr().wrapping_add((n + PREFETCH_ROWS) * k);
-                for i0 in (0..m).step_by(4) {
-                    let xr = |a: usize| &xq.values[(i0 + a) * k..(i0 + a + 1) * k];
-                    let scale = |a: usize, _: usize, kb: usize| xq.scale(i0 + a, kb) * swr[kb];
-                    let out = &mut yt[r * m + i0..];
-                    let put = |d: &[[f32; 1]], out: &mut [f32]| {
+                let xr = |a: usize| &xq.values[a * k..(a + 1) * k];
+                let scale = |a: usize, _: usize, kb: usize| xq.scale(a, kb) * swr[kb];
+                let out = &mut yt[r * m..(r + 1) * m];
+                macro_rules! all_rows {
+                    ($m:literal) => {{
+                        // SAFETY: this function is compiled for AVX2 + FMA + F16C, which the
+                        // caller checked the CPU has.
+                        let d = unsafe {
+                            dot_blocks::<1, $m, CHECK_NAN>(lanes(xr), wr, bk, scale, ahead)
+                        };
                         for (o, d) in out.iter_mut().zip(d) {
                             *o = d[0];
                         }
-                    };
-                    // SAFETY (of the calls): this function is compiled for AVX2 + FMA + F16C,
-                    // which the caller checked the CPU has.
-                    match m - i0 {
-                        1 => put(
-                            &unsafe {
-                                dot_blocks::<1, 1, CHECK_NAN>(lanes(xr), wr, bk, scale, ahead)
-                            },
-                            out,
-                        ),
-                        2 => put(
-                            &unsafe {
-                                dot_blocks::<1, 2, CHECK_NAN>(lanes(xr), wr, bk, scale, ahead)
-                            },
-                            out,
-                        ),
-                        3 => put(
-                            &unsafe {
-                                dot_blocks::<1, 3, CHECK_NAN>(lanes(xr), wr, bk, scale, ahead)
-                            },
-                            out,
-                        ),
-                        _ => put(
-                            &unsafe {
-                                dot_blocks::<1, 4, CHECK_NAN>(lanes(xr), wr, bk, scale, ahead)
-                            },
-                            out,
-                        ),
-                    }
+                    }};
+                }
+                // all activation rows in one call: `gemv_task` runs this for 2..=4 rows
+                const { assert!(super::GEMV_REG_MAX_M == 4) };
+                match m {
+                    2 => all_rows!(2),
+                    3 => all_rows!(3),
+                    _ => all_rows!(4),
                 }
             }
         }
