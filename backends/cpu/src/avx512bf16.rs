@@ -87,10 +87,28 @@ fn bf16_bits(v: f32) -> u16 {
 /// after the other, laid out for [`dot_blocks`]: in each row, K-block `kb` at word
 /// `kb · block_words(bk)`, each of its steps permuted as the decode permutes codes, zeros past
 /// the block's end. NaN stays NaN. The rows are laid out in parallel.
+#[cfg(test)]
 pub(crate) fn act_layout(x: &[f32], k: usize, bk: usize) -> Vec<u16> {
+    let mut out = vec![0u16; act_layout_len(x.len() / k, k, bk)];
+    act_layout_into(x, k, bk, &mut out);
+    out
+}
+
+/// How many words [`act_layout`] gives `rows` rows of `k` values.
+pub(crate) fn act_layout_len(rows: usize, k: usize, bk: usize) -> usize {
+    rows * k.div_ceil(bk) * block_words(bk)
+}
+
+/// [`act_layout`] into `out` ([`act_layout_len`] words, every one written), so that a call
+/// can lay its activations out in a reused buffer.
+pub(crate) fn act_layout_into(x: &[f32], k: usize, bk: usize, out: &mut [u16]) {
     use rayon::prelude::*;
     let bw = block_words(bk);
-    let mut out = vec![0u16; x.len() / k * k.div_ceil(bk) * bw];
+    assert_eq!(
+        out.len(),
+        act_layout_len(x.len() / k, k, bk),
+        "out is the layout's size"
+    );
     out.par_chunks_mut(k.div_ceil(bk) * bw)
         .zip(x.par_chunks(k))
         .for_each(|(row, x)| {
@@ -109,16 +127,14 @@ pub(crate) fn act_layout(x: &[f32], k: usize, bk: usize) -> Vec<u16> {
                             }
                         }
                     } else {
+                        // zeros past the block's end: the buffer may hold an earlier call's
                         for (j, d) in step.iter_mut().enumerate() {
-                            if let Some(&v) = src.get(source_of(j)) {
-                                *d = bf16_bits(v);
-                            }
+                            *d = src.get(source_of(j)).map_or(0, |&v| bf16_bits(v));
                         }
                     }
                 }
             }
         });
-    out
 }
 
 /// The first `left.min(64)` byte lanes.

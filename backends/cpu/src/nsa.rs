@@ -10,6 +10,7 @@
 use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, Error, Result};
+use crate::scratch::with_f32;
 use crate::simd::{dot, exp_nonpos, hsum16, simd_dispatch, Arith};
 use fp8nsa_types::{AttnDims, Pages, Seq, Spans};
 
@@ -18,6 +19,7 @@ use fp8nsa_types::{AttnDims, Pages, Seq, Spans};
 const CHUNK: usize = 64;
 
 /// Online-softmax state of `g` query heads.
+#[derive(Default)]
 struct Softmax {
     m: Vec<f32>,
     l: Vec<f32>,
@@ -25,13 +27,31 @@ struct Softmax {
 }
 
 impl Softmax {
-    /// The state before any key.
-    fn new(g: usize, dv: usize) -> Self {
-        Self {
-            m: vec![f32::NEG_INFINITY; g],
-            l: vec![0.0; g],
-            acc: vec![0.0; g * dv],
-        }
+    /// Back to the state before any key, for `g` heads of `dv` values, in the vectors' own
+    /// memory (a reused state allocates nothing once it has held that many heads).
+    fn reset(&mut self, g: usize, dv: usize) {
+        self.m.clear();
+        self.m.resize(g, f32::NEG_INFINITY);
+        self.l.clear();
+        self.l.resize(g, 0.0);
+        self.acc.clear();
+        self.acc.resize(g * dv, 0.0);
+    }
+
+    /// Floats [`Self::store`] writes for `g` heads of `dv` values.
+    fn stored_len(g: usize, dv: usize) -> usize {
+        g * (dv + 2)
+    }
+
+    /// The state into `slot` (`[m | l | acc]`, [`Self::stored_len`] floats), where
+    /// [`Self::finish_merged`] reads it.
+    fn store(&self, slot: &mut [f32]) {
+        let g = self.m.len();
+        let (m, rest) = slot.split_at_mut(g);
+        let (l, acc) = rest.split_at_mut(g);
+        m.copy_from_slice(&self.m);
+        l.copy_from_slice(&self.l);
+        acc.copy_from_slice(&self.acc);
     }
 
     /// `o [g, dv]`: the weighted sums over the folded keys. A head without keys gives zeros
@@ -54,26 +74,34 @@ impl Softmax {
     /// to the largest running max: one fold over all the parts gives the same to rounding. A
     /// part without keys (`l = 0`) adds nothing; a NaN in any part's max or sum makes its head
     /// NaN, as in one fold.
-    fn finish_merged(parts: &[Softmax], o: &mut [f32]) {
-        let Some(first) = parts.first() else {
+    ///
+    /// The parts are the [`Self::store`]d states in `parts` (each [`Self::stored_len`] floats
+    /// for `g` heads), `o` is `[g, dv]`.
+    fn finish_merged(parts: &[f32], g: usize, o: &mut [f32]) {
+        let dv = o.len() / g.max(1);
+        let stride = Self::stored_len(g, dv);
+        if parts.len() < stride {
             return o.fill(0.0);
-        };
-        let (g, dv) = (first.m.len(), o.len() / first.m.len().max(1));
+        }
+        // part p's max, sum and weighted sums of head h
+        let mh = |p: &[f32], h: usize| p[h];
+        let lh = |p: &[f32], h: usize| p[g + h];
+        fn acch(p: &[f32], g: usize, dv: usize, h: usize) -> &[f32] {
+            &p[2 * g + h * dv..2 * g + (h + 1) * dv]
+        }
         for (h, oh) in o.chunks_exact_mut(dv).enumerate().take(g) {
             let top = parts
-                .iter()
-                .filter(|p| p.l[h] != 0.0)
-                .fold(
-                    f32::NEG_INFINITY,
-                    |a, p| if p.m[h] > a { p.m[h] } else { a },
-                );
+                .chunks_exact(stride)
+                .filter(|p| lh(p, h) != 0.0)
+                .map(|p| mh(p, h))
+                .fold(f32::NEG_INFINITY, |a, x| if x > a { x } else { a });
             let mut l = 0f32;
             oh.fill(0.0);
-            for p in parts.iter().filter(|p| p.l[h] != 0.0) {
+            for p in parts.chunks_exact(stride).filter(|p| lh(p, h) != 0.0) {
                 // a NaN max gives a NaN factor
-                let w = (p.m[h] - top).exp();
-                l += p.l[h] * w;
-                for (o, a) in oh.iter_mut().zip(&p.acc[h * dv..(h + 1) * dv]) {
+                let w = (mh(p, h) - top).exp();
+                l += lh(p, h) * w;
+                for (o, a) in oh.iter_mut().zip(acch(p, g, dv, h)) {
                     *o += a * w;
                 }
             }
@@ -276,12 +304,14 @@ fn fold_rows<T: KeyElem>(
         let (kr, vr) = (&k[a * d..b * d], &v[a * dv..b * dv]);
         match T::as_f32(kr).zip(T::as_f32(vr)) {
             Some((kr, vr)) => fold_chunk_portable(q, kr, vr, d, dv, st, scores),
-            None => {
-                let (mut kc, mut vc) = (Vec::new(), Vec::new());
-                T::extend_f32(&mut kc, kr);
-                T::extend_f32(&mut vc, vr);
-                fold_chunk_portable(q, &kc, &vc, d, dv, st, scores);
-            }
+            // a 16-bit run widened into this thread's kept buffers
+            None => with_f32(kr.len(), |kc| {
+                with_f32(vr.len(), |vc| {
+                    T::copy_f32(kr, kc);
+                    T::copy_f32(vr, vc);
+                    fold_chunk_portable(q, kc, vc, d, dv, st, scores);
+                })
+            }),
         }
         i = j;
     }
@@ -1395,21 +1425,50 @@ impl<T: KeyElem> HeadRows<'_, T> {
     /// order), folded CHUNK rows at a time by the online softmax of the selection kernel, all
     /// g query heads per chunk; a chunk takes its rows from as many runs (pages) as it needs.
     fn attend(&self, runs: impl IntoIterator<Item = (usize, usize)>, scale: f32, o: &mut [f32]) {
-        self.fold(runs, scale).finish(o)
+        self.fold(runs, scale, |st| st.finish(o))
     }
 
     /// [`Self::attend`]'s online-softmax state before the final division (for merging the
     /// states of key parts folded apart).
-    fn fold(&self, runs: impl IntoIterator<Item = (usize, usize)>, scale: f32) -> Softmax {
+    ///
+    /// The state lives in this thread's [`FOLD`] scratch, handed to `then`: a decode step
+    /// folds a few hundred times and allocates nothing for it.
+    fn fold<R>(
+        &self,
+        runs: impl IntoIterator<Item = (usize, usize)>,
+        scale: f32,
+        then: impl FnOnce(&Softmax) -> R,
+    ) -> R {
+        FOLD.with(|f| {
+            // a fold never runs another on its thread (no pool work inside), so the borrow is
+            // free; a panic mid-fold poisons nothing: the next fold resets every buffer
+            let mut f = f.borrow_mut();
+            let FoldScratch { st, qh, scores } = &mut *f;
+            self.fold_in(runs, scale, st, qh, scores);
+            then(st)
+        })
+    }
+
+    fn fold_in(
+        &self,
+        runs: impl IntoIterator<Item = (usize, usize)>,
+        scale: f32,
+        st: &mut Softmax,
+        qh: &mut Vec<f32>,
+        scores: &mut Vec<f32>,
+    ) {
         let (d, dv) = (self.d, self.dv);
         let g = self.q.len() / d;
-        let qh: Vec<f32> = self.q.iter().map(|x| x * scale).collect();
-        let mut st = Softmax::new(g, dv);
-        let mut scores = vec![0f32; g * CHUNK];
+        qh.clear();
+        qh.extend(self.q.iter().map(|x| x * scale));
+        st.reset(g, dv);
+        scores.clear();
+        scores.resize(g * CHUNK, 0.0);
+        let (qh, scores) = (&qh[..], &mut scores[..]);
         let kernel = fold_kernel(d, dv);
         // rows read in place, a 16-bit cache's converted in the fold's loads
         let fold = |rows: &[u32], ahead: &[u32], st: &mut Softmax, scores: &mut [f32]| {
-            fold_rows(kernel, &qh, self.k, self.v, rows, d, dv, st, scores, ahead)
+            fold_rows(kernel, qh, self.k, self.v, rows, d, dv, st, scores, ahead)
         };
         // two chunks of rows: a chunk folds once the next one is known, which the fold
         // prefetches as it goes (a decode step reads every sequence's cache from memory, and
@@ -1422,7 +1481,7 @@ impl<T: KeyElem> HeadRows<'_, T> {
                 n += 1;
                 if n == CHUNK {
                     if full {
-                        fold(&rows[1 - cur], &rows[cur], &mut st, &mut scores);
+                        fold(&rows[1 - cur], &rows[cur], st, scores);
                     }
                     full = true;
                     cur = 1 - cur;
@@ -1431,11 +1490,22 @@ impl<T: KeyElem> HeadRows<'_, T> {
             }
         }
         if full {
-            fold(&rows[1 - cur], &rows[cur][..n], &mut st, &mut scores);
+            fold(&rows[1 - cur], &rows[cur][..n], st, scores);
         }
-        fold(&rows[cur][..n], &[], &mut st, &mut scores);
-        st
+        fold(&rows[cur][..n], &[], st, scores);
     }
+}
+
+/// A thread's reused state and buffers for [`HeadRows::fold`].
+#[derive(Default)]
+struct FoldScratch {
+    st: Softmax,
+    qh: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+thread_local! {
+    static FOLD: std::cell::RefCell<FoldScratch> = std::cell::RefCell::new(FoldScratch::default());
 }
 
 /// `units` decode queries (one token's G query heads of one kv head each) into `out [units,
@@ -1466,17 +1536,25 @@ fn attend_units<'a, T, I>(
         });
         return;
     }
-    let states: Vec<Softmax> = (0..units * parts)
-        .into_par_iter()
-        .map(|i| {
-            let (u, p) = (i / parts, i % parts);
-            let (lo, hi) = part_rows(keys(u), parts, p);
-            head(u).fold(runs(u, lo, hi), scale)
-        })
-        .collect();
-    for (u, o) in out.chunks_exact_mut(w).enumerate() {
-        Softmax::finish_merged(&states[u * parts..(u + 1) * parts], o);
-    }
+    // each part's state stored in one reused buffer, then merged per unit
+    let (g, dv) = {
+        let h = head(0);
+        (h.q.len() / h.d, h.dv)
+    };
+    let stride = Softmax::stored_len(g, dv);
+    with_f32(units * parts * stride, |states| {
+        states
+            .par_chunks_mut(stride)
+            .enumerate()
+            .for_each(|(i, slot)| {
+                let (u, p) = (i / parts, i % parts);
+                let (lo, hi) = part_rows(keys(u), parts, p);
+                head(u).fold(runs(u, lo, hi), scale, |st| st.store(slot));
+            });
+        for (u, o) in out.chunks_exact_mut(w).enumerate() {
+            Softmax::finish_merged(&states[u * parts * stride..(u + 1) * parts * stride], g, o);
+        }
+    });
 }
 
 /// One sequence of [`decode_attention_paged`]: its pages in order and how many rows they hold.
@@ -1519,15 +1597,30 @@ pub fn decode_attention_paged<T: KeyElem>(
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
-    let chunks: Vec<PagedChunk<'_>> = seqs
-        .iter()
-        .map(|s| PagedChunk {
-            pages: s.pages,
-            len: s.len,
+    attention_paged(q, k, v, dims, page_size, seqs, scale, out, true)
+}
+
+/// A sequence of a paged attention call, seen as a [`PagedChunk`] (a decode step's
+/// [`PagedSeq`] has one new token), so that the decode entry point passes its sequences
+/// through as they are.
+trait AsChunk: Sync {
+    fn chunk(&self) -> PagedChunk<'_>;
+}
+
+impl AsChunk for PagedSeq<'_> {
+    fn chunk(&self) -> PagedChunk<'_> {
+        PagedChunk {
+            pages: self.pages,
+            len: self.len,
             new: 1,
-        })
-        .collect();
-    attention_paged(q, k, v, dims, page_size, &chunks, scale, out, true)
+        }
+    }
+}
+
+impl AsChunk for PagedChunk<'_> {
+    fn chunk(&self) -> PagedChunk<'_> {
+        *self
+    }
 }
 
 /// One sequence of [`causal_attention_paged`]: its pages in order, how many rows they hold
@@ -1601,13 +1694,13 @@ fn page_runs(
 /// [`causal_attention_paged`]; `decode` ([`decode_attention_paged`]: one token each) also
 /// takes sequences of no rows, which give zeros.
 #[allow(clippy::too_many_arguments)]
-fn attention_paged<T: KeyElem>(
+fn attention_paged<T: KeyElem, S: AsChunk>(
     q: &[f32],
     k: HeadMajor<'_, T>,
     v: HeadMajor<'_, T>,
     dims: AttnDims,
     page_size: usize,
-    seqs: &[PagedChunk<'_>],
+    seqs: &[S],
     scale: f32,
     out: &mut [f32],
     decode: bool,
@@ -1623,6 +1716,7 @@ fn attention_paged<T: KeyElem>(
     // a decode step may have an empty cache (zeros); a chunk's rows must be among its rows
     if let Some((i, s)) = seqs
         .iter()
+        .map(S::chunk)
         .enumerate()
         .find(|(_, s)| s.new > s.len && !decode)
     {
@@ -1633,6 +1727,7 @@ fn attention_paged<T: KeyElem>(
     }
     let total = seqs
         .iter()
+        .map(S::chunk)
         .try_fold(0usize, |a, s| a.checked_add(s.new))
         .ok_or_else(|| Error::Invalid {
             arg: "seqs",
@@ -1652,7 +1747,7 @@ fn attention_paged<T: KeyElem>(
                 ),
             });
         }
-        for (i, s) in seqs.iter().enumerate() {
+        for (i, s) in seqs.iter().map(S::chunk).enumerate() {
             if s.pages
                 .len()
                 .checked_mul(page_size)
@@ -1681,7 +1776,7 @@ fn attention_paged<T: KeyElem>(
         }
     }
     let g = hq / hkv;
-    if decode || seqs.iter().all(|s| s.new == 1) {
+    if decode || seqs.iter().all(|s| s.chunk().new == 1) {
         // one token each: one unit per sequence and kv head, its G query heads together (as
         // `decode_attention`, split between threads alike), written in place
         attend_units(
@@ -1693,8 +1788,8 @@ fn attention_paged<T: KeyElem>(
                 d,
                 dv,
             },
-            |i| seqs[i / hkv].len,
-            |i, lo, hi| page_runs(seqs[i / hkv].pages, page_size, lo, hi),
+            |i| seqs[i / hkv].chunk().len,
+            |i, lo, hi| page_runs(seqs[i / hkv].chunk().pages, page_size, lo, hi),
             scale,
             out,
         );
@@ -1706,7 +1801,7 @@ fn attention_paged<T: KeyElem>(
     let bt = if blocked { block_tokens(g) } else { 1 };
     let mut tasks = Vec::new(); // (sequence, its first query row in q, i0, i1, kv head)
     let mut r0 = 0;
-    for (si, s) in seqs.iter().enumerate() {
+    for (si, s) in seqs.iter().map(S::chunk).enumerate() {
         for i0 in (0..s.new).step_by(bt) {
             for h in 0..hkv {
                 tasks.push((si, r0, i0, (i0 + bt).min(s.new), h));
@@ -1717,7 +1812,7 @@ fn attention_paged<T: KeyElem>(
     let outs: Vec<Vec<f32>> = tasks
         .par_iter()
         .map(|&(si, r0, i0, i1, h)| {
-            let s = &seqs[si];
+            let s = seqs[si].chunk();
             let lim0 = s.len - s.new + 1;
             let qs = &q[r0 * hq * d..];
             let mut o = vec![0f32; (i1 - i0) * g * dv];

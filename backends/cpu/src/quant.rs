@@ -107,12 +107,27 @@ pub fn quantize_weight_as(
 pub struct QuantizedAct<'a> {
     pub values: Cow<'a, [f32]>,
     /// `[ceil(m / rows_per_scale), k_blocks]`, row-major.
-    pub scales: Vec<f32>,
+    pub scales: Cow<'a, [f32]>,
     pub rows_per_scale: usize,
     pub k_blocks: usize,
 }
 
-impl QuantizedAct<'_> {
+impl<'a> QuantizedAct<'a> {
+    fn new(
+        values: Cow<'a, [f32]>,
+        scales: Cow<'a, [f32]>,
+        rows_per_scale: usize,
+        k: usize,
+        bk: usize,
+    ) -> Self {
+        Self {
+            values,
+            scales,
+            rows_per_scale,
+            k_blocks: k.div_ceil(bk),
+        }
+    }
+
     /// The scale of row `row`, K-block `kb`.
     #[inline]
     pub fn scale(&self, row: usize, kb: usize) -> f32 {
@@ -133,14 +148,15 @@ pub fn quantize_act(
         return quantize_act_in(x, m, k, bk, mode, dequantize, &mut []);
     }
     let mut values = vec![0f32; x.len()];
-    let q = quantize_act_in(x, m, k, bk, mode, dequantize, &mut values)?;
-    let (scales, rows_per_scale, k_blocks) = (q.scales, q.rows_per_scale, q.k_blocks);
-    Ok(QuantizedAct {
-        values: Cow::Owned(values),
-        scales,
-        rows_per_scale,
-        k_blocks,
-    })
+    let mut scales = vec![0f32; act_scales_len(m, k, bk, mode)?];
+    let (_, rows) = quantize_core(x, m, k, bk, mode, dequantize, &mut values, &mut scales)?;
+    Ok(QuantizedAct::new(
+        Cow::Owned(values),
+        Cow::Owned(scales),
+        rows,
+        k,
+        bk,
+    ))
 }
 
 /// [`quantize_act`] writing the values into `buf` (`m * k` long, its contents overwritten), so a
@@ -155,34 +171,96 @@ pub fn quantize_act_in<'a>(
     dequantize: bool,
     buf: &'a mut [f32],
 ) -> Result<QuantizedAct<'a>> {
+    let mut scales = vec![0f32; act_scales_len(m, k, bk, mode)?];
+    let (values, rows) = quantize_core(x, m, k, bk, mode, dequantize, buf, &mut scales)?;
+    Ok(QuantizedAct::new(values, Cow::Owned(scales), rows, k, bk))
+}
+
+/// How many scales quantizing `m` rows of `k` activations in `mode` gives (what
+/// [`quantize_act_into`] takes).
+pub fn act_scales_len(m: usize, k: usize, bk: usize, mode: ActQuant) -> Result<usize> {
     for (arg, v) in [("m", m), ("k", k), ("bk", bk)] {
         check_positive(arg, v)?;
     }
-    check_len("x", x.len(), m * k)?;
-    let kbs = k.div_ceil(bk);
-    let rows_per_scale = match mode {
-        ActQuant::None => {
-            return Ok(QuantizedAct {
-                values: Cow::Borrowed(x),
-                scales: vec![1.0; kbs],
-                rows_per_scale: m,
-                k_blocks: kbs,
-            })
-        }
+    Ok(m.div_ceil(rows_per_scale(m, mode)?) * k.div_ceil(bk))
+}
+
+/// [`quantize_act_in`] with the scales also written into a caller's buffer (`scales`,
+/// [`act_scales_len`] long), so that a call in a decode step allocates nothing.
+#[allow(clippy::too_many_arguments)]
+pub fn quantize_act_into<'a>(
+    x: &'a [f32],
+    m: usize,
+    k: usize,
+    bk: usize,
+    mode: ActQuant,
+    dequantize: bool,
+    buf: &'a mut [f32],
+    scales: &'a mut [f32],
+) -> Result<QuantizedAct<'a>> {
+    check_len(
+        "scale buffer",
+        scales.len(),
+        act_scales_len(m, k, bk, mode)?,
+    )?;
+    let (values, rows) = quantize_core(x, m, k, bk, mode, dequantize, buf, scales)?;
+    Ok(QuantizedAct::new(
+        values,
+        Cow::Borrowed(scales),
+        rows,
+        k,
+        bk,
+    ))
+}
+
+/// Activation rows per scale row in `mode` (all `m` for [`ActQuant::None`], whose scales are
+/// ones).
+fn rows_per_scale(m: usize, mode: ActQuant) -> Result<usize> {
+    Ok(match mode {
+        ActQuant::None => m,
         ActQuant::Group => 1,
         ActQuant::Block2d { bm } => {
             check_positive("bm", bm)?;
             bm.min(m)
         }
-    };
+    })
+}
+
+/// The quantization itself: the values into `buf` (borrowed from `x` for
+/// [`ActQuant::None`]), the scales into `scales` (sized by [`act_scales_len`]); returns the
+/// values and the rows per scale row.
+#[allow(clippy::too_many_arguments)]
+fn quantize_core<'a>(
+    x: &'a [f32],
+    m: usize,
+    k: usize,
+    bk: usize,
+    mode: ActQuant,
+    dequantize: bool,
+    buf: &'a mut [f32],
+    scales: &mut [f32],
+) -> Result<(Cow<'a, [f32]>, usize)> {
+    check_len("x", x.len(), m * k)?;
+    let kbs = k.div_ceil(bk);
+    let rows_per_scale = rows_per_scale(m, mode)?;
+    if mode == ActQuant::None {
+        scales.fill(1.0);
+        return Ok((Cow::Borrowed(x), rows_per_scale));
+    }
     check_len("activation buffer", buf.len(), m * k)?;
-    let mut scales = vec![0f32; m.div_ceil(rows_per_scale) * kbs];
     let quant = |((out, x), scales): ((&mut [f32], &[f32]), &mut [f32])| {
         let rows = x.len() / k;
         // docs/numerics.md, non-finite activations: the scale comes from the finite elements
         // (one bad token must not move a scale it shares with others, as in Block2d), and a
         // row span holding NaN / ±Inf becomes NaN, so its own token's outputs turn NaN
-        let mut bad = vec![false; rows];
+        // (on the stack for the usual row groups: a decode step quantizes hundreds of times)
+        let (mut small, mut big) = ([false; 128], Vec::new());
+        let bad: &mut [bool] = if rows <= small.len() {
+            &mut small[..rows]
+        } else {
+            big.resize(rows, false);
+            &mut big
+        };
         for (kb, s) in scales.iter_mut().enumerate() {
             let (k0, k1) = (kb * bk, (kb * bk + bk).min(k));
             let mut a = 0f32;
@@ -216,12 +294,7 @@ pub fn quantize_act_in<'a>(
             .zip(scales.par_chunks_mut(kbs))
             .for_each(quant);
     }
-    Ok(QuantizedAct {
-        values: Cow::Borrowed(buf),
-        scales,
-        rows_per_scale,
-        k_blocks: kbs,
-    })
+    Ok((Cow::Borrowed(buf), rows_per_scale))
 }
 
 /// Below this many activations, quantizing on the calling thread beats a hand-off to the pool

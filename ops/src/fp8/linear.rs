@@ -224,12 +224,16 @@ impl Fp8Linear {
         let op = Fp8LinearOp::new(&self.weight, self.bias_host(), plan);
         let y = op.apply(&x.reshape((m, k))?.contiguous()?)?;
         let path = op.path();
-        let (backend, kernel) = match path {
-            Fp8Path::Cpu(p) => ("cpu", p.to_string()),
-            Fp8Path::Cuda(p) => ("cuda", p.to_string()),
-            Fp8Path::Pjrt(k) => ("pjrt", format!("{k:?}")),
-        };
-        tracing::debug!(op = "fp8_linear", backend, kernel, m, n, k, block = ?self.weight.block(), act = ?self.act, dtype = ?x.dtype());
+        // the kernel's name is formatted only for a subscriber that wants it: a decode step
+        // makes over a hundred of these calls
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            let (backend, kernel) = match path {
+                Fp8Path::Cpu(p) => ("cpu", p.to_string()),
+                Fp8Path::Cuda(p) => ("cuda", p.to_string()),
+                Fp8Path::Pjrt(k) => ("pjrt", format!("{k:?}")),
+            };
+            tracing::debug!(op = "fp8_linear", backend, kernel, m, n, k, block = ?self.weight.block(), act = ?self.act, dtype = ?x.dtype());
+        }
         Ok((y.reshape(out_dims)?, path))
     }
 }

@@ -201,13 +201,15 @@ pub fn write_rows(dst: &Tensor, src: &Tensor, rows: &[usize]) -> Result<()> {
             ))
         }
     };
-    let want = format!(
-        "[{}, {h}, {w}] (one row per token, dst's heads and width)",
-        rows.len()
-    );
     let t = match *src.dims() {
         [t, sh, sw] | [1, t, sh, sw] if (t, sh, sw) == (rows.len(), h, w) => t,
-        _ => return Err(shape_err("src", want, src.dims())),
+        _ => {
+            let want = format!(
+                "[{}, {h}, {w}] (one row per token, dst's heads and width)",
+                rows.len()
+            );
+            return Err(shape_err("src", want, src.dims()));
+        }
     };
     if src.dtype() != DType::F32 {
         return Err(Error::DType {

@@ -102,6 +102,7 @@ pub(super) fn gemv1_rows(
         /// The kernel's body, compiled into each tier's copy below; `WIDE` picks the AVX-512
         /// row kernel.
         #[inline(always)]
+        #[allow(clippy::too_many_arguments)]
         unsafe fn body<const WIDE: bool>(
             xq: &QuantizedAct<'_>,
             w: &[u8],
@@ -110,11 +111,12 @@ pub(super) fn gemv1_rows(
             n0: usize,
             yt: &mut [f32],
             nan_free: bool,
+            prod: &mut [f32],
         ) {
             let (k, kbs) = (s.k(), s.k_blocks());
             let x = &xq.values[..];
             let rows = yt.len();
-            let (prod, nb0) = scale_products(xq, sw, s, n0, rows);
+            let nb0 = scale_products(xq, sw, s, n0, prod);
             for r0 in (0..rows).step_by(4) {
                 // a short last group repeats its last row rather than branching per row
                 let n: [usize; 4] = lanes(|i| n0 + (r0 + i).min(rows - 1));
@@ -145,6 +147,7 @@ pub(super) fn gemv1_rows(
             }
         }
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+        #[allow(clippy::too_many_arguments)]
         unsafe fn run512(
             xq: &QuantizedAct<'_>,
             w: &[u8],
@@ -153,10 +156,12 @@ pub(super) fn gemv1_rows(
             n0: usize,
             yt: &mut [f32],
             nan_free: bool,
+            prod: &mut [f32],
         ) {
-            body::<true>(xq, w, sw, s, n0, yt, nan_free)
+            body::<true>(xq, w, sw, s, n0, yt, nan_free, prod)
         }
         #[target_feature(enable = "avx2,fma,f16c")]
+        #[allow(clippy::too_many_arguments)]
         unsafe fn run(
             xq: &QuantizedAct<'_>,
             w: &[u8],
@@ -165,41 +170,51 @@ pub(super) fn gemv1_rows(
             n0: usize,
             yt: &mut [f32],
             nan_free: bool,
+            prod: &mut [f32],
         ) {
-            body::<false>(xq, w, sw, s, n0, yt, nan_free)
+            body::<false>(xq, w, sw, s, n0, yt, nan_free, prod)
         }
+        // the scale products in this thread's kept buffer: a task of every GEMV call
+        let plen = scale_products_len(s, n0, yt.len());
         if tier >= Tier::Avx512 {
             // SAFETY: `tier` came from `Tier::current()`, which is never above the detected
             // tier, and the AVX-512 tier is only detected with AVX-512 F/BW/VL, AVX2, FMA and
             // F16C present.
-            return unsafe { run512(xq, w, sw, s, n0, yt, nan_free) };
+            return with_f32(plen, |p| unsafe {
+                run512(xq, w, sw, s, n0, yt, nan_free, p)
+            });
         }
         if tier >= Tier::Avx2 {
             // SAFETY: as above; the AVX2 tier is only detected with AVX2, FMA and F16C present.
-            return unsafe { run(xq, w, sw, s, n0, yt, nan_free) };
+            return with_f32(plen, |p| unsafe { run(xq, w, sw, s, n0, yt, nan_free, p) });
         }
     }
     gemv_rows(xq, w, sw, s, n0, yt)
 }
 
 /// For the weight-row blocks of rows `n0..n0 + rows` (from block `nb0`, returned): the M = 1
-/// activation scale times the weight scale of each K-block, `[blocks, k_blocks]`.
+/// activation scale times the weight scale of each K-block, `[blocks, k_blocks]`, into `prod`
+/// ([`scale_products_len`] floats).
 fn scale_products(
     xq: &QuantizedAct<'_>,
     sw: &[f32],
     s: LinearShape,
     n0: usize,
-    rows: usize,
-) -> (Vec<f32>, usize) {
+    prod: &mut [f32],
+) -> usize {
     let kbs = s.k_blocks();
     let nb0 = n0 / s.bn();
-    let mut prod = vec![0f32; ((n0 + rows - 1) / s.bn() + 1 - nb0) * kbs];
     for (i, p) in prod.chunks_exact_mut(kbs).enumerate() {
         for (kb, v) in p.iter_mut().enumerate() {
             *v = xq.scale(0, kb) * sw[(nb0 + i) * kbs + kb];
         }
     }
-    (prod, nb0)
+    nb0
+}
+
+/// The floats [`scale_products`] writes for rows `n0..n0 + rows` (`rows >= 1`).
+fn scale_products_len(s: LinearShape, n0: usize, rows: usize) -> usize {
+    ((n0 + rows - 1) / s.bn() + 1 - n0 / s.bn()) * s.k_blocks()
 }
 
 /// [`gemv_rows`] on the AVX512-BF16 tier, with the activations in that tier's layout (`xb`,

@@ -24,7 +24,7 @@ use rayon::prelude::*;
 
 use crate::error::{check_len, check_positive, Error, Result};
 use crate::fp8::{decode_scaled, e4m3_to_f32};
-use crate::quant::{quantize_act_in, QuantizedAct};
+use crate::quant::{act_scales_len, quantize_act_into, QuantizedAct};
 use crate::scratch::{with_buf, with_f32};
 use crate::simd::{dot, lanes, simd_dispatch, Arith, Tier};
 use fp8nsa_types::{ActQuant, CpuFp8Kernel, CpuFp8Path, LinearShape};
@@ -151,15 +151,18 @@ fn panel_parts(x: &[f32], parts: &[FusedPart<'_>], outs: &mut [&mut [f32]]) -> R
     let first = parts[0].plan;
     let (s0, act) = (first.shape, first.act);
     let (m, k, bk) = (s0.m(), s0.k(), s0.bk());
-    // the activations' quantized copy (none for W8A16) lives in a reused buffer
+    // the activations' quantized copy (none for W8A16) and their scales live in a reused
+    // buffer
     let act_len = if act == ActQuant::None { 0 } else { m * k };
+    let scales_len = act_scales_len(m, k, bk, act)?;
     // the plan's tier: detected on this CPU (so its SIMD code may run), and fixed for the
     // call even if a test caps the tier meanwhile
     let tier = first.tier;
-    with_f32(act_len, |abuf| -> Result<()> {
+    with_f32(act_len + scales_len, |abuf| -> Result<()> {
         // the bf16 kernels take the e4m3 values themselves, the f32 ones the dequantized
         let bf16 = uses_bf16(tier, act);
-        let xq = quantize_act_in(x, m, k, bk, act, !bf16, abuf)?;
+        let (abuf, sbuf) = abuf.split_at_mut(act_len);
+        let xq = quantize_act_into(x, m, k, bk, act, !bf16, abuf, sbuf)?;
         for (p, out) in parts.iter().zip(outs.iter_mut()) {
             let s = p.plan.shape;
             if bf16 {
@@ -318,8 +321,10 @@ fn gemv_parts(x: &[f32], parts: &[FusedPart<'_>], outs: &mut [&mut [f32]]) -> Re
     let (s0, act, tier) = (first.shape, first.act, first.tier);
     let (m, k, bk) = (s0.m(), s0.k(), s0.bk());
     let rows = gemv_task_rows(tier, m);
-    // the activations' quantized copy (none for W8A16) lives in a reused buffer
+    // the activations' quantized copy (none for W8A16) and their scales live in a reused
+    // buffer: a decode step makes a hundred of these calls
     let act_len = if act == ActQuant::None { 0 } else { m * k };
+    let scales_len = act_scales_len(m, k, bk, act)?;
     // each task fills a contiguous run of its part's transposed output yt [n, m]: at M = 1 the
     // part's output itself, above it a slice of one reused buffer, untransposed afterwards
     let yt_len = if m == 1 {
@@ -327,61 +332,72 @@ fn gemv_parts(x: &[f32], parts: &[FusedPart<'_>], outs: &mut [&mut [f32]]) -> Re
     } else {
         parts.iter().map(|p| p.plan.shape.n() * m).sum()
     };
-    with_f32(act_len, |abuf| {
+    let xb_len = gemv_bf16_act_len(tier, act, s0);
+    with_f32(act_len + scales_len, |abuf| {
         with_f32(yt_len, |ytbuf| -> Result<()> {
-            let deq = gemv_wants_scaled_act(tier, m, act);
-            let xq = quantize_act_in(x, m, k, bk, act, deq, abuf)?;
-            let xb = gemv_bf16_act(tier, &xq, act, s0);
-            {
-                let targets: Vec<&mut [f32]> = if m == 1 {
-                    outs.iter_mut().map(|o| &mut **o).collect()
-                } else {
+            with_buf::<u16, _>(xb_len, |xbbuf| -> Result<()> {
+                let deq = gemv_wants_scaled_act(tier, m, act);
+                let (abuf, sbuf) = abuf.split_at_mut(act_len);
+                let xq = quantize_act_into(x, m, k, bk, act, deq, abuf, sbuf)?;
+                let xb = gemv_bf16_act_in(tier, &xq, act, s0, xbbuf);
+                {
+                    // above M = 1 each part's run of the transposed buffer, listed on the stack for
+                    // the usual few parts (q/k/v, gate/up: a decode step allocates nothing here)
+                    let (mut small, mut many): ([&mut [f32]; 4], Vec<&mut [f32]>) =
+                        (Default::default(), Vec::new());
                     let mut rest = &mut ytbuf[..];
-                    parts
-                        .iter()
-                        .map(|p| {
+                    let mut runs = parts.iter().zip(outs.iter_mut()).map(|(p, out)| {
+                        if m == 1 {
+                            &mut **out
+                        } else {
                             let (a, b) =
                                 std::mem::take(&mut rest).split_at_mut(p.plan.shape.n() * m);
                             rest = b;
                             a
-                        })
-                        .collect()
-                };
-                targets
-                    .into_par_iter()
-                    .enumerate()
-                    .flat_map(|(pi, yt)| {
-                        yt.par_chunks_mut(rows * m)
-                            .enumerate()
-                            .map(move |(c, yt)| (pi, c, yt))
-                    })
-                    .for_each(|(pi, c, yt)| {
-                        let p = &parts[pi];
-                        let xa = GemvAct {
-                            q: &xq,
-                            bf16: xb.as_deref(),
-                        };
-                        gemv_task(
-                            tier,
-                            xa,
-                            p.w,
-                            p.sw,
-                            p.plan.shape,
-                            c * rows,
-                            yt,
-                            p.plan.nan_free,
-                        );
+                        }
                     });
-            }
-            if m > 1 {
-                let mut rest = &ytbuf[..];
-                for (p, out) in parts.iter().zip(outs.iter_mut()) {
-                    let (a, b) = rest.split_at(p.plan.shape.n() * m);
-                    untranspose(a, m, out);
-                    rest = b;
+                    let targets: &mut [&mut [f32]] = if parts.len() <= small.len() {
+                        for (t, run) in small.iter_mut().zip(&mut runs) {
+                            *t = run;
+                        }
+                        &mut small[..parts.len()]
+                    } else {
+                        many.extend(runs);
+                        &mut many
+                    };
+                    targets
+                        .par_iter_mut()
+                        .enumerate()
+                        .flat_map(|(pi, yt)| {
+                            yt.par_chunks_mut(rows * m)
+                                .enumerate()
+                                .map(move |(c, yt)| (pi, c, yt))
+                        })
+                        .for_each(|(pi, c, yt)| {
+                            let p = &parts[pi];
+                            let xa = GemvAct { q: &xq, bf16: xb };
+                            gemv_task(
+                                tier,
+                                xa,
+                                p.w,
+                                p.sw,
+                                p.plan.shape,
+                                c * rows,
+                                yt,
+                                p.plan.nan_free,
+                            );
+                        });
                 }
-            }
-            Ok(())
+                if m > 1 {
+                    let mut rest = &ytbuf[..];
+                    for (p, out) in parts.iter().zip(outs.iter_mut()) {
+                        let (a, b) = rest.split_at(p.plan.shape.n() * m);
+                        untranspose(a, m, out);
+                        rest = b;
+                    }
+                }
+                Ok(())
+            })
         })
     })?;
     for (p, out) in parts.iter().zip(outs.iter_mut()) {
@@ -458,12 +474,36 @@ pub(crate) fn gemv_bf16_act(
     act: ActQuant,
     s: LinearShape,
 ) -> Option<Vec<u16>> {
+    let mut buf = vec![0u16; gemv_bf16_act_len(tier, act, s)];
+    gemv_bf16_act_in(tier, xq, act, s, &mut buf)?;
+    Some(buf)
+}
+
+/// The words [`gemv_bf16_act_in`] needs: 0 where [`uses_bf16`] is false.
+pub(crate) fn gemv_bf16_act_len(tier: Tier, act: ActQuant, s: LinearShape) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if uses_bf16(tier, act) {
+        return crate::avx512bf16::act_layout_len(s.m(), s.k(), s.bk());
+    }
+    let _ = (tier, act, s);
+    0
+}
+
+/// [`gemv_bf16_act`] into `buf` ([`gemv_bf16_act_len`] words), a reused buffer.
+pub(crate) fn gemv_bf16_act_in<'b>(
+    tier: Tier,
+    xq: &QuantizedAct<'_>,
+    act: ActQuant,
+    s: LinearShape,
+    buf: &'b mut [u16],
+) -> Option<&'b [u16]> {
     #[cfg(target_arch = "x86_64")]
     if uses_bf16(tier, act) {
         let x = &xq.values[..s.m() * s.k()];
-        return Some(crate::avx512bf16::act_layout(x, s.k(), s.bk()));
+        crate::avx512bf16::act_layout_into(x, s.k(), s.bk(), buf);
+        return Some(buf);
     }
-    let _ = (tier, xq, act, s);
+    let _ = (tier, xq, act, s, buf);
     None
 }
 

@@ -221,112 +221,119 @@ pub(super) fn panel_gemm_bf16(
             // SAFETY: `tier` came from `Tier::current()`: this tier has AVX-512 F and BW.
             unsafe { act_pair_columns(&xq.values[..m * k], m, k, bk, m_pad, a) };
             let a = &*a;
-            // the activation scales as columns too, zeros for the padding rows
-            let mut sxt = vec![0f32; kbs * m_pad];
-            for (kb, col) in sxt.chunks_exact_mut(m_pad).enumerate() {
-                for (i, v) in col[..m].iter_mut().enumerate() {
-                    *v = xq.scale(i, kb);
+            // the activation scales as columns too, zeros for the padding rows (in a kept
+            // buffer: a batched decode step runs this path)
+            with_f32(kbs * m_pad, |sxt| {
+                for (kb, col) in sxt.chunks_exact_mut(m_pad).enumerate() {
+                    for (i, v) in col.iter_mut().enumerate() {
+                        *v = if i < m { xq.scale(i, kb) } else { 0.0 };
+                    }
                 }
-            }
-            let threads = rayon::current_num_threads();
-            let panels = n.div_ceil(threads * PANEL_ROWS) * threads;
-            let p = n.div_ceil(panels).next_multiple_of(BF16_NR);
-            // K tiles of whole blocks, all of about the same size: about TILE_K codes, so that
-            // the activations' tile stays in L2 across the panel's row groups; with one tile of
-            // 16 rows (a decode step) the activations are small and each decoded weight is
-            // used once, so as many blocks as keep a row group's decoded tile within
-            // BF16_DECODE_TILE bytes: each weight row is then decoded in one pass over its
-            // codes, not in strided segments (16-sequence decode 375 -> 410 tok/s, Zen 4;
-            // `linear_time 16 2048 5632 10` 2.01 -> 1.63 ms when the limit went from the
-            // panel's rows to one group's)
-            let per_tile = if m_pad == 16 {
-                (BF16_DECODE_TILE / (BF16_NR * bw * 2)).max(1)
-            } else {
-                (TILE_K as f64 / bw as f64).round().max(1.0) as usize
-            };
-            let per_tile = kbs.div_ceil(kbs.div_ceil(per_tile));
-            let dst = OutCols::new(out, m, n);
-            // panel i computes its rows i·p.. of the transposed output in a [p, m_pad] scratch
-            // (the rows past the weight's end multiply zero weights and are dropped), then puts
-            // them in columns i·p.. of every output row: one parallel region per call
-            (0..n.div_ceil(p)).into_par_iter().for_each(|i| {
-                let (n0, rows) = (i * p, p.min(n - i * p));
-                with_f32(p * m_pad, |yt| {
-                    with_buf(BF16_NR * per_tile * bw, |wt: &mut [u16]| {
-                        for kb0 in (0..kbs).step_by(per_tile) {
-                            let nb = per_tile.min(kbs - kb0);
-                            let (c0, c1, tw) = (kb0 * bk, ((kb0 + nb) * bk).min(k), nb * bw);
-                            // groups wholly past the weight's end are skipped: their yt rows
-                            // are never put
-                            for g in (0..rows).step_by(BF16_NR) {
-                                // this group's rows decoded right before their products, which
-                                // then read them from L1 (or L2 for long rows) instead of the
-                                // whole panel's tile from L2 (M = 128, N = K = 4096: 12.7 ->
-                                // 12.1 ms, Zen 4); rows past the weight's end are zeros
-                                for (r, dst) in wt.chunks_exact_mut(tw).take(BF16_NR).enumerate() {
-                                    if g + r >= rows {
-                                        dst.fill(0);
-                                        continue;
+                let sxt = &*sxt;
+                let threads = rayon::current_num_threads();
+                let panels = n.div_ceil(threads * PANEL_ROWS) * threads;
+                let p = n.div_ceil(panels).next_multiple_of(BF16_NR);
+                // K tiles of whole blocks, all of about the same size: about TILE_K codes, so that
+                // the activations' tile stays in L2 across the panel's row groups; with one tile of
+                // 16 rows (a decode step) the activations are small and each decoded weight is
+                // used once, so as many blocks as keep a row group's decoded tile within
+                // BF16_DECODE_TILE bytes: each weight row is then decoded in one pass over its
+                // codes, not in strided segments (16-sequence decode 375 -> 410 tok/s, Zen 4;
+                // `linear_time 16 2048 5632 10` 2.01 -> 1.63 ms when the limit went from the
+                // panel's rows to one group's)
+                let per_tile = if m_pad == 16 {
+                    (BF16_DECODE_TILE / (BF16_NR * bw * 2)).max(1)
+                } else {
+                    (TILE_K as f64 / bw as f64).round().max(1.0) as usize
+                };
+                let per_tile = kbs.div_ceil(kbs.div_ceil(per_tile));
+                let dst = OutCols::new(out, m, n);
+                // panel i computes its rows i·p.. of the transposed output in a [p, m_pad] scratch
+                // (the rows past the weight's end multiply zero weights and are dropped), then puts
+                // them in columns i·p.. of every output row: one parallel region per call
+                (0..n.div_ceil(p)).into_par_iter().for_each(|i| {
+                    let (n0, rows) = (i * p, p.min(n - i * p));
+                    with_f32(p * m_pad, |yt| {
+                        with_buf(BF16_NR * per_tile * bw, |wt: &mut [u16]| {
+                            for kb0 in (0..kbs).step_by(per_tile) {
+                                let nb = per_tile.min(kbs - kb0);
+                                let (c0, c1, tw) = (kb0 * bk, ((kb0 + nb) * bk).min(k), nb * bw);
+                                // groups wholly past the weight's end are skipped: their yt rows
+                                // are never put
+                                for g in (0..rows).step_by(BF16_NR) {
+                                    // this group's rows decoded right before their products, which
+                                    // then read them from L1 (or L2 for long rows) instead of the
+                                    // whole panel's tile from L2 (M = 128, N = K = 4096: 12.7 ->
+                                    // 12.1 ms, Zen 4); rows past the weight's end are zeros
+                                    for (r, dst) in
+                                        wt.chunks_exact_mut(tw).take(BF16_NR).enumerate()
+                                    {
+                                        if g + r >= rows {
+                                            dst.fill(0);
+                                            continue;
+                                        }
+                                        let row = &w[(n0 + g + r) * k..(n0 + g + r + 1) * k];
+                                        // SAFETY: `tier` came from `Tier::current()`, never above
+                                        // the detected tier, which needs AVX-512 F/BW/VL/VBMI/BF16;
+                                        // `dst` holds the nb blocks of c1 - c0 codes.
+                                        unsafe { decode_row(&row[c0..c1], c1 - c0, bk, dst) };
                                     }
-                                    let row = &w[(n0 + g + r) * k..(n0 + g + r + 1) * k];
-                                    // SAFETY: `tier` came from `Tier::current()`, never above
-                                    // the detected tier, which needs AVX-512 F/BW/VL/VBMI/BF16;
-                                    // `dst` holds the nb blocks of c1 - c0 codes.
-                                    unsafe { decode_row(&row[c0..c1], c1 - c0, bk, dst) };
-                                }
-                                // the next group's codes on their way while this one
-                                // multiplies (with the decode moved next to the products,
-                                // nothing else overlaps their arrival from memory)
-                                for r in (g + BF16_NR..g + 2 * BF16_NR).take_while(|&r| r < rows) {
-                                    crate::x86::prefetch_bytes(
-                                        w[(n0 + r) * k + c0..].as_ptr(),
-                                        c1 - c0,
-                                    );
-                                }
-                                let swr: [&[f32]; BF16_NR] = std::array::from_fn(|r| {
-                                    let o = ((n0 + g + r).min(n - 1) / s.bn()) * kbs + kb0;
-                                    &sw[o..o + nb]
-                                });
-                                let wg = &wt[..BF16_NR * tw];
-                                let ytg = &mut yt[g * m_pad..];
-                                let mut m0 = 0;
-                                while m0 < m_pad {
-                                    // tiles of 32 rows, and one of 16 where m_pad leaves it
-                                    let (tile_m, tile) = if m_pad - m0 >= 32 {
-                                        (32, gemm_tile::<2, BF16_NR> as TileFn)
-                                    } else {
-                                        (16, gemm_tile::<1, BF16_NR> as TileFn)
-                                    };
-                                    let (ao, so) = (kb0 * ppb * m_pad + m0, kb0 * m_pad + m0);
-                                    let (a, sx) = (&a[ao..], &sxt[so..]);
-                                    let yg = &mut ytg[m0..];
-                                    // the first K tile writes yt's panel, no zero fill first
-                                    let first = kb0 == 0;
-                                    // SAFETY: as above for the tier; every slice holds what the
-                                    // strides address from its offset (checked by the kernel).
-                                    unsafe {
-                                        tile(
-                                            a,
-                                            m_pad,
-                                            wg,
-                                            tw,
-                                            sx,
-                                            m_pad,
-                                            swr,
-                                            (ppb, nb),
-                                            yg,
-                                            m_pad,
-                                            first,
-                                        )
-                                    };
-                                    m0 += tile_m;
+                                    // the next group's codes on their way while this one
+                                    // multiplies (with the decode moved next to the products,
+                                    // nothing else overlaps their arrival from memory)
+                                    for r in
+                                        (g + BF16_NR..g + 2 * BF16_NR).take_while(|&r| r < rows)
+                                    {
+                                        crate::x86::prefetch_bytes(
+                                            w[(n0 + r) * k + c0..].as_ptr(),
+                                            c1 - c0,
+                                        );
+                                    }
+                                    let swr: [&[f32]; BF16_NR] = std::array::from_fn(|r| {
+                                        let o = ((n0 + g + r).min(n - 1) / s.bn()) * kbs + kb0;
+                                        &sw[o..o + nb]
+                                    });
+                                    let wg = &wt[..BF16_NR * tw];
+                                    let ytg = &mut yt[g * m_pad..];
+                                    let mut m0 = 0;
+                                    while m0 < m_pad {
+                                        // tiles of 32 rows, and one of 16 where m_pad leaves it
+                                        let (tile_m, tile) = if m_pad - m0 >= 32 {
+                                            (32, gemm_tile::<2, BF16_NR> as TileFn)
+                                        } else {
+                                            (16, gemm_tile::<1, BF16_NR> as TileFn)
+                                        };
+                                        let (ao, so) = (kb0 * ppb * m_pad + m0, kb0 * m_pad + m0);
+                                        let (a, sx) = (&a[ao..], &sxt[so..]);
+                                        let yg = &mut ytg[m0..];
+                                        // the first K tile writes yt's panel, no zero fill first
+                                        let first = kb0 == 0;
+                                        // SAFETY: as above for the tier; every slice holds what the
+                                        // strides address from its offset (checked by the kernel).
+                                        unsafe {
+                                            tile(
+                                                a,
+                                                m_pad,
+                                                wg,
+                                                tw,
+                                                sx,
+                                                m_pad,
+                                                swr,
+                                                (ppb, nb),
+                                                yg,
+                                                m_pad,
+                                                first,
+                                            )
+                                        };
+                                        m0 += tile_m;
+                                    }
                                 }
                             }
-                        }
+                        });
+                        // SAFETY: the AVX512-BF16 tier includes AVX-512 F; panel i alone writes
+                        // columns n0..n0 + rows.
+                        unsafe { dst.put_transposed(n0, rows, yt, m_pad) };
                     });
-                    // SAFETY: the AVX512-BF16 tier includes AVX-512 F; panel i alone writes
-                    // columns n0..n0 + rows.
-                    unsafe { dst.put_transposed(n0, rows, yt, m_pad) };
                 });
             });
         });
