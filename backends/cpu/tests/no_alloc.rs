@@ -53,18 +53,26 @@ unsafe impl GlobalAlloc for Counted {
 #[global_allocator]
 static GLOBAL: Counted = Counted;
 
-/// How many allocations `f` makes on any thread, after two warm-up calls (which fill the
-/// pool's and each thread's kept buffers). The calls run on a thread of rayon's pool, as a
-/// model's step does: from outside, every parallel kernel would queue its work in the pool's
-/// injector, which takes a new block of slots every 63 jobs.
-fn allocs_when_warm(mut f: impl FnMut() + Send) -> u64 {
+/// How many allocations `f` makes on any thread once warm. Warm means every thread of rayon's
+/// pool has run `f` alone once (one thread at a time, the others held back, so each runs every
+/// task of each call itself and fills its own kept buffers), and then two ordinary calls. The
+/// counted calls run on a pool thread, as a model's step does: from outside, every parallel
+/// kernel would queue its work in the pool's injector, which takes a new block of slots every
+/// 63 jobs.
+fn allocs_when_warm(f: impl FnMut() + Send) -> u64 {
+    let f = std::sync::Mutex::new(f);
+    let call = || {
+        let mut f = f.lock().unwrap();
+        (*f)()
+    };
+    rayon::broadcast(|_| call());
     rayon::scope(|_| {
-        f();
-        f();
+        call();
+        call();
         ALLOCS.store(0, Relaxed);
         COUNTING.store(true, Relaxed);
         for _ in 0..3 {
-            f();
+            call();
         }
         COUNTING.store(false, Relaxed);
         ALLOCS.load(Relaxed)
