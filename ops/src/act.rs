@@ -104,7 +104,7 @@ pub fn add_rms_norm(x: &Tensor, h: &Tensor, weight: &Tensor, eps: f32) -> Result
     let fused = [x, h, weight]
         .iter()
         .all(|t| t.device().is_cpu() && t.dtype() == DType::F32);
-    if !fused || x.elem_count() == 0 {
+    if !fused || x.elem_count() == 0 || x.rank() == 0 {
         let sum = residual_add(x, h)?;
         let normed = candle_nn::ops::rms_norm(&sum.contiguous()?, weight, eps)?;
         return Ok((sum, normed));
@@ -113,15 +113,15 @@ pub fn add_rms_norm(x: &Tensor, h: &Tensor, weight: &Tensor, eps: f32) -> Result
         eps,
         err: ParkedError::new(),
     };
-    // both results in one buffer: [sum | normed], each half a contiguous view
+    // both results in one buffer: [sum | normed], x's shape with its first dimension doubled,
+    // so each half is one narrow of it (a view per result: a decode step makes 60 of these
+    // calls, and every view is an allocation)
     let both = x
         .contiguous()?
         .apply_op3_no_bwd(&h.contiguous()?, &weight.contiguous()?, &op)
         .map_err(|e| op.err.or(e))?;
-    Ok((
-        both.narrow(0, 0, 1)?.reshape(x.dims())?,
-        both.narrow(0, 1, 1)?.reshape(x.dims())?,
-    ))
+    let d0 = x.dims()[0];
+    Ok((both.narrow(0, 0, d0)?, both.narrow(0, d0, d0)?))
 }
 
 struct AddRmsNorm {
@@ -160,7 +160,9 @@ impl candle_core::CustomOp3 for AddRmsNorm {
             let mut both = vec![0f32; 2 * x.len()];
             let (sum, normed) = both.split_at_mut(x.len());
             fp8nsa_cpu::act::add_rms_norm(x, h, w, self.eps, sum, normed)?;
-            Ok((CpuStorage::F32(both), Shape::from((2, x.len()))))
+            let mut dims = xl.dims().to_vec();
+            dims[0] *= 2;
+            Ok((CpuStorage::F32(both), Shape::from(dims)))
         })())
     }
 }
@@ -249,9 +251,13 @@ mod tests {
     fn add_rms_norm_equals_add_then_norm() {
         let dev = Device::Cpu;
         let w = Tensor::randn(0f32, 1.0, 576, &dev).unwrap();
-        for rows in [1usize, 100] {
-            let x = Tensor::randn(0f32, 3.0, (1, rows, 576), &dev).unwrap();
-            let h = Tensor::randn(0f32, 3.0, (1, rows, 576), &dev).unwrap();
+        // a decode row, a prefill's rows, a batch of several (the first dimension, which the
+        // op doubles, above 1) and a single vector
+        let shapes: [&[usize]; 4] = [&[1, 1, 576], &[1, 100, 576], &[3, 5, 576], &[576]];
+        for &shape in &shapes {
+            let rows = shape.iter().product::<usize>() / 576;
+            let x = Tensor::randn(0f32, 3.0, shape, &dev).unwrap();
+            let h = Tensor::randn(0f32, 3.0, shape, &dev).unwrap();
             let (sum, normed) = add_rms_norm(&x, &h, &w, 1e-5).unwrap();
             assert_eq!((sum.dims(), normed.dims()), (x.dims(), x.dims()));
             let want = residual_add(&x, &h).unwrap();

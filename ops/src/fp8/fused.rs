@@ -43,7 +43,7 @@ impl Fp8Linear {
         match fused_plans(layers, x)? {
             Some(plans) => {
                 let m = plans[0].shape().m();
-                let flat = run_op(layers, &plans, false, x)?;
+                let flat = run_op(layers, &plans, None, x)?;
                 let mut off = 0;
                 plans
                     .iter()
@@ -97,10 +97,9 @@ impl Fp8Linear {
         let layers = [gate, up];
         match fused_plans(&layers, x)? {
             Some(plans) if x.dtype() == DType::F32 => {
-                let flat = run_op(&layers, &plans, true, x)?;
                 let mut dims = x.dims().to_vec();
                 *dims.last_mut().expect("x was checked to have a last dim") = n;
-                Ok(flat.reshape(dims)?)
+                run_op(&layers, &plans, Some(dims.into()), x)
             }
             _ => match &Self::forward_fused(&layers, x)?[..] {
                 [g, u] => crate::silu_mul(g, u),
@@ -110,18 +109,22 @@ impl Fp8Linear {
     }
 }
 
-/// The fused CPU op over `x` viewed as `[m, k]` (`plans` from [`fused_plans`]): every layer's
-/// output one after another, or with `swiglu` the product of the two, flat.
-fn run_op(layers: &[&Fp8Linear], plans: &[LinearPlan], swiglu: bool, x: &Tensor) -> Result<Tensor> {
+/// The fused CPU op over `x`'s rows of K (read in place, whatever x's rank; `plans` from
+/// [`fused_plans`]): every layer's output one after another, flat, or with `swiglu` (the
+/// output's shape) the product of the two.
+fn run_op(
+    layers: &[&Fp8Linear],
+    plans: &[LinearPlan],
+    swiglu: Option<Shape>,
+    x: &Tensor,
+) -> Result<Tensor> {
     let op = FusedOp {
         layers,
         plans,
         swiglu,
         err: ParkedError::new(),
     };
-    let (m, k) = (plans[0].shape().m(), plans[0].shape().k());
-    x.reshape((m, k))?
-        .contiguous()?
+    x.contiguous()?
         .apply_op1_no_bwd(&op)
         .map_err(|e| op.err.or(e))
 }
@@ -170,9 +173,9 @@ fn fused_plans(layers: &[&Fp8Linear], x: &Tensor) -> Result<Option<Vec<LinearPla
 struct FusedOp<'a> {
     layers: &'a [&'a Fp8Linear],
     plans: &'a [LinearPlan],
-    /// Two layers, gate and up: the op's output is `silu(gate) · up` (`run_swiglu`) instead
-    /// of every layer's output one after another.
-    swiglu: bool,
+    /// Two layers, gate and up: the op's output is `silu(gate) · up` (`run_swiglu`), of this
+    /// shape, instead of every layer's output one after another.
+    swiglu: Option<Shape>,
     err: ParkedError,
 }
 
@@ -210,11 +213,10 @@ impl CustomOp1 for FusedOp<'_> {
                     bias: l.bias_host(),
                 })
                 .collect();
-            if let (true, [gate, up]) = (self.swiglu, &parts[..]) {
+            if let (Some(shape), [gate, up]) = (&self.swiglu, &parts[..]) {
                 let mut out = vec![0f32; gate.plan.shape().m() * gate.plan.shape().n()];
                 fp8nsa_cpu::linear::run_swiglu(&x, *gate, *up, &mut out)?;
-                let len = out.len();
-                return Ok((from_f32(out, xs.dtype()), Shape::from(len)));
+                return Ok((from_f32(out, xs.dtype()), shape.clone()));
             }
             let sizes: Vec<usize> = self
                 .plans

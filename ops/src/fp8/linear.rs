@@ -221,8 +221,13 @@ impl Fp8Linear {
                 hint: "the CPU kernels need x and the weight on the CPU (CUDA tensors run on CUDA with the `cuda` feature)",
             });
         };
-        let op = Fp8LinearOp::new(&self.weight, self.bias_host(), plan);
-        let y = op.apply(&x.reshape((m, k))?.contiguous()?)?;
+        let op = Fp8LinearOp::new(&self.weight, self.bias_host(), plan, out_dims.into());
+        let y = if op.on_cpu() {
+            op.apply(&x.contiguous()?)?
+        } else {
+            let out = op.out_shape().clone();
+            op.apply(&x.reshape((m, k))?.contiguous()?)?.reshape(out)?
+        };
         let path = op.path();
         // the kernel's name is formatted only for a subscriber that wants it: a decode step
         // makes over a hundred of these calls
@@ -234,7 +239,7 @@ impl Fp8Linear {
             };
             tracing::debug!(op = "fp8_linear", backend, kernel, m, n, k, block = ?self.weight.block(), act = ?self.act, dtype = ?x.dtype());
         }
-        Ok((y.reshape(out_dims)?, path))
+        Ok((y, path))
     }
 }
 

@@ -35,25 +35,45 @@ pub(crate) struct Fp8LinearOp<'a> {
     /// The bias as f32 on the host (the CPU kernels add it).
     bias: Option<&'a [f32]>,
     plan: CallPlan,
+    /// The CPU op's output shape: `x`'s with N last (the CPU op reads `x` of any rank in
+    /// place, so a call makes no views around it); the CUDA op gives `[M, N]`.
+    out: Shape,
     /// What ran on CUDA when it differs from the plan (a cuBLASLt refusal at run time).
     ran: Mutex<Option<CudaFp8Path>>,
     err: ParkedError,
 }
 
 impl<'a> Fp8LinearOp<'a> {
-    pub(crate) fn new(weight: &'a Fp8BlockWeight, bias: Option<&'a [f32]>, plan: CallPlan) -> Self {
+    pub(crate) fn new(
+        weight: &'a Fp8BlockWeight,
+        bias: Option<&'a [f32]>,
+        plan: CallPlan,
+        out: Shape,
+    ) -> Self {
         Self {
             weight,
             bias,
             plan,
+            out,
             ran: Mutex::new(None),
             err: ParkedError::new(),
         }
     }
 
-    /// Applies the op to `x [M, K]` (contiguous); a failure inside it comes back typed.
+    /// Applies the op to `x [.., K]` (contiguous; `[M, K]` for CUDA); a failure inside it
+    /// comes back typed.
     pub(crate) fn apply(&self, x: &Tensor) -> Result<Tensor> {
         x.apply_op1_no_bwd(self).map_err(|e| self.err.or(e))
+    }
+
+    /// Whether the op runs on the CPU (and gives its output the caller's shape itself).
+    pub(crate) fn on_cpu(&self) -> bool {
+        matches!(self.plan, CallPlan::Cpu(_))
+    }
+
+    /// The output shape the caller asked for.
+    pub(crate) fn out_shape(&self) -> &Shape {
+        &self.out
     }
 
     /// The path that ran (after the op was applied) or that is planned (before).
@@ -124,8 +144,7 @@ impl CustomOp1 for Fp8LinearOp<'_> {
                     "the call was planned for CUDA and got a CPU tensor",
                 ));
             };
-            let s = plan.shape();
-            Ok((self.cpu(plan, xs, xl)?, Shape::from((s.m(), s.n()))))
+            Ok((self.cpu(plan, xs, xl)?, self.out.clone()))
         })())
     }
 
