@@ -19,71 +19,27 @@
 //! `benches/decode/gen_1b_gguf.py`, say). `ALLOCS=1` also counts the heap allocations of the
 //! decode steps (every thread's), printed per decode step on a second line.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::time::Instant;
 
 use fp8nsa_models::{eval, locate, tokenizer, BatchSeq, Llama, Logits, Weights};
-
-/// The system allocator, counting allocations (and their bytes) while `COUNTING` is set.
-struct Counted;
-
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-static BYTES: AtomicU64 = AtomicU64::new(0);
-
-fn note(bytes: usize) {
-    if COUNTING.load(Relaxed) {
-        ALLOCS.fetch_add(1, Relaxed);
-        BYTES.fetch_add(bytes as u64, Relaxed);
-    }
-}
-
-// SAFETY: every call goes to `System` with the caller's arguments unchanged; counting touches
-// only atomics and never allocates.
-unsafe impl GlobalAlloc for Counted {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        note(l.size());
-        // SAFETY: the caller's contract for `alloc`, passed on.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        note(l.size());
-        // SAFETY: as for `alloc`.
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: `p` came from this allocator, that is from `System`, with layout `l`.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        note(n);
-        // SAFETY: as for `dealloc`, and the caller's contract for `realloc`.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
+use fp8nsa_test_support::alloc::CountingAlloc;
 
 #[global_allocator]
-static GLOBAL: Counted = Counted;
+static COUNTER: CountingAlloc = CountingAlloc::new();
 
-/// Starts counting allocations when `ALLOCS=1`.
-fn count_allocs() {
-    if std::env::var("ALLOCS").as_deref() == Ok("1") {
-        ALLOCS.store(0, Relaxed);
-        BYTES.store(0, Relaxed);
-        COUNTING.store(true, Relaxed);
-    }
+/// Whether `ALLOCS=1` asked for the decode steps' allocations.
+fn counting() -> bool {
+    std::env::var("ALLOCS").as_deref() == Ok("1")
 }
 
-/// Prints the allocations counted since [`count_allocs`] per decode step.
-fn report_allocs(steps: usize) {
-    COUNTING.store(false, Relaxed);
-    if std::env::var("ALLOCS").as_deref() == Ok("1") {
+/// Prints the allocations counted since `COUNTER.start()` per decode step.
+fn report_allocs(counted: (u64, u64), steps: usize) {
+    if counting() {
         let steps = steps.max(1) as f64;
         println!(
             "allocations per decode step: {:.1} ({:.1} KiB)",
-            ALLOCS.load(Relaxed) as f64 / steps,
-            BYTES.load(Relaxed) as f64 / steps / 1024.0
+            counted.0 as f64 / steps,
+            counted.1 as f64 / steps / 1024.0
         );
     }
 }
@@ -119,7 +75,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .argmax(candle_core::D::Minus1)?
         .to_scalar::<u32>()?;
     let t = Instant::now();
-    count_allocs();
+    if counting() {
+        COUNTER.start();
+    }
     for _ in 0..decode {
         let l = model.forward(&[next], &mut cache)?;
         next = l
@@ -128,7 +86,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .to_scalar::<u32>()?;
     }
     let decode_s = t.elapsed().as_secs_f64();
-    COUNTING.store(false, Relaxed); // the report's own formatting not counted
+    let counted = COUNTER.stop(); // the report's own formatting not counted
     println!(
         "{}: prefill {prefill} in {:.3} s ({:.1} tok/s), decode {decode} in {:.3} s ({:.2} tok/s)",
         variants[pick].name,
@@ -137,7 +95,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         decode_s,
         decode as f64 / decode_s
     );
-    report_allocs(decode);
+    report_allocs(counted, decode);
     Ok(())
 }
 
@@ -174,7 +132,9 @@ fn batched(
     }
     let prefill_s = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    count_allocs();
+    if counting() {
+        COUNTER.start();
+    }
     for _ in 0..decode {
         let toks: Vec<[u32; 1]> = next.iter().map(|&n| [n]).collect();
         let mut step: Vec<BatchSeq> = seqs
@@ -191,7 +151,7 @@ fn batched(
         }
     }
     let decode_s = t.elapsed().as_secs_f64();
-    COUNTING.store(false, Relaxed); // the report's own formatting not counted
+    let counted = COUNTER.stop(); // the report's own formatting not counted
     println!(
         "{name}, {b} sequences: prefill {}x{} in {:.3} s ({:.1} tok/s), decode {decode} steps in {:.3} s ({:.2} tok/s over all sequences)",
         b,
@@ -201,7 +161,7 @@ fn batched(
         decode_s,
         (b * decode) as f64 / decode_s
     );
-    report_allocs(decode);
+    report_allocs(counted, decode);
     Ok(())
 }
 

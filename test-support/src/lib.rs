@@ -8,6 +8,8 @@
 //! - [`wrapped_message`]: the text of a layer's error that came back through candle's type.
 //! - [`nsa`]: random selections and the comparisons the selection-attention suites share.
 //! - [`gguf::tiny_llama`]: a small, complete llama GGUF for the loaders' suites.
+//! - [`alloc::CountingAlloc`]: every thread's allocations counted, for the "allocates nothing
+//!   once warm" checks.
 //! - [`resource`]: the real parts a suite runs on (the XLA CPU PJRT plugin, the SmolLM2 GGUF,
 //!   jax, a GPU); a missing one skips the suite, saying so, unless its `FP8NSA_REQUIRE_*` flag
 //!   is set, as CI sets it: then it fails.
@@ -19,6 +21,7 @@
 //! assert_eq!(rel_frobenius(&x, &x), 0.0);
 //! ```
 
+pub mod alloc;
 pub mod gguf;
 pub mod nsa;
 pub mod resource;

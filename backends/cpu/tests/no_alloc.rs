@@ -6,52 +6,15 @@
 //!
 //! The whole binary counts every thread's allocations, so it holds this one test.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-
 use fp8nsa_cpu::linear::{plan, run_fused, run_swiglu, FusedPart};
 use fp8nsa_cpu::nsa::{decode_attention, decode_attention_paged, HeadMajor, PagedSeq};
 use fp8nsa_cpu::quant::quantize_weight;
+use fp8nsa_test_support::alloc::CountingAlloc;
 use fp8nsa_test_support::{gaussian, rng};
 use fp8nsa_types::{ActQuant, AttnDims, LinearShape, RopeStyle, Tier};
 
-struct Counted;
-
-static COUNTING: AtomicBool = AtomicBool::new(false);
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: every call goes to `System` with the caller's arguments unchanged; counting touches
-// only atomics.
-unsafe impl GlobalAlloc for Counted {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        if COUNTING.load(Relaxed) {
-            ALLOCS.fetch_add(1, Relaxed);
-        }
-        // SAFETY: the caller's contract for `alloc`, passed on.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        if COUNTING.load(Relaxed) {
-            ALLOCS.fetch_add(1, Relaxed);
-        }
-        // SAFETY: as for `alloc`.
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: `p` came from `System` with layout `l`.
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        if COUNTING.load(Relaxed) {
-            ALLOCS.fetch_add(1, Relaxed);
-        }
-        // SAFETY: as for `dealloc`, and the caller's contract for `realloc`.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counted = Counted;
+static COUNTER: CountingAlloc = CountingAlloc::new();
 
 /// How many allocations `f` makes on any thread once warm. Warm means every thread of rayon's
 /// pool has run `f` alone once (one thread at a time, the others held back, so each runs every
@@ -69,13 +32,11 @@ fn allocs_when_warm(f: impl FnMut() + Send) -> u64 {
     rayon::scope(|_| {
         call();
         call();
-        ALLOCS.store(0, Relaxed);
-        COUNTING.store(true, Relaxed);
+        COUNTER.start();
         for _ in 0..3 {
             call();
         }
-        COUNTING.store(false, Relaxed);
-        ALLOCS.load(Relaxed)
+        COUNTER.stop().0
     })
 }
 
