@@ -43,16 +43,28 @@ impl Fp8Linear {
         match fused_plans(layers, x)? {
             Some(plans) => {
                 let m = plans[0].shape().m();
-                let flat = run_op(layers, &plans, None, x)?;
+                let last = x.rank() - 1;
+                // the layers' outputs one after another: for one row (a decode step) that is
+                // x's shape with the widths summed last, and each output one narrow of it;
+                // for more rows, runs of m · n to view in x's shape
+                let total = plans.iter().map(|p| p.shape().n()).sum();
+                let shape = if m == 1 {
+                    out_dims(x, total).into()
+                } else {
+                    Shape::from(m * total)
+                };
+                let out = run_op(layers, &plans, false, shape, x)?;
                 let mut off = 0;
                 plans
                     .iter()
                     .map(|p| {
                         let n = p.shape().n();
-                        let mut dims = x.dims().to_vec();
-                        *dims.last_mut().expect("x was checked to have a last dim") = n;
-                        let y = flat.narrow(0, off, m * n)?.reshape(dims)?;
-                        off += m * n;
+                        let y = if m == 1 {
+                            out.narrow(last, off, n)?
+                        } else {
+                            out.narrow(0, off * m, m * n)?.reshape(out_dims(x, n))?
+                        };
+                        off += n;
                         Ok(y)
                     })
                     .collect()
@@ -97,9 +109,7 @@ impl Fp8Linear {
         let layers = [gate, up];
         match fused_plans(&layers, x)? {
             Some(plans) if x.dtype() == DType::F32 => {
-                let mut dims = x.dims().to_vec();
-                *dims.last_mut().expect("x was checked to have a last dim") = n;
-                run_op(&layers, &plans, Some(dims.into()), x)
+                run_op(&layers, &plans, true, out_dims(x, n).into(), x)
             }
             _ => match &Self::forward_fused(&layers, x)?[..] {
                 [g, u] => crate::silu_mul(g, u),
@@ -109,19 +119,28 @@ impl Fp8Linear {
     }
 }
 
+/// `x`'s dimensions with `n` last.
+fn out_dims(x: &Tensor, n: usize) -> Vec<usize> {
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().expect("x was checked to have a last dim") = n;
+    dims
+}
+
 /// The fused CPU op over `x`'s rows of K (read in place, whatever x's rank; `plans` from
-/// [`fused_plans`]): every layer's output one after another, flat, or with `swiglu` (the
-/// output's shape) the product of the two.
+/// [`fused_plans`]): every layer's output one after another, or with `swiglu` the product of
+/// the two, given the caller's `shape`.
 fn run_op(
     layers: &[&Fp8Linear],
     plans: &[LinearPlan],
-    swiglu: Option<Shape>,
+    swiglu: bool,
+    shape: Shape,
     x: &Tensor,
 ) -> Result<Tensor> {
     let op = FusedOp {
         layers,
         plans,
         swiglu,
+        shape,
         err: ParkedError::new(),
     };
     x.contiguous()?
@@ -173,9 +192,11 @@ fn fused_plans(layers: &[&Fp8Linear], x: &Tensor) -> Result<Option<Vec<LinearPla
 struct FusedOp<'a> {
     layers: &'a [&'a Fp8Linear],
     plans: &'a [LinearPlan],
-    /// Two layers, gate and up: the op's output is `silu(gate) · up` (`run_swiglu`), of this
-    /// shape, instead of every layer's output one after another.
-    swiglu: Option<Shape>,
+    /// Two layers, gate and up: the op's output is `silu(gate) · up` (`run_swiglu`) instead
+    /// of every layer's output one after another.
+    swiglu: bool,
+    /// The output's shape, as the caller views it.
+    shape: Shape,
     err: ParkedError,
 }
 
@@ -213,10 +234,10 @@ impl CustomOp1 for FusedOp<'_> {
                     bias: l.bias_host(),
                 })
                 .collect();
-            if let (Some(shape), [gate, up]) = (&self.swiglu, &parts[..]) {
+            if let (true, [gate, up]) = (self.swiglu, &parts[..]) {
                 let mut out = vec![0f32; gate.plan.shape().m() * gate.plan.shape().n()];
                 fp8nsa_cpu::linear::run_swiglu(&x, *gate, *up, &mut out)?;
-                return Ok((from_f32(out, xs.dtype()), shape.clone()));
+                return Ok((from_f32(out, xs.dtype()), self.shape.clone()));
             }
             let sizes: Vec<usize> = self
                 .plans
@@ -233,7 +254,47 @@ impl CustomOp1 for FusedOp<'_> {
                 rest = b;
             }
             fp8nsa_cpu::linear::run_fused(&x, &parts, &mut outs)?;
-            Ok((from_f32(out, xs.dtype()), Shape::from(total)))
+            Ok((from_f32(out, xs.dtype()), self.shape.clone()))
         })())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ActQuant, Fp8BlockWeight};
+    use candle_core::Device;
+
+    /// Each fused output equals its layer alone, bit for bit and in x's shape with the layer's
+    /// width last: one row (outputs narrowed from one row of the summed widths) in two ranks,
+    /// several rows (runs of the flat output) with leading dimensions of 1 and above, widths
+    /// that are not multiples of the row blocking.
+    #[test]
+    fn fused_outputs_are_each_layer_alone() {
+        let dev = Device::Cpu;
+        let k = 300;
+        let layers: Vec<Fp8Linear> = [576usize, 192, 37]
+            .iter()
+            .map(|&n| {
+                let w = Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap();
+                let w = Fp8BlockWeight::quantize(&w, [128, 128]).unwrap();
+                Fp8Linear::new(w, None, ActQuant::Group).unwrap()
+            })
+            .collect();
+        let refs: Vec<&Fp8Linear> = layers.iter().collect();
+        let shapes: [&[usize]; 5] = [&[1, 1, k], &[k], &[1, 5, k], &[2, 3, k], &[17, k]];
+        for &shape in &shapes {
+            let x = Tensor::randn(0f32, 1.0, shape, &dev).unwrap();
+            let fused = Fp8Linear::forward_fused(&refs, &x).unwrap();
+            for (l, y) in layers.iter().zip(&fused) {
+                let alone = l.forward_t(&x).unwrap();
+                assert_eq!(y.dims(), alone.dims(), "{shape:?}");
+                let bits = |t: &Tensor| {
+                    let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+                };
+                assert_eq!(bits(y), bits(&alone), "{shape:?}");
+            }
+        }
     }
 }
