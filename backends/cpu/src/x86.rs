@@ -705,6 +705,19 @@ pub(crate) mod checks {
     /// A `dot4_blocks` kernel (one of its two NaN-scan forms).
     pub(crate) type Dot4 = unsafe fn(&[f32], [&[u8]; 4], usize, [&[f32]; 4], *const u8) -> [f32; 4];
 
+    /// Four weight rows of `n` codes, every code but the NaN ones (0x7f / 0xff become 0x7e),
+    /// the rows offset from each other.
+    pub(crate) fn nan_free_rows(n: usize) -> Vec<Vec<u8>> {
+        (0..4)
+            .map(|r| {
+                (0..n)
+                    .map(|i| ((i * 11 + r * 53) % 256) as u8)
+                    .map(|c| if c & 0x7f == 0x7f { 0x7e } else { c })
+                    .collect()
+            })
+            .collect()
+    }
+
     /// Every code, at every position of a vector and in a tail, is decoded bit-identically to
     /// the scalar decoder for scales up to `f32::MAX` (where `scale · 2^8` would overflow), and
     /// nothing is written past the end.
@@ -762,14 +775,7 @@ pub(crate) mod checks {
                     .map(|i| ((i * 37 % 17) as f32 - 8.0) * 0.25)
                     .collect();
                 // no NaN codes at first
-                let mut rows: Vec<Vec<u8>> = (0..4)
-                    .map(|r| {
-                        (0..n)
-                            .map(|i| ((i * 11 + r * 53) % 256) as u8)
-                            .map(|c| if c & 0x7f == 0x7f { 0x7e } else { c })
-                            .collect()
-                    })
-                    .collect();
+                let mut rows = nan_free_rows(n);
                 let scales: Vec<Vec<f32>> = (0..4)
                     .map(|r| (0..n.div_ceil(bk).max(1)).map(|b| scale_of(r, b)).collect())
                     .collect();
@@ -934,14 +940,7 @@ mod tests {
                         .collect()
                 })
                 .collect();
-            let mut rows: Vec<Vec<u8>> = (0..4)
-                .map(|r| {
-                    (0..n)
-                        .map(|i| ((i * 11 + r * 53) % 256) as u8)
-                        .map(|c| if c & 0x7f == 0x7f { 0x7e } else { c })
-                        .collect()
-                })
-                .collect();
+            let mut rows = checks::nan_free_rows(n);
             let kbs = n.div_ceil(bk);
             let sx: Vec<Vec<f32>> = (0..4)
                 .map(|a| {
