@@ -48,6 +48,12 @@ struct DemoArgs {
     /// Tokens generated for the answer.
     #[arg(long, default_value_t = 48)]
     generate: usize,
+    /// Leave out the llama.cpp rows. By default, where `bash benches/peers/llama-cpp.sh build`
+    /// has built llama.cpp and requantized this GGUF (Q8_0, F32) in the peers' cache
+    /// (`FP8NSA_PEERS_CACHE`, else `~/.cache/fp8nsa-peers`), `llama-bench` times them on the
+    /// same prompt and decode lengths after our variants.
+    #[arg(long)]
+    no_llama_cpp: bool,
 }
 
 #[derive(Subcommand)]
@@ -411,6 +417,47 @@ fn models_err(e: fp8nsa::models::Error) -> Error {
     }
 }
 
+/// The llama.cpp rows under the demo's table, or a line saying why there are none: the demo
+/// goes on either way (llama.cpp is a peer to compare with, not part of the demo).
+fn llama_cpp_rows(gguf: Option<&std::path::Path>, prefill: usize, decode: usize) {
+    let Some(gguf) = gguf else {
+        return; // the random model has no llama.cpp counterpart
+    };
+    let Some(peer) = fp8nsa_cli::llama_cpp::Peer::locate(gguf) else {
+        println!(
+            "\nllama.cpp rows: none (`bash benches/peers/llama-cpp.sh build` builds llama.cpp and \
+             requantizes SmolLM2 into the peers' cache; --no-llama-cpp silences this)"
+        );
+        return;
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    eprintln!(
+        "timing llama.cpp ({}) with {threads} threads: {}",
+        peer.bench.display(),
+        peer.models
+            .iter()
+            .map(|(_, m)| m.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    match peer.run(threads, prefill, decode) {
+        Ok(rows) => {
+            for r in rows {
+                println!(
+                    "{:<28} {:>14.1} {:>13.2} {:>14} {:>15}",
+                    r.name, r.prefill_tok_s, r.decode_tok_s, "-", "-"
+                );
+            }
+            println!(
+                "llama.cpp: llama-bench, same machine and thread count, run after ours: `-p {prefill} -n 0` \
+                 (logits of the last position only), `-p 0 -n {decode} -d {prefill}`, an f16 KV cache \
+                 (llama-bench's default)."
+            );
+        }
+        Err(e) => println!("\nllama.cpp rows: none, {e}"),
+    }
+}
+
 fn demo(args: DemoArgs) -> Result<()> {
     if args.prefill == 0 {
         return Err(Error::Invalid {
@@ -440,7 +487,7 @@ fn demo(args: DemoArgs) -> Result<()> {
     }
     let spinner = indicatif::ProgressBar::new_spinner();
     spinner.enable_steady_tick(std::time::Duration::from_millis(120));
-    let (cfg, weights, tok, title) = match &gguf {
+    let (cfg, weights, tok, title, gguf_path) = match &gguf {
         Some(p) => {
             let path = if p == "auto" {
                 locate::smollm2_gguf().ok_or_else(|| Error::Invalid {
@@ -472,12 +519,8 @@ fn demo(args: DemoArgs) -> Result<()> {
                 .get("general.name")
                 .and_then(|v| v.to_string().ok().cloned())
                 .unwrap_or_else(|| "GGUF model".into());
-            (
-                cfg,
-                w,
-                Some(tok),
-                format!("{name} ({}, dequantized to f32 on load)", path.display()),
-            )
+            let title = format!("{name} ({}, dequantized to f32 on load)", path.display());
+            (cfg, w, Some(tok), title, Some(path))
         }
         None => {
             let cfg = LlamaConfig::tiny();
@@ -488,6 +531,7 @@ fn demo(args: DemoArgs) -> Result<()> {
                 w,
                 None,
                 "embedded small Llama, seeded random weights (timing only)".to_string(),
+                None,
             )
         }
     };
@@ -515,6 +559,9 @@ fn demo(args: DemoArgs) -> Result<()> {
     );
     println!("prefill {} tokens, then {} greedy decode steps; logit deviation vs dense f32 over every prefill position\n", prompt.len(), args.decode);
     print!("{}", eval::table(&reports));
+    if !args.no_llama_cpp {
+        llama_cpp_rows(gguf_path.as_deref(), prompt.len(), args.decode);
+    }
     println!("\nfp8 W8A8: 128x128 e4m3 weight blocks, 1x128 dynamic activation groups. NSA: training-free");
     println!("(selection branch only), 4 blocks of 64 per query: 1 initial, 2 local, 1 by compressed-attention importance.");
 
