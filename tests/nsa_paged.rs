@@ -690,6 +690,18 @@ mod layer_on_pages {
                 "{e}"
             );
         }
+        // sizes that fit the address space but no machine's memory: refused by the allocator,
+        // a typed error instead of an abort
+        for (raw, cmp, arg) in [
+            (1usize << 40, 4, "raw_pages"),
+            (4, 1usize << 40, "compressed_pages"),
+        ] {
+            let e = NsaPages::new(dims(), 16, raw, cmp, DType::F32, &Device::Cpu).unwrap_err();
+            assert!(
+                matches!(&e, Error::Invalid { arg: a, .. } if *a == arg),
+                "{e}"
+            );
+        }
         for (raw, cmp) in [(1usize << 59, 4), (4, usize::MAX)] {
             let e = PagePool::new(raw, cmp).unwrap_err();
             assert!(matches!(&e, Error::Invalid { .. }), "{e}");

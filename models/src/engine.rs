@@ -263,6 +263,29 @@ impl Engine {
         before != self.running.len() + self.waiting.len()
     }
 
+    /// Drops every running sequence (their pages go back at once) and returns their ids; the
+    /// waiting requests stay. For a server that caught a panic around [`Engine::step`]: the
+    /// step's sequences may hold half-written state and must go, the waiting ones were not
+    /// touched by it.
+    ///
+    /// ```
+    /// use fp8nsa_models::{Engine, EngineConfig, Llama, LlamaConfig, ModelOptions, Request, Sampling, Weights};
+    ///
+    /// let cfg = LlamaConfig::tiny();
+    /// let model = Llama::new(&cfg, &Weights::random(&cfg, 1)?, &ModelOptions::default())?;
+    /// let mut engine = Engine::new(model, EngineConfig { max_running: 1, ..EngineConfig::default() })?;
+    /// let req = Request { prompt: vec![3, 4], max_tokens: 4, sampling: Sampling::Greedy, stop_tokens: vec![] };
+    /// engine.add(1, req.clone())?;
+    /// engine.add(2, req)?;
+    /// engine.step(); // 1 runs, 2 waits (one running sequence at most)
+    /// assert_eq!(engine.drop_running(), vec![1]);
+    /// assert_eq!((engine.stats().running, engine.stats().waiting, engine.stats().pages_used), (0, 1, 0));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn drop_running(&mut self) -> Vec<u64> {
+        self.running.drain(..).map(|s| s.id).collect()
+    }
+
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
     }

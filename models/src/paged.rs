@@ -403,28 +403,12 @@ impl KvPool {
     }
 }
 
-/// Zeros whose memory is written now. On the CPU a zeroed allocation is mapped lazily, each
-/// page faulting on its first write: in a cache, inside the decode step that first reaches it
-/// (16 sequences decoding into fresh pages: ~0.5 ms a step on SmolLM2, Zen 4). A pool is
-/// committed when it is made, as llama.cpp clears its cache when it makes it; the memory a
-/// server sized for is then taken up front, not in the middle of serving.
+/// [`fp8nsa_ops::zeros_committed`] for a KV pool: the memory taken and written when the pool
+/// is made, a typed error naming `kv_pages` where it cannot be had.
 pub(crate) fn zeros_now(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
-    fn written<T: Clone>(n: usize, zero: T) -> Vec<T> {
-        let mut v = Vec::with_capacity(n);
-        v.resize(n, zero);
-        v
-    }
-    let shape = shape.into();
-    let n = shape.elem_count();
-    if !device.is_cpu() {
-        return Ok(Tensor::zeros(shape, dtype, device)?);
-    }
-    Ok(match dtype {
-        DType::F32 => Tensor::from_vec(written(n, 0f32), shape, device)?,
-        DType::F16 => Tensor::from_vec(written(n, half::f16::ZERO), shape, device)?,
-        DType::BF16 => Tensor::from_vec(written(n, half::bf16::ZERO), shape, device)?,
-        _ => Tensor::zeros(shape, dtype, device)?,
-    })
+    Ok(fp8nsa_ops::zeros_committed(
+        shape, dtype, device, "kv_pages",
+    )?)
 }
 
 /// One sequence's KV in a [`KvPool`]: its pages (in every layer) and how many tokens they

@@ -73,6 +73,11 @@ fn e4m3(b: u8) -> f64 {
 }
 
 fn checkpoint(cfg: &DeepSeekConfig, seed: u64) -> Ckpt {
+    checkpoint_with(cfg, seed, &is_fp8)
+}
+
+/// [`checkpoint`] with the `.weight`s `fp8` names stored in fp8.
+fn checkpoint_with(cfg: &DeepSeekConfig, seed: u64, fp8: &dyn Fn(&str) -> bool) -> Ckpt {
     let w = cfg.random_weights(seed).unwrap();
     let mut names: Vec<String> = w.names().cloned().collect();
     names.sort();
@@ -80,7 +85,7 @@ fn checkpoint(cfg: &DeepSeekConfig, seed: u64) -> Ckpt {
     for name in names {
         let t = w.get(&name).unwrap();
         let dims = t.dims().to_vec();
-        if is_fp8(&name) {
+        if fp8(&name) {
             let q = Fp8BlockWeight::quantize(&t, [128, 128]).unwrap();
             // the dequantized value, exactly: code times block scale, in f64
             let bytes: Vec<u8> = q.data().flatten_all().unwrap().to_vec1().unwrap();
@@ -494,6 +499,28 @@ fn v3_logits_match_the_f64_reference() {
     // every projection but kv_b (absorbed) runs fp8: 4 in attention per layer, the dense MLP's
     // 3, 8 experts' and the shared expert's 3 each
     assert_eq!(model.llama().fp8_layer_count(), 4 * 2 + 3 + 3 * 9);
+}
+
+/// A router stored in fp8 (published checkpoints keep it bf16, a converter may not) is read
+/// with its block scales, not as raw codes.
+#[test]
+fn an_fp8_router_is_dequantized_with_its_scales() {
+    let cfg = config(None);
+    let ck = checkpoint_with(&cfg, 3, &|n| is_fp8(n) || n.ends_with(".mlp.gate.weight"));
+    assert!(ck
+        .stored
+        .iter()
+        .any(|(n, t)| n.ends_with(".mlp.gate.weight") && t.dtype() == DType::F8E4M3));
+    let (_dir, model) = load(&cfg, &ck, "deepseek_v3");
+    let ids = tokens(&cfg, 9, 3);
+    let got = model.forward(&ids, &mut model.new_cache()).unwrap();
+    let want = Ref {
+        cfg: &cfg,
+        v: &ck.values,
+    }
+    .logits(&ids);
+    let d = deviation(&got, &want);
+    assert!(d < 2e-3, "deviation {d}");
 }
 
 #[test]

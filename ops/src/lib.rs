@@ -35,4 +35,4 @@ pub use fp8::{
 };
 pub use fp8nsa_types::{CudaFp8Kernel, CudaFp8Path, MmaTile, RopeStyle, Settings, TpuKernel};
 pub use rope::rope;
-pub use storage::advise_huge_pages;
+pub use storage::{advise_huge_pages, zeros_committed};

@@ -124,7 +124,8 @@ pub(crate) fn build(
         let p = format!("model.layers.{l}");
         let mlp = if cfg.is_moe_layer(l) {
             let e = cfg.n_routed_experts.unwrap_or(0);
-            let router = w.get(&format!("{p}.mlp.gate.weight"))?;
+            // published checkpoints keep the router bf16; one stored fp8 is dequantized
+            let router = w.dense(&format!("{p}.mlp.gate"))?;
             if router.dims() != [e, hidden] {
                 return Err(invalid(
                     "n_routed_experts",

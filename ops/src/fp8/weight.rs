@@ -220,7 +220,10 @@ impl Fp8BlockWeight {
     /// and must all be e4m3 values; otherwise this is an `Error::Invalid` for `weight`. Codes
     /// stored as U8 load with [`Self::load_safetensors`], which reads the stored dtype.
     /// (Limit: a non-F8_E4M3 tensor whose every value happens to be an e4m3 value loads as
-    /// those values.)
+    /// those values.) The scales' stored dtype is hidden the same way and cannot be told from
+    /// their values (power-of-two scales are often integers), so scales stored as integers
+    /// (U8, I64) load here by value; [`Self::load_safetensors`] and `Model::load_hf` read the
+    /// stored dtype and refuse them.
     ///
     /// ```no_run
     /// # use candle_core::{DType, Device};

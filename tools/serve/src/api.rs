@@ -146,14 +146,19 @@ async fn read_json(st: &AppState, body: Body) -> Result<serde_json::Map<String, 
                 format!("the request body is over {} bytes", st.max_body_bytes),
             )
         })?;
-    let v: Value = serde_json::from_slice(&bytes).map_err(|e| {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            None,
-            format!("the body is not valid JSON: {e}"),
-        )
-    })?;
+    let v: Value =
+        serde_json::from_slice(&bytes).map_err(|e| match non_finite_field(&bytes, &e) {
+            Some(k) => ApiError::bad(
+                k,
+                "must be a finite number (NaN and Infinity are not JSON numbers)",
+            ),
+            None => ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                None,
+                format!("the body is not valid JSON: {e}"),
+            ),
+        })?;
     match v {
         Value::Object(m) => Ok(m),
         _ => Err(ApiError::new(
@@ -163,6 +168,39 @@ async fn read_json(st: &AppState, body: Body) -> Result<serde_json::Map<String, 
             "the body must be a JSON object",
         )),
     }
+}
+
+/// The numeric field whose value is a bare `NaN`, `Infinity` or `-Infinity` where the body
+/// stops parsing: what Python's `json.dumps(float("nan"))` writes, which is not JSON. The
+/// answer then names the field, as it does for the string "NaN".
+fn non_finite_field(body: &[u8], e: &serde_json::Error) -> Option<&'static str> {
+    const NUMERIC: [&str; 6] = [
+        "temperature",
+        "top_p",
+        "max_tokens",
+        "max_completion_tokens",
+        "seed",
+        "n",
+    ];
+    let text = std::str::from_utf8(body).ok()?;
+    // serde's line and column are 1-based; the column points at (or just past) the bad token
+    let line_start: usize = text
+        .split_inclusive('\n')
+        .take(e.line().saturating_sub(1))
+        .map(str::len)
+        .sum();
+    let at = (line_start + e.column()).min(text.len());
+    let colon = text.get(..at)?.rfind(':')?;
+    let value = text[colon + 1..].trim_start();
+    if !["NaN", "Infinity", "-Infinity"]
+        .iter()
+        .any(|t| value.starts_with(t))
+    {
+        return None;
+    }
+    let key = text[..colon].trim_end().strip_suffix('"')?;
+    let key = &key[key.rfind('"')? + 1..];
+    NUMERIC.into_iter().find(|k| *k == key)
 }
 
 fn opt<'a>(m: &'a serde_json::Map<String, Value>, k: &str) -> Option<&'a Value> {

@@ -1,7 +1,7 @@
 //! The engine's thread: it owns the [`Engine`], takes requests and cancellations between
 //! steps, runs steps while there is work, and hands each request's events to its HTTP task.
-//! A request whose task is gone (the client disconnected) is cancelled at its next event, so
-//! its pages are free by the next step.
+//! A request whose task is gone (the client disconnected) is cancelled before the next step,
+//! whether it is decoding, prefilling or still waiting, so its pages are free by then.
 
 use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
@@ -50,6 +50,20 @@ pub(crate) fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: Arc<Metrics>) 
                 Err(TryRecvError::Disconnected) => open = false,
             }
         }
+        // clients that left since the last step: their requests go before it runs (one that
+        // waits or prefills sends no event that would tell)
+        let gone: Vec<u64> = subs
+            .iter()
+            .filter(|(_, tx)| tx.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            engine.cancel(id);
+            subs.remove(&id);
+            metrics
+                .requests_cancelled
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         if engine.has_work() {
             match std::panic::catch_unwind(AssertUnwindSafe(|| engine.step())) {
                 Ok(events) => {
@@ -61,15 +75,18 @@ pub(crate) fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: Arc<Metrics>) 
                     }
                 }
                 Err(_) => {
-                    // a bug, not an input: fail every request in the engine rather than the
-                    // server, and drop their sequences (their pages go back)
-                    tracing::error!("engine step panicked; failing its {} requests", subs.len());
-                    for (id, tx) in subs.drain() {
-                        engine.cancel(id);
-                        let _ = tx.send(Event::Failed {
-                            id,
-                            error: "internal error in the engine step".into(),
-                        });
+                    // a bug, not an input: fail the step's requests (the running sequences,
+                    // whose state it may have left half-written) rather than the server; their
+                    // pages go back, the waiting requests go on
+                    let ids = engine.drop_running();
+                    tracing::error!("engine step panicked; failing its {} requests", ids.len());
+                    for id in ids {
+                        if let Some(tx) = subs.remove(&id) {
+                            let _ = tx.send(Event::Failed {
+                                id,
+                                error: "internal error in the engine step".into(),
+                            });
+                        }
                     }
                 }
             }

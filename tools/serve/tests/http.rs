@@ -311,6 +311,66 @@ async fn a_disconnect_frees_its_pages() {
     server.shutdown().await.unwrap();
 }
 
+/// A client that leaves while its request still waits (it sends no event that would tell) is
+/// cancelled before the next step: the queue empties while another request keeps decoding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_disconnect_while_waiting_leaves_the_queue() {
+    let Some(s) = served(LinearArg::Fp8) else {
+        return;
+    };
+    let one_at_a_time = EngineConfig {
+        max_running: 1,
+        ..small_engine()
+    };
+    let (server, base) = start(s, one_at_a_time).await;
+    let c = reqwest::Client::new();
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0,
+                      "ignore_eos": true, "stream": true});
+    let mut running = c
+        .post(format!("{base}/v1/completions"))
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    assert!(running.chunk().await.unwrap().is_some());
+    // a second request waits behind it (one running sequence at most)
+    let waiting = tokio::spawn({
+        let (c, url) = (c.clone(), format!("{base}/v1/completions"));
+        async move {
+            c.post(url)
+                .json(&json!({"prompt": "Hello", "max_tokens": 8, "temperature": 0}))
+                .send()
+                .await
+        }
+    });
+    let t = Instant::now();
+    while metric(&c, &base, "fp8nsa_requests_waiting").await < 1.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the second request never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    waiting.abort(); // the client leaves
+    let t = Instant::now();
+    while metric(&c, &base, "fp8nsa_requests_waiting").await > 0.0 {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the left request still waits"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // it left the queue while the first still decodes: it was cancelled, not run
+    assert_eq!(metric(&c, &base, "fp8nsa_requests_running").await, 1.0);
+    assert_eq!(
+        metric(&c, &base, "fp8nsa_requests_total{outcome=\"cancelled\"}").await,
+        1.0
+    );
+    assert!(running.chunk().await.unwrap().is_some());
+    drop(running);
+    server.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_its_status_and_names_its_field() {
     let Some(s) = served(LinearArg::Fp8) else {
@@ -412,6 +472,21 @@ async fn bad_input_gets_its_status_and_names_its_field() {
     assert_eq!(r.status(), 400);
     let v: Value = r.json().await.unwrap();
     assert!(v["error"]["message"].as_str().unwrap().contains("JSON"));
+    // a bare NaN or Infinity (Python's json.dumps writes them; they are not JSON) names its
+    // field like any other bad number
+    for (raw, field) in [
+        ("{\"prompt\": \"a\", \"temperature\": NaN}", "temperature"),
+        ("{\"prompt\": \"a\",\n \"top_p\" : Infinity }", "top_p"),
+        (
+            "{\"top_p\": 1, \"temperature\": -Infinity, \"prompt\": \"a\"}",
+            "temperature",
+        ),
+    ] {
+        let r = c.post(&cmp).body(raw).send().await.unwrap();
+        assert_eq!(r.status(), 400, "{raw}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["param"], field, "{raw}: {v}");
+    }
     let big = json!({"prompt": "x".repeat(100 << 10)});
     let (status, v) = post(&c, &cmp, big).await;
     assert_eq!(status, 413, "{v}");

@@ -67,12 +67,15 @@ impl NsaPages {
                 )
             })?;
         }
-        let z = |p, d, dt| Tensor::zeros((p, page_size, hkv, d), dt, device);
+        // taken now, an error (not an abort) where the memory cannot be had
+        let z = |arg, p, d, dt| {
+            crate::storage::zeros_committed((p, page_size, hkv, d), dt, device, arg)
+        };
         Ok(Self {
-            k: z(raw_pages, d, dtype)?,
-            v: z(raw_pages, dv, dtype)?,
-            ck: z(compressed_pages, d, DType::F32)?,
-            cv: z(compressed_pages, dv, DType::F32)?,
+            k: z("raw_pages", raw_pages, d, dtype)?,
+            v: z("raw_pages", raw_pages, dv, dtype)?,
+            ck: z("compressed_pages", compressed_pages, d, DType::F32)?,
+            cv: z("compressed_pages", compressed_pages, dv, DType::F32)?,
             page_size,
         })
     }
