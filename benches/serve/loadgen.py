@@ -148,6 +148,7 @@ class Result:
 class Level:
     results: list[Result] = field(default_factory=list)
     wall_s: float = 0.0
+    pages_after: int | None = None
 
 
 async def tokens_per_word(client: httpx.AsyncClient, base: str) -> float | None:
@@ -278,6 +279,30 @@ async def run_level(client: httpx.AsyncClient, args, concurrency: int, reqs: lis
     return level
 
 
+async def pages_when_idle(client, base_url: str, wait_s: float = 10.0):
+    """`fp8nsa_kv_pages_used` from the server's /metrics once no request runs or waits (polled
+    for up to `wait_s`); None where the server has no such metric (llama-server)."""
+    deadline = time.perf_counter() + wait_s
+    while True:
+        try:
+            r = await client.get(f"{base_url}/metrics")
+        except httpx.HTTPError:
+            return None
+        if r.status_code != 200:
+            return None
+        vals = {}
+        for line in r.text.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] in ("fp8nsa_kv_pages_used", "fp8nsa_requests_running", "fp8nsa_requests_waiting"):
+                vals[parts[0]] = float(parts[1])
+        if "fp8nsa_kv_pages_used" not in vals:
+            return None
+        idle = vals.get("fp8nsa_requests_running", 0) == 0 and vals.get("fp8nsa_requests_waiting", 0) == 0
+        if idle or time.perf_counter() > deadline:
+            return int(vals["fp8nsa_kv_pages_used"])
+        await asyncio.sleep(0.1)
+
+
 def summarize(args, concurrency: int, level: Level, cpu: str, tpw: float) -> dict:
     ok = [r for r in level.results if r.ok]
     tokens = sum(r.tokens for r in ok)
@@ -307,6 +332,9 @@ def summarize(args, concurrency: int, level: Level, cpu: str, tpw: float) -> dic
         "tokens_per_word": round(tpw, 3),
         "short_outputs": sum(1 for r in ok if r.tokens < r.wanted),
         "seed": args.seed,
+        # KV pages still held once the level is over and the server idle (ours; null for a
+        # server without the metric): 0 means every request gave its pages back
+        "pages_used_after": level.pages_after,
     }
 
 
@@ -344,6 +372,7 @@ async def main_async(args) -> int:
             reqs = make_requests(args, n, f"{args.seed}/c{c}", tpw)
             print(f"[loadgen] {args.label}: concurrency {c}, {n} requests ...", file=sys.stderr)
             level = await run_level(client, args, c, reqs)
+            level.pages_after = await pages_when_idle(client, args.base_url)
             row = summarize(args, c, level, cpu, tpw)
             print(json.dumps(row), flush=True)
 
@@ -354,7 +383,8 @@ async def main_async(args) -> int:
                 f"[loadgen] {args.label} c={c}: {row['requests']} requests, {row['errors']} errors, "
                 f"{fmt(row['output_tok_s'], ' tok/s')} out, TTFT p50 {fmt(row['ttft_p50_s'], ' s')} "
                 f"p99 {fmt(row['ttft_p99_s'], ' s')}, TPOT p50 {fmt(row['tpot_p50_ms'], ' ms')} "
-                f"p99 {fmt(row['tpot_p99_ms'], ' ms')}, wall {row['wall_s']} s",
+                f"p99 {fmt(row['tpot_p99_ms'], ' ms')}, wall {row['wall_s']} s"
+                + ("" if row["pages_used_after"] is None else f", KV pages used after {row['pages_used_after']}"),
                 file=sys.stderr,
             )
             errs = [r.error for r in level.results if not r.ok]

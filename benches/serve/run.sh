@@ -130,7 +130,7 @@ run_row llama.cpp-Q8_0 "${path[LLAMA_SERVER]}" -m "${path[GGUF_Q8_0]}" "${llama_
 run_row llama.cpp-Q4_1 "${path[LLAMA_SERVER]}" -m "${path[GGUF_Q4_1]}" "${llama_args[@]}"
 
 # Our server, on the Q4_1 GGUF (the one checkpoint the registries ship; fp8nsa converts it to
-# its own linear formats at load). Skipped while the binary has no `serve` subcommand.
+# its own linear formats at load). Skipped, saying so, for a FP8NSA_BIN without `serve`.
 if [ ! -x "$fp8nsa_bin" ]; then
   log "skipping the fp8nsa rows: $fp8nsa_bin does not exist (cargo build --release, or set FP8NSA_BIN)"
 elif ! "$fp8nsa_bin" serve --help > /dev/null 2>&1; then
