@@ -42,14 +42,14 @@ pub enum Error {
     /// waits on).
     #[error("pages: the {pool:?} pool ({pages} pages) has no free page left")]
     OutOfPages {
-        pool: crate::nsa::NsaPool,
+        pool: fp8nsa_types::NsaPool,
         pages: usize,
     },
     /// A page shared or released that its allocator does not count as held: a double
     /// release, or a share of a free page (which would hand it out twice).
     #[error("page {page} of the {pool:?} pool is not held: refused {op}")]
     PageNotHeld {
-        pool: crate::nsa::NsaPool,
+        pool: fp8nsa_types::NsaPool,
         page: usize,
         op: &'static str,
     },

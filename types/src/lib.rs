@@ -42,5 +42,5 @@ pub use settings::{
     Settings, BACKEND_ENV, CUDA_FP8_KERNEL_ENV, DEFAULT_MIN_LEN, NSA_MIN_LEN_ENV, PJRT_PLUGIN_ENV,
     TPU_KERNEL_ENV,
 };
-pub use shape::{AttnDims, ExpertsShape, LinearShape, Pages, Seq};
+pub use shape::{AttnDims, ExpertsShape, LinearShape, NsaPool, Pages, Seq};
 pub use tier::Tier;

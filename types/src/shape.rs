@@ -394,3 +394,32 @@ impl<'a> Pages<'a> {
         page * self.page_size + j % self.page_size
     }
 }
+
+/// The two pools of an NSA layer's paged state (a vocabulary type, so that errors about
+/// pages can name one).
+///
+/// ```
+/// use fp8nsa_types::NsaPool;
+/// assert_eq!(NsaPool::BOTH.map(NsaPool::index), [0, 1]);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum NsaPool {
+    /// Keys and values, one row per token.
+    Raw,
+    /// Compressed keys and values, one row per compressed block (one every
+    /// `compress_stride` tokens).
+    Compressed,
+}
+
+impl NsaPool {
+    /// Both pools, in [`NsaPool::index`] order.
+    pub const BOTH: [NsaPool; 2] = [NsaPool::Raw, NsaPool::Compressed];
+
+    /// The pool's place in per-pool arrays: `Raw` 0, `Compressed` 1.
+    pub fn index(self) -> usize {
+        match self {
+            NsaPool::Raw => 0,
+            NsaPool::Compressed => 1,
+        }
+    }
+}

@@ -1019,13 +1019,8 @@ fn attend_causal<T: KeyElem>(
     out: &mut [f32],
     decode: bool,
 ) -> Result<()> {
+    // `AttnDims` guarantees hq a multiple of hkv
     let (hq, hkv, d, dv) = (dims.hq(), dims.hkv(), dims.d(), dims.dv());
-    if !hq.is_multiple_of(hkv) {
-        return Err(Error::Invalid {
-            arg: "hq",
-            msg: format!("{hq} query heads are not a multiple of {hkv} kv heads"),
-        });
-    }
     if t > len && !(decode && len == 0) {
         return Err(Error::Invalid {
             arg: "t",
@@ -1705,13 +1700,8 @@ fn attention_paged<T: KeyElem, S: AsChunk>(
     out: &mut [f32],
     decode: bool,
 ) -> Result<()> {
+    // `AttnDims` guarantees hq a multiple of hkv
     let (hq, hkv, d, dv) = (dims.hq(), dims.hkv(), dims.d(), dims.dv());
-    if !hq.is_multiple_of(hkv) {
-        return Err(Error::Invalid {
-            arg: "hq",
-            msg: format!("{hq} query heads are not a multiple of {hkv} kv heads"),
-        });
-    }
     check_positive("page_size", page_size)?;
     // a decode step may have an empty cache (zeros); a chunk's rows must be among its rows
     if let Some((i, s)) = seqs

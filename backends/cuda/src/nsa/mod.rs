@@ -223,13 +223,8 @@ pub fn plan_selection(
             "f32 inputs (the kernel takes bf16 and f16)",
         ));
     }
+    // `AttnDims` guarantees hkv >= 1 and hq a multiple of it
     let (hq, hkv, d, dv) = (dims.hq(), dims.hkv(), dims.d(), dims.dv());
-    if hkv == 0 || hq % hkv != 0 {
-        return Err(invalid(
-            "hq",
-            format!("{hq} query heads are not a multiple of {hkv} kv heads"),
-        ));
-    }
     if let SelKind::Blocks { block_size, .. } = kind {
         if block_size == 0 || block_size > i32::MAX as usize {
             return Err(invalid(

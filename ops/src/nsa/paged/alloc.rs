@@ -4,26 +4,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::error::{Error, Result};
 
-/// The two pools of an NSA layer's state.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum NsaPool {
-    /// Keys and values, one row per token.
-    Raw,
-    /// Compressed keys and values, one row per compressed block (one every
-    /// `compress_stride` tokens).
-    Compressed,
-}
-
-impl NsaPool {
-    pub(crate) fn index(self) -> usize {
-        match self {
-            NsaPool::Raw => 0,
-            NsaPool::Compressed => 1,
-        }
-    }
-
-    pub(crate) const BOTH: [NsaPool; 2] = [NsaPool::Raw, NsaPool::Compressed];
-}
+pub use fp8nsa_types::NsaPool;
 
 /// The server's page bookkeeping, as a sequence's state uses it. Pages are reference counted:
 /// [`NsaSeqState::fork`](super::NsaSeqState::fork) shares every page of the forked state, a
