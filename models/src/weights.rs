@@ -368,7 +368,26 @@ impl Weights {
                     .collect();
             }
         }
-        let shards = Shards::open(&shard_files(dir)?)?;
+        let (files, weight_map) = shard_files(dir)?;
+        let shards = Shards::open(&files)?;
+        // the index and the shards must agree: a tensor it lists that no shard holds, or
+        // holds elsewhere, is a broken or half-replaced download, refused now rather than at
+        // whichever layer first reads it
+        if let Some(map) = weight_map {
+            let index = dir.join("model.safetensors.index.json");
+            for (tensor, shard) in map {
+                let held = shards.entry(&tensor).map(|e| shards.file_name(e));
+                if held != Some(shard.as_str()) {
+                    return Err(file_err(
+                        &index,
+                        match held {
+                            None => format!("{tensor}: listed in {shard}, which does not hold it"),
+                            Some(h) => format!("{tensor}: listed in {shard}, but held by {h}"),
+                        },
+                    ));
+                }
+            }
+        }
         let scale_name = |name: &str| format!("{name}_scale_inv");
         for name in shards.names() {
             let e = shards.entry(name).expect("a listed name");
@@ -486,12 +505,16 @@ impl Weights {
     }
 }
 
+/// The index's `weight_map`: each tensor with the shard it names.
+type WeightMap = Vec<(String, String)>;
+
 /// The shards of a checkpoint directory: those `model.safetensors.index.json` names (its
-/// `weight_map`) when there is an index, so a stale extra shard beside them is not loaded;
-/// every `*.safetensors` otherwise. A shard named in the index must be a file of the
-/// directory itself (no separators, no `..`).
-fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
+/// `weight_map`, returned too) when there is an index, so a stale extra shard beside them is
+/// not loaded; every `*.safetensors` otherwise. A shard named in the index must be a file of
+/// the directory itself (no separators, no `..`).
+fn shard_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<WeightMap>)> {
     let index = dir.join("model.safetensors.index.json");
+    let mut weight_map = None;
     let mut files: Vec<PathBuf> = if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(|e| file_err(&index, e))?;
         let json: serde_json::Value =
@@ -500,6 +523,7 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
             .as_object()
             .ok_or_else(|| file_err(&index, "no weight_map object"))?;
         let mut names: Vec<&str> = Vec::with_capacity(map.len());
+        let mut listed = Vec::with_capacity(map.len());
         for (tensor, shard) in map {
             let shard = shard
                 .as_str()
@@ -514,7 +538,9 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
                 ));
             }
             names.push(shard);
+            listed.push((tensor.clone(), shard.to_string()));
         }
+        weight_map = Some(listed);
         names.sort_unstable();
         names.dedup();
         names.into_iter().map(|n| dir.join(n)).collect()
@@ -529,7 +555,7 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if files.is_empty() {
         return Err(file_err(dir, "no .safetensors file"));
     }
-    Ok(files)
+    Ok((files, weight_map))
 }
 
 /// GGUF (llama.cpp) tensor names to Hugging Face ones.

@@ -639,7 +639,31 @@ fn configs_and_checkpoints_that_cannot_run_are_typed_errors() {
         arg(edit(&|v| v["num_hidden_layers"] = 1.into())),
         "num_hidden_layers"
     );
-    // V3.2 without its indexer fields
+    // sizes whose products (the projections' widths) overflow: typed errors, not a panic or
+    // a wrapped width (found by tests/fuzz.rs::deepseek_config_json)
+    assert_eq!(
+        arg(edit(&|v| {
+            v["num_hidden_layers"] = 2.into();
+            v["n_shared_experts"] = u64::MAX.into();
+        })),
+        "n_shared_experts"
+    );
+    assert_eq!(
+        arg(edit(&|v| {
+            v["n_shared_experts"] = 1.into();
+            v["qk_nope_head_dim"] = u64::MAX.into();
+        })),
+        "qk_nope_head_dim"
+    );
+    assert_eq!(
+        arg(edit(&|v| {
+            v["qk_nope_head_dim"] = 32.into();
+            v["v_head_dim"] = u64::MAX.into();
+        })),
+        "v_head_dim"
+    );
+    edit(&|v| v["v_head_dim"] = 32.into()).unwrap(); // the sizes restored: it loads
+                                                     // V3.2 without its indexer fields
     assert_eq!(
         arg(edit(&|v| {
             v["num_hidden_layers"] = 2.into();

@@ -235,6 +235,30 @@ impl DeepSeekConfig {
         if self.first_k_dense_replace > 0 && self.intermediate_size == 0 {
             return Err(invalid("intermediate_size", "must be at least 1"));
         }
+        // the projections' widths are products of these sizes: ones that overflow are refused
+        // here, not computed wrapped (or panicking) when the layers are built
+        let h = self.num_attention_heads;
+        let (nope, rope) = (self.qk_nope_head_dim, self.qk_rope_head_dim);
+        let widths = [
+            (
+                "qk_nope_head_dim",
+                nope.checked_add(rope).and_then(|w| w.checked_mul(h)),
+            ),
+            (
+                "v_head_dim",
+                nope.checked_add(self.v_head_dim)
+                    .and_then(|w| w.checked_mul(h)),
+            ),
+            ("kv_lora_rank", self.kv_lora_rank.checked_add(rope)),
+        ];
+        for (arg, w) in widths {
+            if w.is_none() {
+                return Err(invalid(
+                    arg,
+                    "the projection widths it gives overflow the address space",
+                ));
+            }
+        }
         crate::config::check_theta_eps_act(self.rope_theta, self.rms_norm_eps, &self.hidden_act)?;
         self.rope()?;
         if let Some(e) = self.n_routed_experts.filter(|&e| e > 0) {
@@ -257,6 +281,17 @@ impl DeepSeekConfig {
             }
             if self.moe_layer_freq == 0 {
                 return Err(invalid("moe_layer_freq", "must be at least 1"));
+            }
+            // the shared experts run as one MLP `moe_intermediate_size * n_shared_experts` wide
+            let shared = self.n_shared_experts.unwrap_or(0);
+            if self.moe_intermediate_size.checked_mul(shared).is_none() {
+                return Err(invalid(
+                    "n_shared_experts",
+                    format!(
+                        "{shared} shared experts of {} overflow the MLP width",
+                        self.moe_intermediate_size
+                    ),
+                ));
             }
             // V2's softmax and greedy routing would run as V3's and give other experts
             if self.scoring_func != "sigmoid" {
@@ -291,6 +326,12 @@ impl DeepSeekConfig {
                     return Err(invalid(
                         "index_topk",
                         "index_n_heads and index_topk must be at least 1",
+                    ));
+                }
+                if ix.heads.checked_mul(ix.head_dim).is_none() {
+                    return Err(invalid(
+                        "index_n_heads",
+                        "index_n_heads x index_head_dim overflows the address space",
                     ));
                 }
                 if ix.head_dim < self.qk_rope_head_dim {

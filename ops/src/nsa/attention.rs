@@ -393,7 +393,19 @@ impl SelectionAttention {
         kv: &PagedKv<'_>,
         selection: impl Into<Selection<'s>>,
     ) -> Result<PathOutput> {
-        let sel = selection.into();
+        let mut out = self.forward_paged_each(q, kv, &[selection.into()])?;
+        Ok(out.pop().expect("one output per selection"))
+    }
+
+    /// [`Self::forward_paged_with_path`] for several selections over the same queries and
+    /// pages (the NSA layer's selected blocks and its window): the block table is read, checked
+    /// and routed once, then each selection runs on that decision.
+    pub(crate) fn forward_paged_each(
+        &self,
+        q: &Tensor,
+        kv: &PagedKv<'_>,
+        sels: &[Selection<'_>],
+    ) -> Result<Vec<PathOutput>> {
         let (b, tq, hq, d) = dims4("q", q, "[B, Tq, Hq, D]")?;
         let (np, ps, hkv, dk) = dims4("k_pages", kv.k_pages, "[num_pages, page_size, Hkv, D]")?;
         let (npv, psv, hv, dv) = dims4("v_pages", kv.v_pages, "[num_pages, page_size, Hkv, Dv]")?;
@@ -470,27 +482,36 @@ impl SelectionAttention {
             num_pages: np,
         };
         let route = self.route(q)?;
-        let (o, lse, path) = if route.reads_pages(max_tk) {
-            let pool = Some(pool);
-            self.run(
-                &q_packed,
-                &pool_k,
-                &pool_v,
-                &seqs,
-                sel,
-                [b, tq, hkv],
-                pool,
-                &route,
-            )?
+        // in place, or over the keys gathered once for every selection
+        let gathered = if route.reads_pages(max_tk) {
+            None
         } else {
-            let (k, v, seqs) = gather_pages(&pool_k, &pool_v, &seqs, &pages)?;
-            self.run(&q_packed, &k, &v, &seqs, sel, [b, tq, hkv], None, &route)?
+            Some(gather_pages(&pool_k, &pool_v, &seqs, &pages)?)
         };
-        let lse = match lse {
-            Some(l) => Some(l.reshape((b, tq, hq))?),
-            None => None,
-        };
-        Ok((o.reshape((b, tq, hq, dv))?, lse, path))
+        let mut outs = Vec::with_capacity(sels.len());
+        for &sel in sels {
+            let (o, lse, path) = match &gathered {
+                None => self.run(
+                    &q_packed,
+                    &pool_k,
+                    &pool_v,
+                    &seqs,
+                    sel,
+                    [b, tq, hkv],
+                    Some(pool),
+                    &route,
+                )?,
+                Some((k, v, seqs)) => {
+                    self.run(&q_packed, k, v, seqs, sel, [b, tq, hkv], None, &route)?
+                }
+            };
+            let lse = match lse {
+                Some(l) => Some(l.reshape((b, tq, hq))?),
+                None => None,
+            };
+            outs.push((o.reshape((b, tq, hq, dv))?, lse, path));
+        }
+        Ok(outs)
     }
 
     /// Token-packed core shared by the entry points, on the `route` the entry point decided;

@@ -295,10 +295,15 @@ impl NativeSparseAttention {
                 attn.forward(q, k, v, &selection)?.0,
                 attn.forward(q, k, v, &window)?.0,
             ),
-            Kv::Paged(paged) => (
-                attn.forward_paged(q, paged, &selection)?.0,
-                attn.forward_paged(q, paged, &window)?.0,
-            ),
+            // one read, check and route of the block table for both branches
+            Kv::Paged(paged) => {
+                let mut outs = attn
+                    .forward_paged_each(q, paged, &[(&selection).into(), (&window).into()])?
+                    .into_iter()
+                    .map(|(o, _, _)| o);
+                let o_slc = outs.next().expect("two outputs");
+                (o_slc, outs.next().expect("two outputs"))
+            }
         };
         let o_slc = o_slc.to_dtype(DType::F32)?;
         let o_win = o_win.to_dtype(DType::F32)?;
