@@ -506,3 +506,72 @@ fn a_rank_that_refuses_fails_the_whole_call() {
     );
     assert_eq!((s0.unwrap(), s1.unwrap()), (vec![3, 256], vec![3, 256]));
 }
+
+/// The same for the expert-parallel MoE block (issue: reliability, third round, item 1): rank
+/// 1's tokens have the wrong hidden size, every rank returns an error within the deadline, and
+/// the next call works on both.
+#[test]
+fn an_expert_rank_that_refuses_fails_the_whole_call() {
+    use std::sync::mpsc;
+    use std::time::Duration;
+    let mut rng = rng("tp_expert_refusal");
+    let (e, h, i, top_k) = (4, 256, 128, 2);
+    let mk = |rng: &mut rand::rngs::StdRng, n, k| -> Vec<Fp8BlockWeight> {
+        (0..e).map(|_| weight(rng, n, k)).collect()
+    };
+    let (gate, up, down) = (mk(&mut rng, i, h), mk(&mut rng, i, h), mk(&mut rng, h, i));
+    let router_w = tensor(gaussian(&mut rng, e * h), &[e, h]);
+    let handles = HostGroup::new(2);
+    let (tx, rx) = mpsc::channel();
+    for comm in handles {
+        let (gate, up, down, router_w, tx) = (
+            gate.clone(),
+            up.clone(),
+            down.clone(),
+            router_w.clone(),
+            tx.clone(),
+        );
+        std::thread::spawn(move || {
+            let r = comm.rank();
+            let mine = Shard {
+                rank: r,
+                world_size: 2,
+            }
+            .experts(e)
+            .unwrap();
+            let stack = |ws: &[Fp8BlockWeight]| Fp8Experts::new(ws, ActQuant::Group).unwrap();
+            let ep = ExpertParallel::new(
+                MoeRouter::new(router_w, top_k, true).unwrap(),
+                stack(&gate[mine.clone()]),
+                stack(&up[mine.clone()]),
+                stack(&down[mine.clone()]),
+                mine,
+            )
+            .unwrap();
+            let width = if r == 1 { h - 1 } else { h };
+            let x = Tensor::zeros((3, width), DType::F32, &Device::Cpu).unwrap();
+            let first = ep.forward(&x, &comm).map(|_| ());
+            let good = Tensor::ones((3, h), DType::F32, &Device::Cpu).unwrap();
+            let second = ep.forward(&good, &comm).map(|y| y.dims().to_vec());
+            tx.send((r, first, second)).unwrap();
+        });
+    }
+    let mut got: Vec<_> = (0..2)
+        .map(|_| {
+            rx.recv_timeout(Duration::from_secs(60))
+                .expect("a rank hung in the collective")
+        })
+        .collect();
+    got.sort_by_key(|g| g.0);
+    let [(_, f0, s0), (_, f1, s1)] = <[_; 2]>::try_from(got).unwrap();
+    assert!(
+        matches!(&f0, Err(fp8nsa::Error::Invalid { arg: "comm", .. })),
+        "{f0:?}"
+    );
+    assert!(f1.is_err(), "{f1:?}");
+    assert!(
+        !matches!(&f1, Err(fp8nsa::Error::Invalid { arg: "comm", .. })),
+        "rank 1 names its own argument: {f1:?}"
+    );
+    assert_eq!((s0.unwrap(), s1.unwrap()), (vec![3, h], vec![3, h]));
+}
