@@ -392,7 +392,15 @@ impl Ref<'_> {
             ks.push(kt);
             vs.push(vt);
         }
-        let scale = c.softmax_scale();
+        // DeepSeek's rule, from the config's JSON here (not the crate's `softmax_scale`):
+        // (nope + rope)^-0.5 · m², m = 0.1 · mscale_all_dim · ln(factor) + 1
+        let rs = c.rope_scaling.as_ref().expect("the test configs use YaRN");
+        let (all, factor) = (
+            rs["mscale_all_dim"].as_f64().unwrap(),
+            rs["factor"].as_f64().unwrap(),
+        );
+        let m = 0.1 * all * factor.ln() + 1.0;
+        let scale = ((c.qk_nope_head_dim + c.qk_rope_head_dim) as f64).powf(-0.5) * m * m;
         (0..xs.len())
             .map(|t| {
                 let keys = self.selected(p, xs, &cqs, t);
@@ -445,7 +453,11 @@ impl Ref<'_> {
                     *x += a;
                 }
                 let xn = self.rms(&format!("{p}.post_attention_layernorm.weight"), x);
-                let m = if c.is_moe_layer(l) {
+                // the published rule, not the crate's `is_moe_layer`
+                let moe = c.n_routed_experts.is_some_and(|e| e > 0)
+                    && l >= c.first_k_dense_replace
+                    && l % c.moe_layer_freq == 0;
+                let m = if moe {
                     self.moe(&p, &xn)
                 } else {
                     self.swiglu(&format!("{p}.mlp"), &xn)

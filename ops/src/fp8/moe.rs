@@ -405,3 +405,144 @@ impl MoeRouter {
         Ok((x2, routing))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::Rng;
+
+    /// DeepSeek-V3's routing recomputed in f64 from the same inputs, written from the rule
+    /// (not from the code above): `(experts, weights, margin)`, where `margin` is the smallest
+    /// gap between two values a decision compared, so that near-ties (where f32 and f64 may
+    /// rightly disagree) can be left out.
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        w: &[f32],
+        x: &[f32],
+        h: usize,
+        bias: &[f32],
+        n_group: usize,
+        topk_group: usize,
+        top_k: usize,
+        norm: bool,
+        scaling: f64,
+    ) -> (Vec<usize>, Vec<f64>, f64) {
+        let e = bias.len();
+        let score: Vec<f64> = (0..e)
+            .map(|i| {
+                let l: f64 = (0..h).map(|j| w[i * h + j] as f64 * x[j] as f64).sum();
+                1.0 / (1.0 + (-l).exp())
+            })
+            .collect();
+        let choice: Vec<f64> = (0..e).map(|i| score[i] + bias[i] as f64).collect();
+        let mut margin = f64::INFINITY;
+        // the k best of `among` by `v`, and the gap at the cut and between the kept
+        let mut pick = |v: &[f64], mut among: Vec<usize>, k: usize| -> Vec<usize> {
+            among.sort_by(|&a, &b| v[b].total_cmp(&v[a]));
+            for p in among.windows(2).take(k) {
+                margin = margin.min(v[p[0]] - v[p[1]]);
+            }
+            among.truncate(k);
+            among
+        };
+        let size = e / n_group;
+        let group_score: Vec<f64> = (0..n_group)
+            .map(|g| {
+                let top = pick(&choice, (g * size..(g + 1) * size).collect(), 2);
+                top.iter().map(|&i| choice[i]).sum()
+            })
+            .collect();
+        let groups = pick(&group_score, (0..n_group).collect(), topk_group);
+        let candidates: Vec<usize> = groups
+            .iter()
+            .flat_map(|&g| g * size..(g + 1) * size)
+            .collect();
+        let chosen = pick(&choice, candidates, top_k);
+        let sum: f64 = chosen.iter().map(|&i| score[i]).sum();
+        let weights = chosen
+            .iter()
+            .map(|&i| scaling * if norm { score[i] / sum } else { score[i] })
+            .collect();
+        (chosen, weights, margin)
+    }
+
+    /// The grouped sigmoid router against the f64 rule over many random tokens, with biases
+    /// large enough to change choices and a group limit that binds: the same experts in the
+    /// same order and the same weights, wherever the rule has no near-tie.
+    #[test]
+    fn sigmoid_grouped_routing_matches_the_f64_rule() {
+        let mut rng = fp8nsa_test_support::rng("moe_sigmoid_grouped");
+        let (e, h, n_group, topk_group, top_k, scaling) = (16, 24, 4, 2, 4, 2.5f32);
+        let w: Vec<f32> = (0..e * h).map(|_| rng.random_range(-0.5..0.5)).collect();
+        let bias: Vec<f32> = (0..e).map(|_| rng.random_range(-0.3..0.3)).collect();
+        let dev = Device::Cpu;
+        let wt = Tensor::from_vec(w.clone(), (e, h), &dev).unwrap();
+        let bt = Tensor::from_vec(bias.clone(), e, &dev).unwrap();
+        let (mut checked, mut bias_changed, mut limit_bound) = (0, 0, 0);
+        for norm in [true, false] {
+            let r = MoeRouter::sigmoid_grouped(
+                wt.clone(),
+                top_k,
+                norm,
+                bt.clone(),
+                n_group,
+                topk_group,
+                scaling,
+            )
+            .unwrap();
+            for _ in 0..300 {
+                let x: Vec<f32> = (0..h).map(|_| rng.random_range(-1.0..1.0)).collect();
+                let (want, want_w, margin) = reference(
+                    &w,
+                    &x,
+                    h,
+                    &bias,
+                    n_group,
+                    topk_group,
+                    top_k,
+                    norm,
+                    scaling as f64,
+                );
+                if margin < 1e-4 {
+                    continue;
+                }
+                checked += 1;
+                let (got, got_w) = r
+                    .route(&Tensor::from_vec(x.clone(), (1, h), &dev).unwrap())
+                    .unwrap();
+                assert_eq!(got, want, "norm {norm}, x {x:?}");
+                for (g, w) in got_w.iter().zip(&want_w) {
+                    assert!(
+                        (*g as f64 - w).abs() < 1e-5 * w.abs().max(1.0),
+                        "{got_w:?} vs {want_w:?}"
+                    );
+                }
+                // what the test covers: the bias moved a pick, and the group limit kept out an
+                // expert the ungrouped choice would take
+                let (no_bias, _, _) = reference(
+                    &w,
+                    &x,
+                    h,
+                    &vec![0.0; e],
+                    n_group,
+                    topk_group,
+                    top_k,
+                    norm,
+                    1.0,
+                );
+                bias_changed += usize::from(no_bias != want);
+                let (no_limit, _, _) =
+                    reference(&w, &x, h, &bias, n_group, n_group, top_k, norm, 1.0);
+                limit_bound += usize::from(no_limit != want);
+            }
+        }
+        assert!(
+            checked >= 500,
+            "only {checked} of 600 tokens without a near-tie"
+        );
+        assert!(
+            bias_changed >= 50 && limit_bound >= 50,
+            "bias {bias_changed}, limit {limit_bound}"
+        );
+    }
+}
