@@ -255,10 +255,6 @@ fn prefill_check(rng: &mut StdRng, tier: Tier) {
     }
 }
 
-fn tensor_i32(v: Vec<i32>, dims: &[usize]) -> Tensor {
-    Tensor::from_vec(v, dims, &candle_core::Device::Cpu).unwrap()
-}
-
 #[test]
 fn every_tier_matches_the_reference() {
     let tiers = Tier::available();

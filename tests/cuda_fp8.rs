@@ -9,18 +9,10 @@ use candle_core::{DType, Device, Module, Tensor};
 use cudarc::driver::CudaStream;
 use fp8nsa::cuda::fp8::{self as kernels, CudaFp8Path, PreparedWeight};
 use fp8nsa::{reference, ActQuant, CudaFp8Kernel, Fp8BlockWeight, Fp8Linear, Fp8Path};
+use fp8nsa_test_support::resource::gpu;
 use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
 use std::sync::Arc;
-
-/// The GPU, or `None` (the test returns) where there is none and `FP8NSA_REQUIRE_GPU` is not 1.
-fn gpu(test: &str) -> Option<Device> {
-    let dev = fp8nsa_test_support::resource::cuda_device();
-    if dev.is_none() {
-        eprintln!("{test}: skipped");
-    }
-    dev
-}
 
 /// The CUDA path of a path the layer returned (panics on another backend's).
 fn path_of(p: Fp8Path) -> CudaFp8Path {

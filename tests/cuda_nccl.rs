@@ -12,16 +12,8 @@
 use candle_core::{DType, Device, Tensor};
 use fp8nsa::fp8::{ColumnParallel, Communicator, NcclGroup, RowParallel, Shard};
 use fp8nsa::{ActQuant, Error, Fp8BlockWeight, Fp8Linear};
+use fp8nsa_test_support::resource::gpu;
 use fp8nsa_test_support::*;
-
-/// The GPU, or `None` (the test returns) where there is none and `FP8NSA_REQUIRE_GPU` is not 1.
-fn gpu(test: &str) -> Option<Device> {
-    let dev = fp8nsa_test_support::resource::cuda_device();
-    if dev.is_none() {
-        eprintln!("{test}: skipped");
-    }
-    dev
-}
 
 fn one_rank(dev: &Device) -> NcclGroup {
     let cuda = dev.as_cuda_device().unwrap().clone();

@@ -14,19 +14,11 @@ use fp8nsa::nsa::{
 };
 use fp8nsa::reference;
 use fp8nsa_test_support::nsa::{check_lse, random_ranges, ranges_rows, rms_ratio};
+use fp8nsa_test_support::resource::gpu;
 use fp8nsa_test_support::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::Rng;
-
-/// The GPU, or `None` (the test returns) where there is none and `FP8NSA_REQUIRE_GPU` is not 1.
-fn gpu(test: &str) -> Option<Device> {
-    let dev = fp8nsa_test_support::resource::cuda_device();
-    if dev.is_none() {
-        eprintln!("{test}: skipped");
-    }
-    dev
-}
 
 struct Qkv {
     q: Tensor,

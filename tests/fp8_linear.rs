@@ -493,13 +493,6 @@ fn non_finite_weights_and_bad_scales_are_errors() {
     assert!(Fp8BlockWeight::from_parts(good.data().clone(), tensor(s, &dims), [16, 128]).is_ok());
 }
 
-fn err_of<T: std::fmt::Debug>(r: Result<T, Error>) -> Error {
-    match r {
-        Ok(v) => panic!("expected an error, got {v:?}"),
-        Err(e) => e,
-    }
-}
-
 #[test]
 fn bad_inputs_are_errors_that_name_the_argument() {
     let dev = Device::Cpu;

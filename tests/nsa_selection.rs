@@ -213,10 +213,6 @@ fn token_selections_match_the_reference_and_one_token_ranges() {
     ));
 }
 
-fn tensor_i32(v: Vec<i32>, dims: &[usize]) -> Tensor {
-    Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
-}
-
 #[test]
 fn decode_and_chunked_prefill_with_q_offset() {
     let mut rng = rng("decode_chunked");
@@ -468,13 +464,6 @@ fn varlen_three_sequences_match_each_sequence_alone() {
             );
             start += tq;
         }
-    }
-}
-
-fn err_of<T: std::fmt::Debug>(r: Result<T, Error>) -> Error {
-    match r {
-        Ok(v) => panic!("expected an error, got {v:?}"),
-        Err(e) => e,
     }
 }
 

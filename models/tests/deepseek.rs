@@ -10,6 +10,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use fp8nsa_models::{Cache, DeepSeekConfig, Error, Model, ModelOptions};
 use fp8nsa_ops::Fp8BlockWeight;
+use fp8nsa_test_support::{e4m3_value, f64s};
 
 /// The tiny config with a hidden size that leaves partial fp8 blocks everywhere.
 fn config(topk: Option<usize>) -> DeepSeekConfig {
@@ -52,26 +53,6 @@ struct Ckpt {
     values: HashMap<String, (Vec<f64>, Vec<usize>)>,
 }
 
-fn f64s(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
-
-/// An e4m3 code's value (no NaN codes occur in quantized weights).
-fn e4m3(b: u8) -> f64 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let (e, m) = (((b >> 3) & 0xf) as i32, (b & 7) as f64);
-    sign * if e == 0 {
-        m / 8.0 * 2f64.powi(-6)
-    } else {
-        (1.0 + m / 8.0) * 2f64.powi(e - 7)
-    }
-}
-
 fn checkpoint(cfg: &DeepSeekConfig, seed: u64) -> Ckpt {
     checkpoint_with(cfg, seed, &is_fp8)
 }
@@ -89,7 +70,7 @@ fn checkpoint_with(cfg: &DeepSeekConfig, seed: u64, fp8: &dyn Fn(&str) -> bool) 
             let q = Fp8BlockWeight::quantize(&t, [128, 128]).unwrap();
             // the dequantized value, exactly: code times block scale, in f64
             let bytes: Vec<u8> = q.data().flatten_all().unwrap().to_vec1().unwrap();
-            let codes: Vec<f64> = bytes.iter().map(|&b| e4m3(b)).collect();
+            let codes: Vec<f64> = bytes.iter().map(|&b| e4m3_value(b)).collect();
             let scales = f64s(q.scales());
             let sc = q.scales().dims()[1];
             let v: Vec<f64> = codes

@@ -75,6 +75,56 @@ pub fn tensor(v: Vec<f32>, dims: &[usize]) -> Tensor {
     Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
 }
 
+/// An i32 tensor on the CPU (block tables, selections).
+pub fn tensor_i32(v: Vec<i32>, dims: &[usize]) -> Tensor {
+    Tensor::from_vec(v, dims, &candle_core::Device::Cpu).unwrap()
+}
+
+/// `t`'s elements as f64, flattened.
+pub fn f64s(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(candle_core::DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// The value of an e4m3fn code, decoded from the format's definition (sign, 4 exponent bits
+/// with bias 7, 3 mantissa bits, subnormals below exponent 1, NaN at `0x7f` / `0xff`, no
+/// infinities), independently of the crate's codec.
+///
+/// ```
+/// use fp8nsa_test_support::e4m3_value;
+/// assert_eq!(e4m3_value(0x38), 1.0);
+/// assert_eq!(e4m3_value(0x7e), 448.0);
+/// assert_eq!(e4m3_value(0x81), -(2f64.powi(-9)));
+/// assert!(e4m3_value(0xff).is_nan());
+/// ```
+pub fn e4m3_value(code: u8) -> f64 {
+    if code & 0x7f == 0x7f {
+        return f64::NAN;
+    }
+    let (e, m) = (i32::from((code >> 3) & 15), f64::from(code & 7));
+    let v = match e {
+        0 => m / 8.0 * 2f64.powi(-6),
+        _ => (1.0 + m / 8.0) * 2f64.powi(e - 7),
+    };
+    if code & 0x80 != 0 {
+        -v
+    } else {
+        v
+    }
+}
+
+/// The error of a call that must fail (the `Ok` value shown when it did not).
+pub fn err_of<T: std::fmt::Debug, E>(r: Result<T, E>) -> E {
+    match r {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(e) => e,
+    }
+}
+
 /// The largest `|a - b|` over all elements.
 pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b)

@@ -77,3 +77,12 @@ pub fn cuda_device() -> Option<candle_core::Device> {
         .unwrap_or_default();
     require(dev.ok(), GPU, "a CUDA device", &format!("candle: {why}"))
 }
+
+/// [`cuda_device`] for the test `test`, saying on stderr that it skipped when there is none.
+pub fn gpu(test: &str) -> Option<candle_core::Device> {
+    let dev = cuda_device();
+    if dev.is_none() {
+        eprintln!("{test}: skipped");
+    }
+    dev
+}

@@ -11,7 +11,7 @@ use fp8nsa_cuda::step::Dtype;
 use fp8nsa_ops::nsa::{BlockSelection, SelectionRanges};
 use fp8nsa_ops::reference;
 use fp8nsa_test_support::nsa::random_ranges;
-use fp8nsa_test_support::rng;
+use fp8nsa_test_support::{f64s, rng};
 use fp8nsa_types::{AttnDims, Seq};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -44,15 +44,6 @@ fn bytes_of(t: &Tensor) -> HostBuf {
         ),
         other => panic!("{other:?}"),
     }
-}
-
-fn f64s(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
 }
 
 /// The selection of one sequence `[1, tq, hkv, ..]`, or several concatenated along tokens.

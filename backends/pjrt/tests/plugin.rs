@@ -14,17 +14,7 @@ fn runtime() -> Option<PjrtRuntime> {
 }
 
 fn e4m3(c: u8) -> f32 {
-    let (s, e, m) = ((c >> 7) & 1, ((c >> 3) & 15) as i32, (c & 7) as f32);
-    let v = if e == 0 {
-        m / 8.0 * 2f32.powi(-6)
-    } else {
-        (1.0 + m / 8.0) * 2f32.powi(e - 7)
-    };
-    if s == 1 {
-        -v
-    } else {
-        v
-    }
+    fp8nsa_test_support::e4m3_value(c) as f32
 }
 
 #[test]

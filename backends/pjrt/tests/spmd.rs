@@ -376,16 +376,7 @@ fn fp8_sharded(
 
 /// The decoded value of an e4m3fn code.
 fn e4m3(c: u8) -> f32 {
-    let (e, m) = (i32::from((c >> 3) & 15), f32::from(c & 7));
-    let v = match e {
-        0 => m / 8.0 * 2f32.powi(-6),
-        _ => (1.0 + m / 8.0) * 2f32.powi(e - 7),
-    };
-    if c & 0x80 != 0 {
-        -v
-    } else {
-        v
-    }
+    fp8nsa_test_support::e4m3_value(c) as f32
 }
 
 /// `sat(rne(q))` onto the e4m3fn grid (finite `q`).
