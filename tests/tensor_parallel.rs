@@ -456,6 +456,23 @@ fn expert_parallel_equals_the_whole_moe_block() {
     assert!(matches!(&e3, Error::Invalid { arg: "shard", .. }), "{e3}");
 }
 
+/// What the two ranks of a refusal test sent (rank, first call, second call), in rank order; a
+/// rank that sends nothing within 60 s hung in the collective.
+#[allow(clippy::type_complexity)]
+fn two_ranks<A, B>(
+    rx: &std::sync::mpsc::Receiver<(usize, Result<A, Error>, Result<B, Error>)>,
+) -> [(Result<A, Error>, Result<B, Error>); 2] {
+    let mut got: Vec<_> = (0..2)
+        .map(|_| {
+            rx.recv_timeout(std::time::Duration::from_secs(60))
+                .expect("a rank hung in the collective")
+        })
+        .collect();
+    got.sort_by_key(|g| g.0);
+    let [(_, f0, s0), (_, f1, s1)] = <[_; 2]>::try_from(got).ok().unwrap();
+    [(f0, s0), (f1, s1)]
+}
+
 /// A rank that refuses its input does not leave the others waiting (issue: reliability, third
 /// round, item 1): on a 2-rank group where only rank 1's `x` has the wrong shape, rank 1
 /// returns its error and rank 0 an error naming the group, and the group still works for the
@@ -463,7 +480,6 @@ fn expert_parallel_equals_the_whole_moe_block() {
 #[test]
 fn a_rank_that_refuses_fails_the_whole_call() {
     use std::sync::mpsc;
-    use std::time::Duration;
     let mut rng = rng("tp_refusal");
     let w = weight(&mut rng, 256, 256);
     let handles = HostGroup::new(2);
@@ -488,14 +504,7 @@ fn a_rank_that_refuses_fails_the_whole_call() {
             tx.send((r, first, second)).unwrap();
         });
     }
-    let mut got: Vec<_> = (0..2)
-        .map(|_| {
-            rx.recv_timeout(Duration::from_secs(60))
-                .expect("a rank hung in the collective")
-        })
-        .collect();
-    got.sort_by_key(|g| g.0);
-    let [(_, f0, s0), (_, f1, s1)] = <[_; 2]>::try_from(got).unwrap();
+    let [(f0, s0), (f1, s1)] = two_ranks(&rx);
     assert!(
         matches!(&f0, Err(fp8nsa::Error::Invalid { arg: "comm", .. })),
         "{f0:?}"
@@ -513,7 +522,6 @@ fn a_rank_that_refuses_fails_the_whole_call() {
 #[test]
 fn an_expert_rank_that_refuses_fails_the_whole_call() {
     use std::sync::mpsc;
-    use std::time::Duration;
     let mut rng = rng("tp_expert_refusal");
     let (e, h, i, top_k) = (4, 256, 128, 2);
     let mk = |rng: &mut rand::rngs::StdRng, n, k| -> Vec<Fp8BlockWeight> {
@@ -556,14 +564,7 @@ fn an_expert_rank_that_refuses_fails_the_whole_call() {
             tx.send((r, first, second)).unwrap();
         });
     }
-    let mut got: Vec<_> = (0..2)
-        .map(|_| {
-            rx.recv_timeout(Duration::from_secs(60))
-                .expect("a rank hung in the collective")
-        })
-        .collect();
-    got.sort_by_key(|g| g.0);
-    let [(_, f0, s0), (_, f1, s1)] = <[_; 2]>::try_from(got).unwrap();
+    let [(f0, s0), (f1, s1)] = two_ranks(&rx);
     assert!(
         matches!(&f0, Err(fp8nsa::Error::Invalid { arg: "comm", .. })),
         "{f0:?}"

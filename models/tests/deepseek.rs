@@ -474,19 +474,20 @@ fn tokens(cfg: &DeepSeekConfig, n: usize, seed: u32) -> Vec<u32> {
         .collect()
 }
 
+/// The model's logits for `ids` (one prefill) against the f64 reference's: the largest
+/// deviation relative to the logits' rms.
+fn against_reference(cfg: &DeepSeekConfig, ck: &Ckpt, model: &Model, ids: &[u32]) -> f64 {
+    let got = model.forward(ids, &mut model.new_cache()).unwrap();
+    let want = Ref { cfg, v: &ck.values }.logits(ids);
+    deviation(&got, &want)
+}
+
 #[test]
 fn v3_logits_match_the_f64_reference() {
     let cfg = config(None);
     let ck = checkpoint(&cfg, 1);
     let (_dir, model) = load(&cfg, &ck, "deepseek_v3");
-    let ids = tokens(&cfg, 11, 1);
-    let got = model.forward(&ids, &mut model.new_cache()).unwrap();
-    let want = Ref {
-        cfg: &cfg,
-        v: &ck.values,
-    }
-    .logits(&ids);
-    let d = deviation(&got, &want);
+    let d = against_reference(&cfg, &ck, &model, &tokens(&cfg, 11, 1));
     eprintln!("max |dlogit| / rms(logits) = {d:.2e}");
     assert!(d < 2e-3, "deviation {d}");
     // every projection but kv_b (absorbed) runs fp8: 4 in attention per layer, the dense MLP's
@@ -505,14 +506,7 @@ fn an_fp8_router_is_dequantized_with_its_scales() {
         .iter()
         .any(|(n, t)| n.ends_with(".mlp.gate.weight") && t.dtype() == DType::F8E4M3));
     let (_dir, model) = load(&cfg, &ck, "deepseek_v3");
-    let ids = tokens(&cfg, 9, 3);
-    let got = model.forward(&ids, &mut model.new_cache()).unwrap();
-    let want = Ref {
-        cfg: &cfg,
-        v: &ck.values,
-    }
-    .logits(&ids);
-    let d = deviation(&got, &want);
+    let d = against_reference(&cfg, &ck, &model, &tokens(&cfg, 9, 3));
     assert!(d < 2e-3, "deviation {d}");
 }
 
@@ -522,14 +516,7 @@ fn v32_logits_match_the_f64_reference_with_selection() {
     let cfg = config(Some(5));
     let ck = checkpoint(&cfg, 2);
     let (_dir, model) = load(&cfg, &ck, "deepseek_v32");
-    let ids = tokens(&cfg, 16, 2);
-    let got = model.forward(&ids, &mut model.new_cache()).unwrap();
-    let want = Ref {
-        cfg: &cfg,
-        v: &ck.values,
-    }
-    .logits(&ids);
-    let d = deviation(&got, &want);
+    let d = against_reference(&cfg, &ck, &model, &tokens(&cfg, 16, 2));
     eprintln!("max |dlogit| / rms(logits) = {d:.2e}");
     assert!(d < 2e-3, "deviation {d}");
 }
