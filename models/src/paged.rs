@@ -125,9 +125,9 @@ impl KvPool {
                         }
                         let ix = match index {
                             0 => None,
-                            d => Some(zeros_now((rows, d), dtype, device)?),
+                            d => Some(zeros_now((rows, d), dtype, device, "kv_pages")?),
                         };
-                        Ok((zeros_now((rows, width), dtype, device)?, ix))
+                        Ok((zeros_now((rows, width), dtype, device, "kv_pages")?, ix))
                     })
                     .collect::<Result<_>>()?,
             },
@@ -159,7 +159,7 @@ impl KvPool {
                                 format!("{pages} pages do not fit in memory's address space"),
                             ));
                         }
-                        let z = || zeros_now((hkv, rows, d), dtype, device);
+                        let z = || zeros_now((hkv, rows, d), dtype, device, "kv_pages");
                         Ok((z()?, z()?))
                     })
                     .collect::<Result<_>>()?,
@@ -403,12 +403,15 @@ impl KvPool {
     }
 }
 
-/// [`fp8nsa_ops::zeros_committed`] for a KV pool: the memory taken and written when the pool
-/// is made, a typed error naming `kv_pages` where it cannot be had.
-pub(crate) fn zeros_now(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
-    Ok(fp8nsa_ops::zeros_committed(
-        shape, dtype, device, "kv_pages",
-    )?)
+/// [`fp8nsa_ops::zeros_committed`] for a KV pool or cache: the memory taken and written when it
+/// is made, a typed error naming `arg` where the allocator refuses it.
+pub(crate) fn zeros_now(
+    shape: impl Into<Shape>,
+    dtype: DType,
+    device: &Device,
+    arg: &'static str,
+) -> Result<Tensor> {
+    Ok(fp8nsa_ops::zeros_committed(shape, dtype, device, arg)?)
 }
 
 /// One sequence's KV in a [`KvPool`]: its pages (in every layer) and how many tokens they

@@ -146,15 +146,6 @@ impl Shards {
         self.index.keys()
     }
 
-    /// The file name of the shard that holds `e`.
-    pub(crate) fn file_name(&self, e: &Entry) -> &str {
-        self.files[e.shard]
-            .path
-            .file_name()
-            .and_then(|f| f.to_str())
-            .unwrap_or("")
-    }
-
     pub(crate) fn entry(&self, name: &str) -> Option<&Entry> {
         self.index.get(name)
     }

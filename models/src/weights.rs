@@ -368,26 +368,7 @@ impl Weights {
                     .collect();
             }
         }
-        let (files, weight_map) = shard_files(dir)?;
-        let shards = Shards::open(&files)?;
-        // the index and the shards must agree: a tensor it lists that no shard holds, or
-        // holds elsewhere, is a broken or half-replaced download, refused now rather than at
-        // whichever layer first reads it
-        if let Some(map) = weight_map {
-            let index = dir.join("model.safetensors.index.json");
-            for (tensor, shard) in map {
-                let held = shards.entry(&tensor).map(|e| shards.file_name(e));
-                if held != Some(shard.as_str()) {
-                    return Err(file_err(
-                        &index,
-                        match held {
-                            None => format!("{tensor}: listed in {shard}, which does not hold it"),
-                            Some(h) => format!("{tensor}: listed in {shard}, but held by {h}"),
-                        },
-                    ));
-                }
-            }
-        }
+        let shards = Shards::open(&shard_files(dir)?)?;
         let scale_name = |name: &str| format!("{name}_scale_inv");
         for name in shards.names() {
             let e = shards.entry(name).expect("a listed name");
@@ -505,16 +486,14 @@ impl Weights {
     }
 }
 
-/// The index's `weight_map`: each tensor with the shard it names.
-type WeightMap = Vec<(String, String)>;
-
 /// The shards of a checkpoint directory: those `model.safetensors.index.json` names (its
-/// `weight_map`, returned too) when there is an index, so a stale extra shard beside them is
-/// not loaded; every `*.safetensors` otherwise. A shard named in the index must be a file of
-/// the directory itself (no separators, no `..`).
-fn shard_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<WeightMap>)> {
+/// `weight_map`) when there is an index, so a stale extra shard beside them is not loaded;
+/// every `*.safetensors` otherwise. A shard named in the index must be a file of the
+/// directory itself (no separators, no `..`). A tensor the index lists but its shard does not
+/// hold is not an error here (published repositories ship such indexes, and other loaders
+/// take them): it is `MissingTensor` if and when a layer asks for it.
+fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
-    let mut weight_map = None;
     let mut files: Vec<PathBuf> = if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(|e| file_err(&index, e))?;
         let json: serde_json::Value =
@@ -523,7 +502,6 @@ fn shard_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<WeightMap>)> {
             .as_object()
             .ok_or_else(|| file_err(&index, "no weight_map object"))?;
         let mut names: Vec<&str> = Vec::with_capacity(map.len());
-        let mut listed = Vec::with_capacity(map.len());
         for (tensor, shard) in map {
             let shard = shard
                 .as_str()
@@ -538,9 +516,7 @@ fn shard_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<WeightMap>)> {
                 ));
             }
             names.push(shard);
-            listed.push((tensor.clone(), shard.to_string()));
         }
-        weight_map = Some(listed);
         names.sort_unstable();
         names.dedup();
         names.into_iter().map(|n| dir.join(n)).collect()
@@ -555,7 +531,7 @@ fn shard_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<WeightMap>)> {
     if files.is_empty() {
         return Err(file_err(dir, "no .safetensors file"));
     }
-    Ok((files, weight_map))
+    Ok(files)
 }
 
 /// GGUF (llama.cpp) tensor names to Hugging Face ones.

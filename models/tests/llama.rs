@@ -619,27 +619,6 @@ fn sharded_checkpoints_follow_their_index() {
             "{bad}: {e}"
         );
     }
-    // an index that disagrees with its shards: a tensor listed in a shard that does not hold
-    // it (held by another), or that no shard holds
-    let j = serde_json::json!({"weight_map": {
-        "a.weight": "model-00002-of-00002.safetensors",
-        "b.weight": "model-00001-of-00002.safetensors"}});
-    std::fs::write(dir.join("model.safetensors.index.json"), j.to_string()).unwrap();
-    let e = Weights::load_hf_dir(&dir).unwrap_err();
-    assert!(
-        matches!(&e, Error::File { msg, .. } if msg.contains("a.weight: listed in model-00002-of-00002.safetensors, but held by model-00001-of-00002.safetensors")),
-        "{e}"
-    );
-    let j = serde_json::json!({"weight_map": {
-        "a.weight": "model-00001-of-00002.safetensors",
-        "b.weight": "model-00002-of-00002.safetensors",
-        "c.weight": "model-00002-of-00002.safetensors"}});
-    std::fs::write(dir.join("model.safetensors.index.json"), j.to_string()).unwrap();
-    let e = Weights::load_hf_dir(&dir).unwrap_err();
-    assert!(
-        matches!(&e, Error::File { msg, .. } if msg.contains("c.weight: listed in model-00002-of-00002.safetensors, which does not hold it")),
-        "{e}"
-    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

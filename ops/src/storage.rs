@@ -197,7 +197,9 @@ pub fn advise_huge_pages(t: &candle_core::Tensor) -> bool {
 }
 
 /// Zeros whose memory is taken and written now, or [`Error::Invalid`] naming `arg` where the
-/// allocator cannot give it (never an abort). On the CPU a zeroed allocation is otherwise
+/// allocator refuses it (instead of the abort a refused allocation is otherwise; under Linux's
+/// overcommit, memory it grants but the machine cannot back still meets the OOM killer while
+/// it is written). On the CPU a zeroed allocation is otherwise
 /// mapped lazily, each page faulting on its first write: in a KV pool, inside the decode step
 /// that first reaches it (16 sequences decoding into fresh pages: ~0.5 ms a step on SmolLM2,
 /// Zen 4). A pool is committed when it is made, as llama.cpp clears its cache when it makes it;
@@ -246,4 +248,35 @@ pub fn zeros_committed(
         DType::BF16 => Tensor::from_vec(written(n, half::bf16::ZERO, arg)?, shape, device)?,
         _ => Tensor::zeros(shape, dtype, device)?,
     })
+}
+
+/// Candle's zeros (on the CPU mapped lazily, each page on its first write), after checking that
+/// the allocator can reserve that much: a size it refuses is [`Error::Invalid`] naming `arg`
+/// instead of an abort inside Candle. For pools that fill slowly (NSA's compressed rows), where
+/// committing every page up front would take memory a server may never use.
+pub(crate) fn zeros_checked(
+    shape: impl Into<candle_core::Shape>,
+    dtype: candle_core::DType,
+    device: &candle_core::Device,
+    arg: &'static str,
+) -> Result<candle_core::Tensor> {
+    let shape = shape.into();
+    if device.is_cpu() {
+        let n = shape.elem_count();
+        let refused = || {
+            invalid(
+                arg,
+                format!(
+                    "{n} elements of {}: the allocator cannot give that much memory",
+                    dtype.size_in_bytes()
+                ),
+            )
+        };
+        let bytes = n.checked_mul(dtype.size_in_bytes()).ok_or_else(refused)?;
+        // a reservation only (no page is touched), given back at once
+        Vec::<u8>::new()
+            .try_reserve_exact(bytes)
+            .map_err(|_| refused())?;
+    }
+    Ok(candle_core::Tensor::zeros(shape, dtype, device)?)
 }

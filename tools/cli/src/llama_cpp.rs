@@ -30,18 +30,27 @@ pub struct PeerRow {
 }
 
 /// The name the requantized copies of `gguf` get in the cache: the file name without `.gguf`
-/// and without its last dotted part, which names the source's format
-/// (`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`).
+/// and without a last dotted part that names a llama.cpp weight format (`Q4_1`, `Q8_0`,
+/// `F16`, `BF16`, `IQ4_XS`, ...), as `benches/peers/llama-cpp.sh` names them.
 ///
 /// ```
 /// use fp8nsa_cli::llama_cpp::model_base;
-/// assert_eq!(model_base("a/SmolLM2-135M-Instruct.Q4_1.gguf".as_ref()).as_deref(), Some("SmolLM2-135M-Instruct"));
-/// assert_eq!(model_base("plain.gguf".as_ref()).as_deref(), Some("plain"));
+/// let base = |p: &str| model_base(p.as_ref());
+/// assert_eq!(base("a/SmolLM2-135M-Instruct.Q4_1.gguf").as_deref(), Some("SmolLM2-135M-Instruct"));
+/// assert_eq!(base("Qwen2.5-0.5B.gguf").as_deref(), Some("Qwen2.5-0.5B")); // a version, kept
+/// assert_eq!(base("llama-1b.F16.gguf").as_deref(), Some("llama-1b"));
 /// ```
 pub fn model_base(gguf: &Path) -> Option<String> {
     let stem = gguf.file_name()?.to_str()?.strip_suffix(".gguf")?;
+    let is_format = |t: &str| {
+        let u = t.to_ascii_uppercase();
+        ["Q", "IQ", "TQ", "F", "BF"].iter().any(|p| {
+            u.strip_prefix(p)
+                .is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()))
+        })
+    };
     Some(match stem.rsplit_once('.') {
-        Some((base, _)) if !base.is_empty() => base.to_string(),
+        Some((base, fmt)) if !base.is_empty() && is_format(fmt) => base.to_string(),
         _ => stem.to_string(),
     })
 }

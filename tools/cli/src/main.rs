@@ -430,7 +430,8 @@ fn llama_cpp_rows(gguf: Option<&std::path::Path>, prefill: usize, decode: usize)
         );
         return;
     };
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // the threads our kernels ran on (rayon's pool, which RAYON_NUM_THREADS sets)
+    let threads = rayon::current_num_threads();
     eprintln!(
         "timing llama.cpp ({}) with {threads} threads: {}",
         peer.bench.display(),

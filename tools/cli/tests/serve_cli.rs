@@ -19,7 +19,7 @@ fn sigterm_lets_a_streamed_answer_finish_and_exits_cleanly() {
     ) else {
         return;
     };
-    let mut child = Command::new(env!("CARGO_BIN_EXE_fp8nsa"))
+    let child = Command::new(env!("CARGO_BIN_EXE_fp8nsa"))
         .arg("serve")
         .arg("--gguf")
         .arg(&gguf)
@@ -29,26 +29,32 @@ fn sigterm_lets_a_streamed_answer_finish_and_exits_cleanly() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // the startup line names the address the OS gave port 0
-    let mut err = BufReader::new(child.stderr.take().unwrap());
-    let t0 = Instant::now();
+    // killed and reaped on any early return or failed assertion
+    let mut child = Reaped(child);
+    // stderr read on the side, line by line, so that the server never blocks on a full pipe
+    // and a server that hangs before listening fails the test instead of hanging it
+    let err = child.0.stderr.take().unwrap();
+    let (tx, lines) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(err).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut log = String::new();
     let addr = loop {
-        let mut line = String::new();
-        assert!(
-            err.read_line(&mut line).unwrap() > 0,
-            "the server exited before listening"
-        );
+        let line = lines
+            .recv_timeout(Duration::from_secs(120))
+            .expect("no startup line within 120 s (or the server exited)");
+        log += &line;
+        log.push('\n');
+        // the startup line names the address the OS gave port 0
         if let Some(rest) = line.split("listening on http://").nth(1) {
             break rest.split_whitespace().next().unwrap().to_string();
         }
-        assert!(t0.elapsed() < Duration::from_secs(120), "no startup line");
     };
-    // the rest of stderr, read on the side so the server never blocks on a full pipe
-    let log = std::thread::spawn(move || {
-        let mut rest = String::new();
-        let _ = err.read_to_string(&mut rest);
-        rest
-    });
 
     let mut s = TcpStream::connect(&addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
@@ -73,7 +79,7 @@ fn sigterm_lets_a_streamed_answer_finish_and_exits_cleanly() {
         );
         got.extend_from_slice(&buf[..n]);
     }
-    let pid = libc::pid_t::try_from(child.id()).unwrap();
+    let pid = libc::pid_t::try_from(child.0.id()).unwrap();
     // SAFETY: kill(2) with a valid signal number on our own child process; no memory is shared
     assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
     s.read_to_end(&mut got).unwrap();
@@ -83,16 +89,28 @@ fn sigterm_lets_a_streamed_answer_finish_and_exits_cleanly() {
 
     let t1 = Instant::now();
     let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
+        if let Some(st) = child.0.try_wait().unwrap() {
             break st;
         }
-        if t1.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            panic!("the server did not exit within 60 s of SIGTERM");
-        }
+        assert!(
+            t1.elapsed() < Duration::from_secs(60),
+            "the server did not exit within 60 s of SIGTERM"
+        );
         std::thread::sleep(Duration::from_millis(50));
     };
-    let log = log.join().unwrap();
+    reader.join().unwrap();
+    log.extend(lines.try_iter().map(|l| l + "\n"));
     assert!(status.success(), "{status:?}: {log}");
     assert!(log.contains("shutting down"), "{log}");
+}
+
+/// A child process killed and waited for when dropped (a test that fails midway leaves no
+/// server running).
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }

@@ -198,8 +198,37 @@ fn non_finite_field(body: &[u8], e: &serde_json::Error) -> Option<&'static str> 
     {
         return None;
     }
-    let key = text[..colon].trim_end().strip_suffix('"')?;
-    let key = &key[key.rfind('"')? + 1..];
+    // the key: the last string before the colon, which must sit in the top-level object (a
+    // nested object's field of the same name is not the request's)
+    let (mut depth, mut in_str, mut escaped) = (0usize, false, false);
+    let mut last = (0, 0);
+    for (i, c) in text[..colon].char_indices() {
+        if in_str {
+            match (escaped, c) {
+                (true, _) => escaped = false,
+                (false, '\\') => escaped = true,
+                (false, '"') => {
+                    in_str = false;
+                    last.1 = i;
+                }
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            '"' => {
+                in_str = true;
+                last = (i + 1, i + 1);
+            }
+            '{' | '[' => depth += 1,
+            '}' | ']' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    if depth != 1 || in_str || text[last.1..colon].trim() != "\"" {
+        return None;
+    }
+    let key = &text[last.0..last.1];
     NUMERIC.into_iter().find(|k| *k == key)
 }
 

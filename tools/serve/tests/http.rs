@@ -475,12 +475,24 @@ async fn bad_input_gets_its_status_and_names_its_field() {
     // a bare NaN or Infinity (Python's json.dumps writes them; they are not JSON) names its
     // field like any other bad number
     for (raw, field) in [
-        ("{\"prompt\": \"a\", \"temperature\": NaN}", "temperature"),
-        ("{\"prompt\": \"a\",\n \"top_p\" : Infinity }", "top_p"),
         (
-            "{\"top_p\": 1, \"temperature\": -Infinity, \"prompt\": \"a\"}",
-            "temperature",
+            r#"{"prompt": "a", "temperature": NaN}"#,
+            json!("temperature"),
         ),
+        (
+            "{\"prompt\": \"a\",\n \"top_p\" : Infinity }",
+            json!("top_p"),
+        ),
+        (
+            r#"{"top_p": 1, "temperature": -Infinity, "prompt": "a"}"#,
+            json!("temperature"),
+        ),
+        // not the request's field: one of a nested object, and a key that only ends in one
+        (
+            r#"{"prompt": "a", "logit_bias": {"seed": NaN}}"#,
+            Value::Null,
+        ),
+        (r#"{"prompt": "a", "x\"temperature": NaN}"#, Value::Null),
     ] {
         let r = c.post(&cmp).body(raw).send().await.unwrap();
         assert_eq!(r.status(), 400, "{raw}");

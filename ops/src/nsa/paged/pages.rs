@@ -67,10 +67,10 @@ impl NsaPages {
                 )
             })?;
         }
-        // taken now, an error (not an abort) where the memory cannot be had
-        let z = |arg, p, d, dt| {
-            crate::storage::zeros_committed((p, page_size, hkv, d), dt, device, arg)
-        };
+        // mapped as they fill (the compressed pools fill `compress_stride` times slower); a size
+        // the allocator refuses is an error, not an abort
+        let z =
+            |arg, p, d, dt| crate::storage::zeros_checked((p, page_size, hkv, d), dt, device, arg);
         Ok(Self {
             k: z("raw_pages", raw_pages, d, dtype)?,
             v: z("raw_pages", raw_pages, dv, dtype)?,
@@ -111,7 +111,7 @@ impl NsaPages {
                 .checked_add(add)
                 .filter(|&n| pool_bytes(n, ps, h, d, t.dtype().size_in_bytes()).is_some())
                 .ok_or_else(|| invalid("pages", format!("cannot grow {p} pages by {add}")))?;
-            let out = Tensor::zeros((n, ps, h, d), t.dtype(), t.device())?;
+            let out = crate::storage::zeros_checked((n, ps, h, d), t.dtype(), t.device(), "pages")?;
             out.slice_set(t, 0, 0)?;
             Ok(out)
         };
