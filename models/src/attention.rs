@@ -258,8 +258,12 @@ impl KvBuf {
             // twice what is needed: a prompt's first decode step does not grow it again
             let rows = need.saturating_mul(2).max(64);
             let grow = |old: Option<&Tensor>, w: usize| -> Result<Tensor> {
-                let buf =
-                    crate::paged::zeros_now((b, hkv, rows, w), self.dtype, k.device(), "cache")?;
+                let buf = fp8nsa_ops::zeros_committed(
+                    (b, hkv, rows, w),
+                    self.dtype,
+                    k.device(),
+                    "cache",
+                )?;
                 if let Some(old) = old {
                     buf.slice_set(&old.narrow(2, 0, self.len)?.contiguous()?, 2, 0)?;
                 }

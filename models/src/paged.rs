@@ -9,7 +9,7 @@
 //! attention does, one allocator and page ids shared by every layer, each page holding rows of
 //! the latent `[c | k_pe]` (and V3.2's index keys) instead of per-head keys and values.
 
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{DType, Device, Tensor};
 use fp8nsa_ops::nsa::{NsaPages, NsaPool, NsaSeqState, PagePool, SharedAllocator};
 
 use crate::error::{invalid, Error, Result};
@@ -125,9 +125,17 @@ impl KvPool {
                         }
                         let ix = match index {
                             0 => None,
-                            d => Some(zeros_now((rows, d), dtype, device, "kv_pages")?),
+                            d => Some(fp8nsa_ops::zeros_committed(
+                                (rows, d),
+                                dtype,
+                                device,
+                                "kv_pages",
+                            )?),
                         };
-                        Ok((zeros_now((rows, width), dtype, device, "kv_pages")?, ix))
+                        Ok((
+                            fp8nsa_ops::zeros_committed((rows, width), dtype, device, "kv_pages")?,
+                            ix,
+                        ))
                     })
                     .collect::<Result<_>>()?,
             },
@@ -159,7 +167,9 @@ impl KvPool {
                                 format!("{pages} pages do not fit in memory's address space"),
                             ));
                         }
-                        let z = || zeros_now((hkv, rows, d), dtype, device, "kv_pages");
+                        let z = || {
+                            fp8nsa_ops::zeros_committed((hkv, rows, d), dtype, device, "kv_pages")
+                        };
                         Ok((z()?, z()?))
                     })
                     .collect::<Result<_>>()?,
@@ -401,17 +411,6 @@ impl KvPool {
             _ => Err(invalid("kv", "the pool was not made for dense attention")),
         }
     }
-}
-
-/// [`fp8nsa_ops::zeros_committed`] for a KV pool or cache: the memory taken and written when it
-/// is made, a typed error naming `arg` where the allocator refuses it.
-pub(crate) fn zeros_now(
-    shape: impl Into<Shape>,
-    dtype: DType,
-    device: &Device,
-    arg: &'static str,
-) -> Result<Tensor> {
-    Ok(fp8nsa_ops::zeros_committed(shape, dtype, device, arg)?)
 }
 
 /// One sequence's KV in a [`KvPool`]: its pages (in every layer) and how many tokens they

@@ -225,15 +225,8 @@ pub fn zeros_committed(
     use candle_core::{DType, Tensor};
     fn written<T: Clone>(n: usize, zero: T, arg: &'static str) -> Result<Vec<T>> {
         let mut v = Vec::new();
-        v.try_reserve_exact(n).map_err(|_| {
-            invalid(
-                arg,
-                format!(
-                    "{n} elements of {} bytes: the allocator cannot give that much memory",
-                    std::mem::size_of::<T>()
-                ),
-            )
-        })?;
+        v.try_reserve_exact(n)
+            .map_err(|_| refused(arg, n, std::mem::size_of::<T>()))?;
         v.resize(n, zero);
         Ok(v)
     }
@@ -262,21 +255,20 @@ pub(crate) fn zeros_checked(
 ) -> Result<candle_core::Tensor> {
     let shape = shape.into();
     if device.is_cpu() {
-        let n = shape.elem_count();
-        let refused = || {
-            invalid(
-                arg,
-                format!(
-                    "{n} elements of {}: the allocator cannot give that much memory",
-                    dtype.size_in_bytes()
-                ),
-            )
-        };
-        let bytes = n.checked_mul(dtype.size_in_bytes()).ok_or_else(refused)?;
+        let (n, size) = (shape.elem_count(), dtype.size_in_bytes());
+        let bytes = n.checked_mul(size).ok_or_else(|| refused(arg, n, size))?;
         // a reservation only (no page is touched), given back at once
         Vec::<u8>::new()
             .try_reserve_exact(bytes)
-            .map_err(|_| refused())?;
+            .map_err(|_| refused(arg, n, size))?;
     }
     Ok(candle_core::Tensor::zeros(shape, dtype, device)?)
+}
+
+/// The error of a zeros call for `n` elements of `size` bytes that the allocator refused.
+fn refused(arg: &'static str, n: usize, size: usize) -> Error {
+    invalid(
+        arg,
+        format!("{n} elements of {size} bytes: the allocator cannot give that much memory"),
+    )
 }

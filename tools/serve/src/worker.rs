@@ -58,11 +58,7 @@ pub(crate) fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: Arc<Metrics>) 
             .map(|(&id, _)| id)
             .collect();
         for id in gone {
-            engine.cancel(id);
-            subs.remove(&id);
-            metrics
-                .requests_cancelled
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            cancel_gone(&mut engine, &mut subs, &metrics, id);
         }
         if engine.has_work() {
             match std::panic::catch_unwind(AssertUnwindSafe(|| engine.step())) {
@@ -168,12 +164,23 @@ fn dispatch(
     };
     if tx.send(e).is_err() {
         // nobody listens: the client disconnected
-        engine.cancel(id);
-        subs.remove(&id);
-        metrics
-            .requests_cancelled
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        cancel_gone(engine, subs, metrics, id);
     } else if last {
         subs.remove(&id);
     }
+}
+
+/// Drops request `id`, whose client disconnected: its sequence and pages go, it is counted as
+/// cancelled.
+fn cancel_gone(
+    engine: &mut Engine,
+    subs: &mut HashMap<u64, mpsc::UnboundedSender<Event>>,
+    metrics: &Metrics,
+    id: u64,
+) {
+    engine.cancel(id);
+    subs.remove(&id);
+    metrics
+        .requests_cancelled
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
